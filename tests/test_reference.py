@@ -1,0 +1,67 @@
+"""The reference math itself: exact mode is autograd's gradient, contract mode is the
+contract's formula."""
+import pytest
+import torch
+
+from vitattn_bwd import reference
+from vitattn_bwd.module import attention_block_forward
+from vitattn_bwd.workloads import OUTPUT_NAMES
+
+from .helpers import plain_block_forward
+
+
+def _block_params(E, dtype=torch.float64):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(*shape, dtype=dtype, generator=g) * s
+            for shape, s in (((E,), 1.0), ((E,), 0.1), ((3 * E, E), E ** -0.5),
+                             ((3 * E,), 0.1), ((E, E), E ** -0.5), ((E,), 0.1))]
+
+
+@pytest.mark.parametrize("B,S,E,H", [(2, 7, 16, 2), (1, 13, 32, 4), (3, 5, 24, 3)])
+def test_exact_mode_equals_autograd_of_plain_block(B, S, E, H):
+    params = [p.requires_grad_() for p in _block_params(E)]
+    x = torch.randn(B, S, E, dtype=torch.float64, requires_grad=True)
+    y = plain_block_forward(x, *params, num_heads=H, eps=1e-5)
+    grad_y = torch.randn_like(y)
+    autograd = torch.autograd.grad(y, [x, *params], grad_y)
+
+    _, saved, scale = attention_block_forward(x.detach(), *[p.detach() for p in params],
+                                              num_heads=H, eps=1e-5)
+    (x_, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v, P, attn, out_weight) = saved
+    grads = dict(zip(OUTPUT_NAMES, reference.attention_block_backward(
+        grad_y, x_, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v, P, attn,
+        out_weight, scale, 1e-5, num_heads=H, ln_grad="exact")))
+    expected = dict(zip(("grad_x", "grad_ln_weight", "grad_ln_bias", "grad_qkv_weight",
+                         "grad_qkv_bias", "grad_out_weight", "grad_out_bias"), autograd))
+    for name, want in expected.items():
+        torch.testing.assert_close(grads[name], want, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_contract_mode_follows_the_contract_formula():
+    """grad_x = grad_output + (gh - mean(gh)) / std - xhat * mean(gh * xhat), written out
+    independently; the other six outputs equal exact mode's."""
+    g = torch.Generator().manual_seed(2)
+    B, S, E = 2, 5, 8
+    grad_output, grad_x_norm, x = (torch.randn(B, S, E, dtype=torch.float64, generator=g)
+                                   for _ in range(3))
+    x_mean = torch.randn(B, S, 1, dtype=torch.float64, generator=g)
+    x_var = torch.rand(B, S, 1, dtype=torch.float64, generator=g) + 0.1
+    ln_weight = torch.randn(E, dtype=torch.float64, generator=g)
+    std = (x_var + 1e-5).sqrt()
+    xhat = (x - x_mean) / std
+    gh = grad_x_norm * ln_weight
+    want = grad_output + (gh - gh.mean(-1, keepdim=True)) / std \
+        - xhat * (gh * xhat).mean(-1, keepdim=True)
+    got, _, _ = reference.layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var,
+                                              ln_weight, 1e-5, "contract")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    exact, _, _ = reference.layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var,
+                                                ln_weight, 1e-5, "exact")
+    assert (exact - got).abs().max() > 1e-3          # the two modes really differ
+
+
+def test_unknown_ln_grad_mode_is_rejected():
+    t = torch.zeros(1, 1, 2)
+    with pytest.raises(ValueError, match="ln_grad"):
+        reference.layer_norm_backward(t, t, t, t[..., :1], t[..., :1] + 1, torch.ones(2),
+                                      1e-5, "approx")

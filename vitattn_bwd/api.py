@@ -1,0 +1,108 @@
+"""The public backward: argument checks, then the compiled graph (graph.py)."""
+import math
+from typing import NamedTuple
+
+import torch
+
+from .graph import compiled_backward
+from .reference import LN_GRAD_MODES
+
+
+class BlockGrads(NamedTuple):
+    grad_x: torch.Tensor            # [B,S,E]
+    grad_qkv_weight: torch.Tensor   # [3E,E]
+    grad_qkv_bias: torch.Tensor     # [3E]
+    grad_out_weight: torch.Tensor   # [E,E]
+    grad_out_bias: torch.Tensor     # [E]
+    grad_ln_weight: torch.Tensor    # [E]
+    grad_ln_bias: torch.Tensor      # [E]
+
+
+# name -> expected shape, in terms of B, S, E, H, D
+TENSOR_SHAPES = {
+    "grad_output": ("B", "S", "E"),
+    "x": ("B", "S", "E"),
+    "x_mean": ("B", "S", 1),
+    "x_var": ("B", "S", 1),
+    "x_norm": ("B", "S", "E"),
+    "ln_weight": ("E",),
+    "qkv_weight": ("3E", "E"),
+    "q": ("B", "H", "S", "D"),
+    "k": ("B", "H", "S", "D"),
+    "v": ("B", "H", "S", "D"),
+    "attn_weights": ("B", "H", "S", "S"),
+    "attn_output": ("B", "S", "E"),
+    "out_weight": ("E", "E"),
+}
+
+
+def validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad, check_finite=False):
+    """Raise TypeError/ValueError naming the offending argument; return the tensors made
+    contiguous (a copy only where an input was not) and detached."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ln_grad not in LN_GRAD_MODES:
+        raise ValueError(f"ln_grad must be one of {LN_GRAD_MODES}, got {ln_grad!r}")
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    for name, value in (("scale", scale), ("norm_eps", norm_eps)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")
+    if norm_eps < 0:
+        raise ValueError(f"norm_eps must be >= 0, got {norm_eps}")
+
+    x = tensors["x"]
+    device, dtype = x.device, x.dtype
+    allowed = (torch.float32,) if device.type == "cuda" else (torch.float32, torch.float64)
+    if dtype not in allowed:
+        raise TypeError(f"x must be one of {allowed} on {device.type}, got {dtype}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be [B, S, E], got shape {tuple(x.shape)}")
+    B, S, E = x.shape
+    if E % num_heads:
+        raise ValueError(f"x's embed dim {E} is not divisible by num_heads={num_heads}")
+    dims = {"B": B, "S": S, "E": E, "3E": 3 * E, "H": num_heads, "D": E // num_heads}
+    if min(B, S) < 1:
+        raise ValueError(f"x must have batch and sequence length >= 1, got {tuple(x.shape)}")
+
+    checked = {}
+    for name, t in tensors.items():
+        want = tuple(dims[d] if isinstance(d, str) else d for d in TENSOR_SHAPES[name])
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must have shape {want} "
+                             f"({'x'.join(map(str, TENSOR_SHAPES[name]))}), got {tuple(t.shape)}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, but x has {dtype}; all inputs "
+                            "must share one dtype")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, but x is on {device}; all inputs "
+                             "must be on one device")
+        if check_finite and not torch.isfinite(t).all():
+            raise ValueError(f"{name} contains NaN or Inf")
+        checked[name] = t.detach().contiguous()
+    return checked
+
+
+def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight,
+                             q, k, v, attn_weights, attn_output, out_weight, scale, norm_eps,
+                             *, num_heads=16, ln_grad="exact", check_finite=False):
+    """Backward of a pre-LayerNorm ViT attention block (see README for the forward).
+
+    Shapes: grad_output, x, x_norm, attn_output [B,S,E]; x_mean, x_var [B,S,1] (biased
+    variance); ln_weight [E]; qkv_weight [3E,E]; q, k, v [B,H,S,D] (head-major);
+    attn_weights [B,H,S,S] (softmax output); out_weight [E,E]. float32 (float64 on CPU).
+    Non-contiguous inputs are copied once. Inputs are never modified.
+
+    ln_grad="exact" is the true LayerNorm gradient; "contract" is the benchmark's formula.
+    NaN/Inf inputs propagate to the outputs like in the eager math; check_finite=True
+    rejects them with a ValueError instead (one extra pass over every input).
+    """
+    tensors = dict(grad_output=grad_output, x=x, x_mean=x_mean, x_var=x_var, x_norm=x_norm,
+                   ln_weight=ln_weight, qkv_weight=qkv_weight, q=q, k=k, v=v,
+                   attn_weights=attn_weights, attn_output=attn_output, out_weight=out_weight)
+    inputs = validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad, check_finite)
+    return BlockGrads(*compiled_backward(inputs, scale=scale, norm_eps=norm_eps,
+                                         ln_grad=ln_grad))

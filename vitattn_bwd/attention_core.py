@@ -1,0 +1,98 @@
+"""The attention core of the backward as two custom operators.
+
+    softmax_bwd_rows(P, grad_attn, k, v, scale) -> grad_q [B,S,E], delta [B,H,S]
+    softmax_bwd_cols(P, grad_attn, q, v, delta, scale) -> grad_kv [B,S,2E] (= [dK | dV])
+
+P is [B,H,S,S]; grad_attn (the out-projection gradient) is [B,S,E] with heads merged;
+q, k, v are [B,H,S,D]. The outputs come with heads merged, ready for the QKV projection.
+
+Eagerly they run the Triton kernels on CUDA and the same two-pass math in PyTorch on
+other devices. Under torch.compile on CUDA, vitattn_bwd.inductor lowers them to Triton
+templates that max-autotune tunes; elsewhere Inductor calls the eager implementation.
+"""
+import torch
+
+from .reference import merge_heads, split_heads
+
+# Tile sizes of the eager CUDA launch (the compiled path autotunes its own).
+EAGER_BLOCK_M = 64
+EAGER_BLOCK_N = 64
+SUPPORTED_TRITON_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def _rows_math(attn_weights, grad_attn, k, v, scale):
+    num_heads = attn_weights.shape[1]
+    grad_attn = split_heads(grad_attn, num_heads)                          # [B,H,S,D]
+    p_grad_p = attn_weights * (grad_attn @ v.transpose(-1, -2))            # [B,H,S,S]
+    delta = p_grad_p.sum(-1)                                               # [B,H,S]
+    grad_q = (p_grad_p @ k - delta.unsqueeze(-1) * (attn_weights @ k)) * scale
+    return merge_heads(grad_q), delta
+
+
+def _cols_math(attn_weights, grad_attn, q, v, delta, scale):
+    num_heads = attn_weights.shape[1]
+    grad_attn = split_heads(grad_attn, num_heads)                          # [B,H,S,D]
+    grad_v = attn_weights.transpose(-1, -2) @ grad_attn
+    grad_s = attn_weights * (grad_attn @ v.transpose(-1, -2) - delta.unsqueeze(-1))
+    grad_k = (grad_s.transpose(-1, -2) @ q) * scale
+    return torch.cat([merge_heads(grad_k), merge_heads(grad_v)], dim=-1)   # [B,S,2E]
+
+
+def launch_rows(attn_weights, grad_attn, k, v, scale, block_m=EAGER_BLOCK_M,
+                block_n=EAGER_BLOCK_N):
+    """Run the rows kernel on any tensors Triton can reach (CUDA, or CPU when
+    TRITON_INTERPRET=1)."""
+    from .kernels.softmax_bwd import softmax_bwd_rows_kernel
+    B, H, S, D = k.shape
+    grad_q = torch.empty(B, S, H * D, device=k.device, dtype=torch.float32)
+    delta = torch.empty(B, H, S, device=k.device, dtype=torch.float32)
+    grid = (-(-S // block_m), B * H)
+    softmax_bwd_rows_kernel[grid](attn_weights, grad_attn, k, v, grad_q, delta, scale,
+                                  SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=block_m,
+                                  BLOCK_N=block_n)
+    return grad_q, delta
+
+
+def launch_cols(attn_weights, grad_attn, q, v, delta, scale, block_m=EAGER_BLOCK_M,
+                block_n=EAGER_BLOCK_N):
+    """Run the cols kernel (see launch_rows)."""
+    from .kernels.softmax_bwd import softmax_bwd_cols_kernel
+    B, H, S, D = q.shape
+    grad_kv = torch.empty(B, S, 2 * H * D, device=q.device, dtype=torch.float32)
+    grid = (-(-S // block_n), B * H)
+    softmax_bwd_cols_kernel[grid](attn_weights, grad_attn, q, v, delta, grad_kv, scale,
+                                  SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=block_m,
+                                  BLOCK_N=block_n)
+    return grad_kv
+
+
+def _use_triton(t):
+    return t.is_cuda and t.dtype == torch.float32
+
+
+@torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())
+def softmax_bwd_rows(attn_weights: torch.Tensor, grad_attn: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_triton(k):
+        return launch_rows(attn_weights, grad_attn, k, v, scale)
+    return _rows_math(attn_weights, grad_attn, k, v, scale)
+
+
+@softmax_bwd_rows.register_fake
+def _(attn_weights, grad_attn, k, v, scale):
+    B, H, S, D = k.shape
+    return k.new_empty(B, S, H * D), k.new_empty(B, H, S)
+
+
+@torch.library.custom_op("vitattn_bwd::softmax_bwd_cols", mutates_args=())
+def softmax_bwd_cols(attn_weights: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
+                     v: torch.Tensor, delta: torch.Tensor, scale: float) -> torch.Tensor:
+    if _use_triton(q):
+        return launch_cols(attn_weights, grad_attn, q, v, delta, scale)
+    return _cols_math(attn_weights, grad_attn, q, v, delta, scale)
+
+
+@softmax_bwd_cols.register_fake
+def _(attn_weights, grad_attn, q, v, delta, scale):
+    B, H, S, D = q.shape
+    return q.new_empty(B, S, 2 * H * D)

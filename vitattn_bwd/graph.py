@@ -1,0 +1,118 @@
+"""The backward as explicit PyTorch math, compiled once per configuration by Inductor.
+
+`block_backward` is the graph: cuBLAS-class GEMMs in float32-grade split precision
+(precision.py) around the two attention-core operators (attention_core.py), with the
+bias sums and the LayerNorm backward left to Inductor to fuse. On CUDA it is compiled in
+max-autotune mode, where the attention core becomes our Triton templates (inductor.py);
+on the CPU Inductor emits C++ and the attention core runs its PyTorch math.
+
+`compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
+num_heads, scale, norm_eps, ln_grad, batch == 1). The batch dimension is dynamic, so
+every batch size >= 2 reuses one graph; batch 1 gets a static graph of its own (dynamo
+specializes size-1 dimensions). Exceeding dynamo's recompile limit raises instead of
+silently running eager code.
+"""
+import contextlib
+import functools
+
+import torch
+
+from . import attention_core
+from .precision import matmul_fp32_grade, matmul_tf32, tf32_matmuls
+from .reference import layer_norm_backward
+
+# Batch size that max-autotune tunes the dynamic graph for (the benchmark's mean is 27).
+AUTOTUNE_BATCH_HINT = 32
+# Compiled graphs one process may hold before dynamo raises (one per configuration key).
+MAX_COMPILED_GRAPHS = 64
+
+BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v",
+                  "attn_weights", "attn_output")
+
+
+def block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
+                   attn_weights, attn_output, out_weight, *, scale, norm_eps, ln_grad):
+    """The seven gradients; same math as reference.attention_block_backward."""
+    B, S, E = x.shape
+    rows = B * S
+    grad_rows = grad_output.reshape(rows, E)                                   # [B*S,E]
+
+    # out projection: y = attn_output @ out_weight.T + out_bias (+ x)
+    grad_out_weight = matmul_fp32_grade(grad_rows.t(), attn_output.reshape(rows, E))  # [E,E]
+    grad_out_bias = grad_rows.sum(0)
+    grad_attn = matmul_fp32_grade(grad_rows, out_weight).view(B, S, E)         # [B,S,E]
+
+    # attention core: two passes over P, no S x S intermediate
+    grad_q, delta = attention_core.softmax_bwd_rows(attn_weights, grad_attn, k, v, scale)
+    grad_kv = attention_core.softmax_bwd_cols(attn_weights, grad_attn, q, v, delta, scale)
+    grad_qkv = torch.cat([grad_q, grad_kv], dim=-1).view(rows, 3 * E)         # [B*S,3E]
+
+    # qkv projection: qkv = x_norm @ qkv_weight.T + qkv_bias
+    grad_x_norm = matmul_fp32_grade(grad_qkv, qkv_weight).view(B, S, E)
+    grad_qkv_weight = matmul_tf32(grad_qkv.t(), x_norm.reshape(rows, E))       # [3E,E]
+    grad_qkv_bias = grad_qkv.sum(0)
+
+    grad_x, grad_ln_weight, grad_ln_bias = layer_norm_backward(
+        grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, norm_eps, ln_grad)
+    return (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
+            grad_ln_weight, grad_ln_bias)
+
+
+@functools.cache
+def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
+             batch_is_one):
+    """One torch.compile'd graph; the arguments are the cache key."""
+    del dtype, seq_len, embed_dim, num_heads, batch_is_one    # they key the cache only
+    fn = functools.partial(block_backward, scale=scale, norm_eps=norm_eps, ln_grad=ln_grad)
+    _register_templates(required=device_type == "cuda")
+    mode = "max-autotune" if device_type == "cuda" else None
+    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+def _register_templates(required):
+    """Import inductor.py, which registers the attention-core lowerings. It needs triton;
+    on the CPU without triton, Inductor calls the eager operators instead, as the lowering
+    itself would."""
+    try:
+        from . import inductor  # noqa: F401
+    except ImportError:
+        if required:
+            raise
+
+
+@functools.cache
+def _cache_key_tag():
+    from .inductor import cache_key_tag
+    return cache_key_tag()
+
+
+@contextlib.contextmanager
+def compile_settings(device_type):
+    """Settings every compile and call of our graphs runs under."""
+    tag = _cache_key_tag() if device_type == "cuda" else None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch._dynamo.config.patch(
+            recompile_limit=MAX_COMPILED_GRAPHS,
+            accumulated_recompile_limit=4 * MAX_COMPILED_GRAPHS,
+            fail_on_recompile_limit_hit=True))
+        if tag is not None:
+            stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
+            stack.enter_context(tf32_matmuls())
+        yield
+
+
+@torch.compiler.disable
+def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
+    """Run the compiled graph on a dict of validated tensors. Opaque to an enclosing
+    torch.compile (of a model using VisionAttentionBlock): our graph is compiled on its
+    own, with its own settings, and called from there."""
+    x = inputs["x"]
+    B, S, E = x.shape
+    num_heads = inputs["q"].shape[1]
+    fn = _compile(x.device.type, x.dtype, S, E, num_heads, float(scale), float(norm_eps),
+                  ln_grad, B == 1)
+    if B > 1:
+        for name in BATCHED_INPUTS:
+            torch._dynamo.mark_dynamic(inputs[name], 0, hint_override=AUTOTUNE_BATCH_HINT)
+    with compile_settings(x.device.type):
+        return fn(**inputs)

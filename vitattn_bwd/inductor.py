@@ -1,0 +1,174 @@
+"""Everything that touches Inductor's private API: the attention-core Triton templates,
+their lowerings (so max-autotune weighs their configs), and the cache-key tag.
+
+Checked against torch 2.11 (the GPU machine) and 2.13 (CPU development). Differences
+between versions are handled here and nowhere else:
+  - autotune_select_algorithm returns a node in 2.11 and (node, choice) from 2.12 on.
+
+The templates reuse the device code of kernels/softmax_bwd.py verbatim: each template is
+a thin entry point (program ids, output store) followed by the source of the `*_tile`
+functions, so the kernels tested under TRITON_INTERPRET=1 are the kernels compiled here.
+"""
+import hashlib
+import inspect
+import pathlib
+
+import torch
+from torch._inductor import ir
+from torch._inductor.lowering import empty_strided, fallback_handler, register_lowering
+from torch._inductor.select_algorithm import (SymbolicGridFn, TritonTemplate,
+                                              autotune_select_algorithm)
+from torch._inductor.virtualized import V
+
+from . import attention_core
+from .kernels import softmax_bwd
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) that max-autotune times against each other.
+TILE_CONFIGS = (
+    (64, 64, 4, 2),
+    (64, 64, 4, 3),
+    (64, 32, 4, 3),
+    (32, 64, 4, 3),
+    (128, 64, 8, 2),
+)
+
+_DEVICE_FUNCTIONS = (softmax_bwd.split_bf16, softmax_bwd.dot_bf16x3,
+                     softmax_bwd.softmax_bwd_rows_tile, softmax_bwd.softmax_bwd_cols_tile,
+                     softmax_bwd.join_kv, softmax_bwd.kv_columns)
+
+
+def _device_source():
+    """Source of the shared @triton.jit functions, protected from Jinja."""
+    sources = [inspect.getsource(fn.fn) for fn in _DEVICE_FUNCTIONS]
+    return "{% raw %}\n" + "\n\n".join(sources) + "{% endraw %}\n"
+
+
+# Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, SCALE.
+_ROWS_ENTRY = r'''
+{{def_kernel("P", "GRAD_ATTN", "K", "V", "DELTA")}}
+    batch = tl.program_id(1) // NUM_HEADS
+    head = tl.program_id(1) % NUM_HEADS
+    m_start = tl.program_id(0) * BLOCK_M
+    grad_q, delta = softmax_bwd_rows_tile(P, GRAD_ATTN, K, V, batch, head, m_start, SCALE,
+                                          SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    tl.store(DELTA + tl.program_id(1).to(tl.int64) * SEQ_LEN + offs_m, delta,
+             mask=offs_m < SEQ_LEN)
+    rows = offs_m[:, None]
+    cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    mask = (rows < SEQ_LEN) & (cols < NUM_HEADS * HEAD_DIM)
+    {{store_output(("batch", "rows", "cols"), "grad_q", "mask", val_shape=("BLOCK_M", "HEAD_DIM"))}}
+
+'''
+
+_COLS_ENTRY = r'''
+{{def_kernel("P", "GRAD_ATTN", "Q", "V", "DELTA")}}
+    batch = tl.program_id(1) // NUM_HEADS
+    head = tl.program_id(1) % NUM_HEADS
+    n_start = tl.program_id(0) * BLOCK_N
+    grad_k, grad_v = softmax_bwd_cols_tile(P, GRAD_ATTN, Q, V, DELTA, batch, head, n_start,
+                                           SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
+                                           BLOCK_N)
+    grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)
+    rows = n_start + tl.arange(0, BLOCK_N)[:, None]
+    cols = kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :]
+    mask = (rows < SEQ_LEN) & (cols < 2 * NUM_HEADS * HEAD_DIM)
+    {{store_output(("batch", "rows", "cols"), "grad_kv", "mask", val_shape=("BLOCK_N", "2 * HEAD_DIM"))}}
+
+'''
+
+
+@SymbolicGridFn
+def _rows_grid(batch, num_heads, seq_len, meta, *, cdiv):
+    return (cdiv(seq_len, meta["BLOCK_M"]), batch * num_heads, 1)
+
+
+@SymbolicGridFn
+def _cols_grid(batch, num_heads, seq_len, meta, *, cdiv):
+    return (cdiv(seq_len, meta["BLOCK_N"]), batch * num_heads, 1)
+
+
+ROWS_TEMPLATE = TritonTemplate(name="vitattn_softmax_bwd_rows", grid=_rows_grid,
+                               source=_ROWS_ENTRY + _device_source())
+COLS_TEMPLATE = TritonTemplate(name="vitattn_softmax_bwd_cols", grid=_cols_grid,
+                               source=_COLS_ENTRY + _device_source())
+
+
+def cache_key_tag():
+    """A tag that changes whenever the templates or this lowering change. Inductor's FX
+    graph cache does not hash lowerings, so compiles run under this tag
+    (torch.compiler.config.cache_key_tag)."""
+    here = pathlib.Path(__file__).parent
+    digest = hashlib.sha256()
+    for path in (here / "inductor.py", here / "kernels" / "softmax_bwd.py"):
+        digest.update(path.read_bytes())
+    return "vitattn_bwd-" + digest.hexdigest()[:16]
+
+
+def _node_of(selected):
+    return selected[0] if isinstance(selected, tuple) else selected
+
+
+def _tile_choices(template, input_nodes, layout, mutated_inputs, call_sizes, constexprs):
+    choices = []
+    for block_m, block_n, num_warps, num_stages in TILE_CONFIGS:
+        template.maybe_append_choice(
+            choices, input_nodes=input_nodes, layout=layout, mutated_inputs=mutated_inputs,
+            call_sizes=call_sizes, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, **constexprs)
+    if not choices:
+        raise RuntimeError(f"{template.name}: no template config could be generated")
+    return choices
+
+
+def _template_applies(tensor_node, head_dim):
+    return (tensor_node.get_device().type == "cuda"
+            and tensor_node.get_dtype() == torch.float32
+            and head_dim in attention_core.SUPPORTED_TRITON_HEAD_DIMS)
+
+
+def _prepare(attn_weights, grad_attn, per_head):
+    """Contiguous, realized inputs and the static sizes (batch stays symbolic)."""
+    nodes = [ir.ExternKernel.require_contiguous(t) for t in (attn_weights, grad_attn, *per_head)]
+    batch, num_heads, seq_len, head_dim = per_head[0].get_size()
+    static = [V.graph.sizevars.guard_int(s) for s in (num_heads, seq_len, head_dim)]
+    return nodes, batch, static
+
+
+_ROWS_OP = torch.ops.vitattn_bwd.softmax_bwd_rows.default
+_COLS_OP = torch.ops.vitattn_bwd.softmax_bwd_cols.default
+
+
+@register_lowering(_ROWS_OP, type_promotion_kind=None)
+def _lower_rows(attn_weights, grad_attn, k, v, scale):
+    nodes, batch, (num_heads, seq_len, head_dim) = _prepare(attn_weights, grad_attn, (k, v))
+    if not _template_applies(k, head_dim):
+        return fallback_handler(_ROWS_OP, add_to_fallback_set=False)(
+            attn_weights, grad_attn, k, v, scale)
+    device = k.get_device()
+    delta = empty_strided([batch, num_heads, seq_len], None, dtype=torch.float32,
+                          device=device)                                  # [B,H,S]
+    layout = ir.FixedLayout(device, torch.float32,
+                            [batch, seq_len, num_heads * head_dim])       # [B,S,E]
+    constexprs = dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale)
+    inputs = [*nodes, delta]
+    choices = _tile_choices(ROWS_TEMPLATE, inputs, layout, [delta],
+                            [batch, num_heads, seq_len], constexprs)
+    grad_q = _node_of(autotune_select_algorithm(ROWS_TEMPLATE.name, choices, inputs, layout))
+    return grad_q, delta
+
+
+@register_lowering(_COLS_OP, type_promotion_kind=None)
+def _lower_cols(attn_weights, grad_attn, q, v, delta, scale):
+    nodes, batch, (num_heads, seq_len, head_dim) = _prepare(attn_weights, grad_attn,
+                                                            (q, v))
+    if not _template_applies(q, head_dim):
+        return fallback_handler(_COLS_OP, add_to_fallback_set=False)(
+            attn_weights, grad_attn, q, v, delta, scale)
+    inputs = [*nodes, ir.ExternKernel.require_contiguous(delta)]
+    layout = ir.FixedLayout(q.get_device(), torch.float32,
+                            [batch, seq_len, 2 * num_heads * head_dim])   # [B,S,2E]
+    constexprs = dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale)
+    choices = _tile_choices(COLS_TEMPLATE, inputs, layout, None,
+                            [batch, num_heads, seq_len], constexprs)
+    return _node_of(autotune_select_algorithm(COLS_TEMPLATE.name, choices, inputs, layout))

@@ -1,0 +1,1 @@
+"""Triton kernels (device code and their thin launchers). Importing this needs triton."""
