@@ -67,7 +67,10 @@ def launch_cols(attn_weights, grad_attn, q, v, delta, scale, block_m=EAGER_BLOCK
 
 
 def _use_triton(t):
-    return t.is_cuda and t.dtype == torch.float32
+    """The Triton kernels take float32 CUDA tensors with a power-of-two head_dim >= 16;
+    anything else runs the PyTorch math (correct, but it materializes S x S)."""
+    return (t.is_cuda and t.dtype == torch.float32
+            and t.shape[-1] in SUPPORTED_TRITON_HEAD_DIMS)
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())

@@ -1,0 +1,104 @@
+"""On a CUDA GPU: the compiled max-autotune path (Triton templates + bf16x3 GEMMs) at the
+contract's 16 workloads, float64 spot checks, the exact mode, odd shapes, determinism,
+the eager Triton kernels, and the module's gradients at 577 tokens."""
+import pytest
+import torch
+
+import vitattn_bwd
+from vitattn_bwd import VisionAttentionBlock, attention_core, contract, reference
+from vitattn_bwd.workloads import (BATCH_SIZES, OUTPUT_NAMES, SEQ_LEN, make_inputs,
+                                   within_tolerance)
+
+from .helpers import plain_block_forward, reference_grads, relative_errors
+
+pytestmark = pytest.mark.gpu
+
+
+def _float32_reference(inputs, num_heads=16, ln_grad="contract"):
+    with torch.no_grad():
+        return reference_grads(inputs, num_heads, ln_grad, dtype=torch.float32,
+                               device="cuda")
+
+
+@pytest.mark.parametrize("batch", BATCH_SIZES)
+def test_contract_workload_within_tolerance(batch):
+    for seed in range(2):                     # fresh inputs, as the benchmark draws them
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        inputs = make_inputs(batch, device="cuda", generator=gen)
+        outputs = contract.run(*inputs.values())
+        for name, out, ref in zip(OUTPUT_NAMES, outputs, _float32_reference(inputs)):
+            ok, matched = within_tolerance(out, ref)
+            assert ok, (batch, name, matched)
+
+
+@pytest.mark.parametrize("batch", [1, 23, 56])
+def test_float64_spot_check(batch):
+    inputs = make_inputs(batch, device="cuda")
+    outputs = contract.run(*inputs.values())
+    refs = reference_grads(inputs, 16, "contract", device="cuda")
+    for name, err in zip(OUTPUT_NAMES, relative_errors(outputs, refs)):
+        assert err < 1e-4, (batch, name, err)     # TF32 alone would give ~3e-4
+
+
+@pytest.mark.parametrize("batch", [2, 32])
+def test_exact_mode(batch):
+    inputs = make_inputs(batch, device="cuda")
+    grads = vitattn_bwd.attention_block_backward(**inputs, num_heads=16, ln_grad="exact")
+    refs = reference_grads(inputs, 16, "exact", device="cuda")
+    for name, err in zip(OUTPUT_NAMES, relative_errors(grads, refs)):
+        assert err < 1e-4, (name, err)
+
+
+@pytest.mark.parametrize("seq_len,num_heads,head_dim", [
+    (257, 16, 64), (1025, 16, 64), (577, 12, 64), (577, 16, 32), (577, 8, 128),
+    (100, 4, 48)])                            # 48: no Triton kernel, PyTorch math instead
+def test_odd_shapes(seq_len, num_heads, head_dim):
+    inputs = make_inputs(2, seq_len=seq_len, embed_dim=num_heads * head_dim,
+                         num_heads=num_heads, device="cuda")
+    grads = vitattn_bwd.attention_block_backward(**inputs, num_heads=num_heads)
+    refs = reference_grads(inputs, num_heads, "exact", device="cuda")
+    for name, err in zip(OUTPUT_NAMES, relative_errors(grads, refs)):
+        assert err < 1e-4, (seq_len, num_heads, head_dim, name, err)
+
+
+def test_deterministic():
+    inputs = make_inputs(7, device="cuda")
+    first = contract.run(*inputs.values())
+    second = contract.run(*inputs.values())
+    for name, a, b in zip(OUTPUT_NAMES, first, second):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("seq_len,head_dim", [(577, 64), (100, 32), (64, 128)])
+def test_eager_triton_kernels(seq_len, head_dim):
+    B, H = 2, 4
+    inputs = make_inputs(B, seq_len=seq_len, embed_dim=H * head_dim, num_heads=H,
+                         device="cuda")
+    P, q, k, v = (inputs[n] for n in ("attn_weights", "q", "k", "v"))
+    grad_attn = torch.randn(B, seq_len, H * head_dim, device="cuda")
+    grad_q, delta = attention_core.softmax_bwd_rows(P, grad_attn, k, v, 0.125)
+    grad_kv = attention_core.softmax_bwd_cols(P, grad_attn, q, v, delta, 0.125)
+    ref_q, ref_k, ref_v = reference.softmax_attention_backward(
+        P.double(), reference.split_heads(grad_attn.double(), H), q.double(), k.double(),
+        v.double(), 0.125)
+    E = H * head_dim
+    for got, want in ((grad_q, ref_q), (grad_kv[..., :E], ref_k), (grad_kv[..., E:], ref_v)):
+        err = relative_errors([got], [reference.merge_heads(want)])[0]
+        assert err < 5e-5, err
+
+
+def test_module_gradients_at_577_tokens():
+    torch.manual_seed(0)
+    block = VisionAttentionBlock().cuda()
+    x = torch.randn(2, SEQ_LEN, 1024, device="cuda", requires_grad=True)
+    y = block(x)
+    grad_y = torch.randn_like(y)
+    ours = torch.autograd.grad(y, [x, *block.parameters()], grad_y)
+    params64 = [p.detach().double().requires_grad_() for p in block.parameters()]
+    x64 = x.detach().double().requires_grad_()
+    y64 = plain_block_forward(x64, *params64, num_heads=16, eps=1e-5)
+    want = torch.autograd.grad(y64, [x64, *params64], grad_y.double())
+    torch.testing.assert_close(y.double(), y64, rtol=1e-4, atol=1e-4)
+    for got, ref in zip(ours, want):
+        # the forward runs in float32 (TF32 off by default), so P itself carries ~1e-6
+        assert relative_errors([got], [ref])[0] < 1e-4
