@@ -69,11 +69,12 @@ _COLS_ENTRY = r'''
     grad_k, grad_v = softmax_bwd_cols_tile(P, GRAD_ATTN, Q, V, DELTA, batch, head, n_start,
                                            SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
                                            BLOCK_N)
+    KV_WIDTH: tl.constexpr = 2 * HEAD_DIM
     grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)
     rows = n_start + tl.arange(0, BLOCK_N)[:, None]
     cols = kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :]
     mask = (rows < SEQ_LEN) & (cols < 2 * NUM_HEADS * HEAD_DIM)
-    {{store_output(("batch", "rows", "cols"), "grad_kv", "mask", val_shape=("BLOCK_N", "2 * HEAD_DIM"))}}
+    {{store_output(("batch", "rows", "cols"), "grad_kv", "mask", val_shape=("BLOCK_N", "KV_WIDTH"))}}
 
 '''
 
@@ -129,7 +130,8 @@ def _template_applies(tensor_node, head_dim):
 
 def _prepare(attn_weights, grad_attn, per_head):
     """Contiguous, realized inputs and the static sizes (batch stays symbolic)."""
-    nodes = [ir.ExternKernel.require_contiguous(t) for t in (attn_weights, grad_attn, *per_head)]
+    nodes = [ir.ExternKernel.realize_input(ir.ExternKernel.require_contiguous(t))
+             for t in (attn_weights, grad_attn, *per_head)]
     batch, num_heads, seq_len, head_dim = per_head[0].get_size()
     static = [V.graph.sizevars.guard_int(s) for s in (num_heads, seq_len, head_dim)]
     return nodes, batch, static
