@@ -21,8 +21,6 @@ from . import attention_core
 from .precision import matmul_fp32_grade, matmul_tf32, tf32_matmuls
 from .reference import layer_norm_backward
 
-# Batch size that max-autotune tunes the dynamic graph for (the benchmark's mean is 27).
-AUTOTUNE_BATCH_HINT = 32
 # Compiled graphs one process may hold before dynamo raises (one per configuration key).
 MAX_COMPILED_GRAPHS = 64
 
@@ -113,6 +111,6 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
                   ln_grad, B == 1)
     if B > 1:
         for name in BATCHED_INPUTS:
-            torch._dynamo.mark_dynamic(inputs[name], 0, hint_override=AUTOTUNE_BATCH_HINT)
+            torch._dynamo.mark_dynamic(inputs[name], 0)
     with compile_settings(x.device.type):
         return fn(**inputs)
