@@ -3,7 +3,7 @@
 `block_backward` is the graph: cuBLAS-class GEMMs in float32-grade split precision
 (precision.py) around the two attention-core operators (attention_core.py), with the
 bias sums and the LayerNorm backward left to Inductor to fuse. On CUDA it is compiled in
-max-autotune mode, where the attention core becomes our Triton templates (inductor.py);
+max-autotune mode (without CUDA graphs), where the attention core becomes our Triton templates (inductor.py);
 on the CPU Inductor emits C++ and the attention core runs its PyTorch math.
 
 `compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
@@ -63,7 +63,9 @@ def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps,
     del dtype, seq_len, embed_dim, num_heads, batch_is_one    # they key the cache only
     fn = functools.partial(block_backward, scale=scale, norm_eps=norm_eps, ln_grad=ln_grad)
     _register_templates(required=device_type == "cuda")
-    mode = "max-autotune" if device_type == "cuda" else None
+    # No CUDA graphs: their replays would copy every input into static buffers, and
+    # their outputs live in a pool that the next call overwrites.
+    mode = "max-autotune-no-cudagraphs" if device_type == "cuda" else None
     return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
 
 
