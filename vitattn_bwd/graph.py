@@ -14,6 +14,7 @@ silently running eager code.
 """
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -56,16 +57,23 @@ def block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight,
             grad_ln_weight, grad_ln_bias)
 
 
+def compile_mode(device_type):
+    """Inductor mode: max-autotune on CUDA, without CUDA graphs (their replays would copy
+    every input into static buffers, and their outputs live in a pool that the next call
+    overwrites). VITATTN_BWD_COMPILE_MODE=default skips GEMM autotuning (tests of odd
+    shapes use it: minutes less compiling; the attention-core templates still tune)."""
+    if device_type != "cuda":
+        return None
+    return os.environ.get("VITATTN_BWD_COMPILE_MODE", "max-autotune-no-cudagraphs")
+
+
 @functools.cache
 def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
-             batch_is_one):
+             batch_is_one, mode):
     """One torch.compile'd graph; the arguments are the cache key."""
     del dtype, seq_len, embed_dim, num_heads, batch_is_one    # they key the cache only
     fn = functools.partial(block_backward, scale=scale, norm_eps=norm_eps, ln_grad=ln_grad)
     _register_templates(required=device_type == "cuda")
-    # No CUDA graphs: their replays would copy every input into static buffers, and
-    # their outputs live in a pool that the next call overwrites.
-    mode = "max-autotune-no-cudagraphs" if device_type == "cuda" else None
     return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
 
 
@@ -110,7 +118,7 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
     B, S, E = x.shape
     num_heads = inputs["q"].shape[1]
     fn = _compile(x.device.type, x.dtype, S, E, num_heads, float(scale), float(norm_eps),
-                  ln_grad, B == 1)
+                  ln_grad, B == 1, compile_mode(x.device.type))
     if B > 1:
         for name in BATCHED_INPUTS:
             torch._dynamo.mark_dynamic(inputs[name], 0)

@@ -1,7 +1,7 @@
 """Where the time goes: one backward at a contract batch size under torch.profiler,
 CUDA kernels ranked by total time.
 
-    python scripts/profile.py --batch 32 [--trace trace.json]
+    python scripts/profile_kernels.py --batch 32 [--trace trace.json]
 """
 import argparse
 import sys
