@@ -12,6 +12,7 @@ templates that max-autotune tunes; elsewhere Inductor calls the eager implementa
 """
 import torch
 
+from .precision import tf32_matmuls
 from .reference import merge_heads, split_heads
 
 # Tile sizes of the eager CUDA launch (the compiled path autotunes its own).
@@ -78,7 +79,8 @@ def softmax_bwd_rows(attn_weights: torch.Tensor, grad_attn: torch.Tensor, k: tor
                      v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(k):
         return launch_rows(attn_weights, grad_attn, k, v, scale)
-    return _rows_math(attn_weights, grad_attn, k, v, scale)
+    with tf32_matmuls(False):         # the compiled graph runs under TF32 on CUDA
+        return _rows_math(attn_weights, grad_attn, k, v, scale)
 
 
 @softmax_bwd_rows.register_fake
@@ -92,7 +94,8 @@ def softmax_bwd_cols(attn_weights: torch.Tensor, grad_attn: torch.Tensor, q: tor
                      v: torch.Tensor, delta: torch.Tensor, scale: float) -> torch.Tensor:
     if _use_triton(q):
         return launch_cols(attn_weights, grad_attn, q, v, delta, scale)
-    return _cols_math(attn_weights, grad_attn, q, v, delta, scale)
+    with tf32_matmuls(False):
+        return _cols_math(attn_weights, grad_attn, q, v, delta, scale)
 
 
 @softmax_bwd_cols.register_fake
