@@ -1,7 +1,12 @@
 """vitattn_bwd: the fused backward of a pre-LayerNorm ViT attention block."""
+import os
+
 from .api import BlockGrads, attention_block_backward
+from .cache import CACHE_ENV, load_compile_cache
+from .module import VisionAttentionBlock
 
-__all__ = ["BlockGrads", "attention_block_backward"]
-from .module import VisionAttentionBlock  # noqa: E402
+__all__ = ["BlockGrads", "VisionAttentionBlock", "attention_block_backward",
+           "load_compile_cache"]
 
-__all__ += ["VisionAttentionBlock"]
+if os.environ.get(CACHE_ENV):                 # a warm-up run's cache, for this process
+    load_compile_cache(os.environ[CACHE_ENV])

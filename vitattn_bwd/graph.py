@@ -19,12 +19,14 @@ import os
 import torch
 
 from . import attention_core
+from .cache import cache_key_tag
 from .precision import matmul_fp32_grade, matmul_tf32, tf32_matmuls
 from .reference import layer_norm_backward
 
 # Compiled graphs one process may hold before dynamo raises (one per configuration key).
 MAX_COMPILED_GRAPHS = 64
 
+_CACHE_KEY_TAG = cache_key_tag()
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v",
                   "attn_weights", "attn_output")
 
@@ -88,23 +90,16 @@ def _register_templates(required):
             raise
 
 
-@functools.cache
-def _cache_key_tag():
-    from .inductor import cache_key_tag
-    return cache_key_tag()
-
-
 @contextlib.contextmanager
 def compile_settings(device_type):
     """Settings every compile and call of our graphs runs under."""
-    tag = _cache_key_tag() if device_type == "cuda" else None
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._dynamo.config.patch(
             recompile_limit=MAX_COMPILED_GRAPHS,
             accumulated_recompile_limit=4 * MAX_COMPILED_GRAPHS,
             fail_on_recompile_limit_hit=True))
-        if tag is not None:
-            stack.enter_context(torch.compiler.config.patch(cache_key_tag=tag))
+        stack.enter_context(torch.compiler.config.patch(cache_key_tag=_CACHE_KEY_TAG))
+        if device_type == "cuda":
             stack.enter_context(tf32_matmuls())
         yield
 

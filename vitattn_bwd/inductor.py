@@ -1,5 +1,6 @@
 """Everything that touches Inductor's private API: the attention-core Triton templates,
-their lowerings (so max-autotune weighs their configs), and the cache-key tag.
+and their lowerings (so max-autotune weighs their configs). Inductor's FX graph cache does
+not hash this file: cache.cache_key_tag() does, and every compile runs under that tag.
 
 Checked against torch 2.11 (the GPU machine) and 2.13 (CPU development). Differences
 between versions are handled here and nowhere else:
@@ -9,9 +10,7 @@ The templates reuse the device code of kernels/softmax_bwd.py verbatim: each tem
 a thin entry point (program ids, output store) followed by the source of the `*_tile`
 functions, so the kernels tested under TRITON_INTERPRET=1 are the kernels compiled here.
 """
-import hashlib
 import inspect
-import pathlib
 
 import torch
 from torch._inductor import ir
@@ -98,17 +97,6 @@ ROWS_TEMPLATE = TritonTemplate(name="vitattn_softmax_bwd_rows", grid=_rows_grid,
                                source=_ROWS_ENTRY + _device_source())
 COLS_TEMPLATE = TritonTemplate(name="vitattn_softmax_bwd_cols", grid=_cols_grid,
                                source=_COLS_ENTRY + _device_source())
-
-
-def cache_key_tag():
-    """A tag that changes whenever the templates or this lowering change. Inductor's FX
-    graph cache does not hash lowerings, so compiles run under this tag
-    (torch.compiler.config.cache_key_tag)."""
-    here = pathlib.Path(__file__).parent
-    digest = hashlib.sha256()
-    for path in (here / "inductor.py", here / "kernels" / "softmax_bwd.py"):
-        digest.update(path.read_bytes())
-    return "vitattn_bwd-" + digest.hexdigest()[:16]
 
 
 def _node_of(selected):

@@ -1,0 +1,80 @@
+"""The attention-core operators: their PyTorch math (CPU path) and the raw Triton kernels
+under the interpreter, against the textbook softmax backward in float64."""
+import math
+import os
+
+import pytest
+import torch
+
+from vitattn_bwd import attention_core, reference
+
+from .helpers import relative_errors
+
+
+def _core_inputs(B, H, S, D, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = torch.softmax(torch.randn(B, H, S, S, generator=g, dtype=dtype), dim=-1)
+    grad_attn = torch.randn(B, S, H * D, generator=g, dtype=dtype)
+    q, k, v = (torch.randn(B, H, S, D, generator=g, dtype=dtype) for _ in range(3))
+    return P, grad_attn, q, k, v, 1.0 / math.sqrt(D)
+
+
+def _textbook(P, grad_attn, q, k, v, scale):
+    H = P.shape[1]
+    grads = reference.softmax_attention_backward(
+        P.double(), reference.split_heads(grad_attn.double(), H), q.double(), k.double(),
+        v.double(), scale)
+    return [reference.merge_heads(g) for g in grads]                  # dQ, dK, dV [B,S,E]
+
+
+@pytest.mark.parametrize("B,H,S,D", [(2, 3, 17, 8), (1, 1, 1, 4), (2, 2, 64, 16)])
+def test_two_pass_math_equals_textbook_backward(B, H, S, D):
+    P, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, dtype=torch.float64)
+    grad_q, delta = attention_core.softmax_bwd_rows(P, grad_attn, k, v, scale)
+    grad_kv = attention_core.softmax_bwd_cols(P, grad_attn, q, v, delta, scale)
+    want_q, want_k, want_v = _textbook(P, grad_attn, q, k, v, scale)
+    E = H * D
+    for got, want in ((grad_q, want_q), (grad_kv[..., :E], want_k), (grad_kv[..., E:], want_v)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    want_delta = (P * (reference.split_heads(grad_attn, H) @ v.transpose(-1, -2))).sum(-1)
+    torch.testing.assert_close(delta, want_delta, rtol=1e-12, atol=1e-12)
+
+
+def test_operators_pass_opcheck():
+    P, grad_attn, q, k, v, scale = _core_inputs(2, 2, 9, 8)
+    grad_q, delta = attention_core.softmax_bwd_rows(P, grad_attn, k, v, scale)
+    torch.library.opcheck(attention_core.softmax_bwd_rows, (P, grad_attn, k, v, scale))
+    torch.library.opcheck(attention_core.softmax_bwd_cols, (P, grad_attn, q, v, delta, scale))
+
+
+@pytest.fixture
+def triton_interpreter():
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a GPU is present: test_gpu.py runs the kernels for real")
+    from .triton_interpreter import patch_bf16_dot
+    patch_bf16_dot()
+
+
+# odd lengths, a single row, a length that is a multiple of the blocks, and block shapes
+# that differ between the two passes
+@pytest.mark.parametrize("S,D,block_m,block_n", [(37, 16, 16, 16), (1, 16, 16, 16),
+                                                 (64, 32, 32, 16), (23, 16, 16, 32)])
+def test_triton_kernels_under_interpreter(triton_interpreter, S, D, block_m, block_n):
+    B, H = 2, 2
+    P, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, seed=S)
+    grad_q, delta = attention_core.launch_rows(P, grad_attn, k, v, scale, block_m, block_n)
+    grad_kv = attention_core.launch_cols(P, grad_attn, q, v, delta, scale, block_m, block_n)
+    want = _textbook(P, grad_attn, q, k, v, scale)
+    E = H * D
+    got = [grad_q, grad_kv[..., :E], grad_kv[..., E:]]
+    # bf16x3: ~1e-5 on the GPU; the interpreter truncates where the GPU rounds. Errors
+    # are measured against the larger of the output's and dV's norms: at S = 1, dQ = dK = 0
+    # exactly and the kernel leaves rounding of terms as large as dV.
+    for name, g, w in zip(("grad_q", "grad_k", "grad_v"), got, want):
+        err = (g.double() - w).norm().item()
+        assert err <= 2e-4 * max(w.norm().item(), want[2].norm().item()), (name, err)
+    # one bf16 product per matmul would be ~100x worse: the split carries the low bits
+    bf16 = _textbook(*(t.bfloat16().float() for t in (P, grad_attn, q, k, v)), scale)
+    if S > 1:
+        assert relative_errors(got[2:], want[2:])[0] * 10 < relative_errors(bf16[2:], want[2:])[0]
