@@ -10,28 +10,10 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vitattn_bwd import VisionAttentionBlock  # noqa: E402
-
-
-class PlainBlock(nn.Module):
-    """The same block in stock PyTorch; SDPA picks its own (flash/efficient) kernel."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        b = self.block
-        B, S, E = x.shape
-        h = b.norm(x)
-        q, k, v = b.qkv(h).view(B, S, 3, b.num_heads, E // b.num_heads).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v)
-        return x + b.out_proj(o.transpose(1, 2).reshape(B, S, E))
+from vitattn_bwd import VisionAttentionBlock, reference  # noqa: E402
 
 
 def step_ms(model, x, grad, device, repeats=10):
@@ -70,7 +52,7 @@ def main():
     batch_sizes = args.batch_sizes or ((1, 8, 32) if device == "cuda" else (1, 4))
     torch.manual_seed(0)
     block = VisionAttentionBlock(embed_dim, heads).to(device)
-    models = {"vitattn": block, "plain_sdpa": PlainBlock(block)}
+    models = {"vitattn": block, "plain_sdpa": reference.ReferenceBlock(block)}
     print(f"{device}: {seq_len} tokens, {embed_dim} wide, {heads} heads; float32 "
           f"(TF32 {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'} for torch matmuls)")
     print("\n| batch | " + " | ".join(f"{n} fwd+bwd ms | {n} kept MB" for n in models) + " |")

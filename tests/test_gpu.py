@@ -9,7 +9,7 @@ from vitattn_bwd import VisionAttentionBlock, attention_core, contract, referenc
 from vitattn_bwd.workloads import (BATCH_SIZES, OUTPUT_NAMES, SEQ_LEN, make_inputs,
                                    within_tolerance)
 
-from .helpers import plain_block_forward, reference_grads, relative_errors
+from .helpers import reference_grads, relative_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -98,7 +98,7 @@ def test_module_gradients_at_577_tokens():
     ours = torch.autograd.grad(y, [x, *block.parameters()], grad_y)
     params64 = [p.detach().double().requires_grad_() for p in block.parameters()]
     x64 = x.detach().double().requires_grad_()
-    y64 = plain_block_forward(x64, *params64, num_heads=16, eps=1e-5)
+    y64 = reference.block_forward(x64, *params64, num_heads=16, eps=1e-5)
     want = torch.autograd.grad(y64, [x64, *params64], grad_y.double())
     torch.testing.assert_close(y.double(), y64, rtol=1e-4, atol=1e-4)
     names = ["x"] + [name for name, _ in block.named_parameters()]

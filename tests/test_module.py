@@ -11,22 +11,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from vitattn_bwd import VisionAttentionBlock
+from vitattn_bwd import VisionAttentionBlock, reference
 from vitattn_bwd.module import CLIP_KEYS, MOLMO_KEYS, VisionAttentionFunction
 
-from .helpers import plain_block_forward, relative_errors
-
-
-class PlainBlock(nn.Module):
-    """Same parameters, stock autograd (LayerNorm, Linear, SDPA)."""
-
-    def __init__(self, block):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x):
-        b = self.block
-        return plain_block_forward(x, *b.parameters(), num_heads=b.num_heads, eps=b.eps)
+from .helpers import relative_errors
 
 
 def _grads(model, x, grad_y):
@@ -50,7 +38,7 @@ def test_gradients_equal_autograd_of_plain_block(dtype, bound):
     grad_y = torch.randn(3, 13, 32, dtype=dtype)
     ours = _grads(block, x, grad_y)
     ref_block = copy.deepcopy(block).double()
-    want = _grads(PlainBlock(ref_block), x.double(), grad_y.double())
+    want = _grads(reference.ReferenceBlock(ref_block), x.double(), grad_y.double())
     for name, err in zip(["y", "x"] + [n for n, _ in block.named_parameters()],
                          relative_errors(ours, want)):
         assert err < bound, (name, err)
@@ -88,7 +76,7 @@ def _train(model, steps=5):
 def test_two_block_tower_trains_like_the_plain_model():
     ours = _train(_tower())
     plain_tower = _tower()
-    plain = _train(nn.Sequential(*(PlainBlock(b) for b in plain_tower)))
+    plain = _train(nn.Sequential(*(reference.ReferenceBlock(b) for b in plain_tower)))
     assert ours[-1] < ours[0]
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(plain), rtol=1e-10, atol=0)
 

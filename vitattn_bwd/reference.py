@@ -15,6 +15,8 @@ Two LayerNorm input gradients (see README): "exact" is the true gradient, "contr
 the benchmark contract's formula, whose last term lacks a 1/std factor.
 """
 import torch
+from torch import nn
+from torch.nn import functional as F
 
 LN_GRAD_MODES = ("exact", "contract")
 
@@ -89,3 +91,28 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
         grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, norm_eps, ln_grad)
     return (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
             grad_ln_weight, grad_ln_bias)
+
+
+def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
+                  num_heads, eps):
+    """The forward in stock PyTorch ops (LayerNorm, Linear, SDPA, Linear): autograd
+    through it gives the exact-mode gradients, and it is the baseline of
+    scripts/bench_module.py."""
+    B, S, E = x.shape
+    h = F.layer_norm(x, (E,), ln_weight, ln_bias, eps)
+    q, k, v = F.linear(h, qkv_weight, qkv_bias).view(B, S, 3, num_heads, E // num_heads) \
+        .permute(2, 0, 3, 1, 4)                                                # [B,H,S,D]
+    attn = F.scaled_dot_product_attention(q, k, v)                             # [B,H,S,D]
+    return x + F.linear(merge_heads(attn), out_weight, out_bias)
+
+
+class ReferenceBlock(nn.Module):
+    """A VisionAttentionBlock's parameters through block_forward and stock autograd."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        b = self.block
+        return block_forward(x, *b.parameters(), num_heads=b.num_heads, eps=b.eps)
