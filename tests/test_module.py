@@ -4,6 +4,7 @@ import copy
 import datetime
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -101,14 +102,24 @@ def _ddp_worker(rank, world, init_file, x, grad_y, out_path):
     dist.destroy_process_group()
 
 
-def test_ddp_gloo_two_processes_match_one_process():
+def test_ddp_gloo_two_processes_match_one_process(monkeypatch):
+    # Inductor's compile-worker pool kept a spawned worker from exiting (seen in the full
+    # suite on 2 cores): compile in-process there.
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")
     x, grad_y = torch.randn(4, 7, 16, dtype=torch.float64), torch.randn(4, 7, 16,
                                                                         dtype=torch.float64)
     single = _tower()
     single(x).backward(grad_y / 2)          # DDP averages the two shards' gradients
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "grads.pt")
-        mp.spawn(_ddp_worker, args=(2, os.path.join(tmp, "init"), x, grad_y, out), nprocs=2)
+        workers = mp.spawn(_ddp_worker, args=(2, os.path.join(tmp, "init"), x, grad_y, out),
+                           nprocs=2, join=False)
+        deadline = time.monotonic() + 300
+        while not workers.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in workers.processes:
+                    process.kill()
+                pytest.fail("the DDP workers did not finish within 300 s")
         ddp_grads = torch.load(out)
     for got, want in zip(ddp_grads, (p.grad for p in single.parameters())):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
