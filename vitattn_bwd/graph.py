@@ -3,8 +3,9 @@
 `block_backward` is the graph: cuBLAS-class GEMMs in float32-grade split precision
 (precision.py) around the two attention-core operators (attention_core.py), with the
 bias sums and the LayerNorm backward left to Inductor to fuse. On CUDA it is compiled in
-max-autotune mode (without CUDA graphs), where the attention core becomes our Triton templates (inductor.py);
-on the CPU Inductor emits C++ and the attention core runs its PyTorch math.
+max-autotune mode (without CUDA graphs), where the attention core becomes our Triton
+templates (inductor.py); on the CPU Inductor emits C++ and the attention core runs its
+PyTorch math.
 
 `compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
 num_heads, scale, norm_eps, ln_grad, batch == 1). The batch dimension is dynamic, so
