@@ -67,11 +67,16 @@ def launch_cols(attn_weights, grad_attn, q, v, delta, scale, block_m=EAGER_BLOCK
     return grad_kv
 
 
+def triton_supports(device_type, dtype, head_dim):
+    """The Triton kernels (eager) and templates (compiled) take float32 CUDA tensors with
+    a power-of-two head_dim >= 16; anything else runs the PyTorch math (correct, but it
+    materializes S x S)."""
+    return (device_type == "cuda" and dtype == torch.float32
+            and head_dim in SUPPORTED_TRITON_HEAD_DIMS)
+
+
 def _use_triton(t):
-    """The Triton kernels take float32 CUDA tensors with a power-of-two head_dim >= 16;
-    anything else runs the PyTorch math (correct, but it materializes S x S)."""
-    return (t.is_cuda and t.dtype == torch.float32
-            and t.shape[-1] in SUPPORTED_TRITON_HEAD_DIMS)
+    return triton_supports(t.device.type, t.dtype, t.shape[-1])
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())

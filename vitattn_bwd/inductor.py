@@ -114,9 +114,8 @@ def _tile_choices(template, input_nodes, layout, mutated_inputs, call_sizes, con
 
 
 def _template_applies(tensor_node, head_dim):
-    return (tensor_node.get_device().type == "cuda"
-            and tensor_node.get_dtype() == torch.float32
-            and head_dim in attention_core.SUPPORTED_TRITON_HEAD_DIMS)
+    return attention_core.triton_supports(tensor_node.get_device().type,
+                                          tensor_node.get_dtype(), head_dim)
 
 
 def _prepare(attn_weights, grad_attn, per_head):
