@@ -11,13 +11,14 @@ a thin entry point (program ids, output store) followed by the source of the `*_
 functions, so the kernels tested under TRITON_INTERPRET=1 are the kernels compiled here.
 """
 import inspect
+import weakref
 
 import torch
 from torch._inductor import ir
 from torch._inductor.lowering import empty_strided, fallback_handler, register_lowering
 from torch._inductor.select_algorithm import (SymbolicGridFn, TritonTemplate,
                                               autotune_select_algorithm)
-from torch._inductor.virtualized import V
+from torch._inductor.virtualized import V, ops
 
 from . import attention_core
 from .kernels import softmax_bwd
@@ -34,8 +35,8 @@ TILE_CONFIGS = (
     (128, 64, 8, 2),
 )
 
-_DEVICE_FUNCTIONS = (softmax_bwd.split_bf16, softmax_bwd.dot_bf16x3,
-                     softmax_bwd.softmax_bwd_rows_tile, softmax_bwd.softmax_bwd_cols_tile,
+_DEVICE_FUNCTIONS = (softmax_bwd.split_bf16, softmax_bwd.dot_bf16x3, softmax_bwd.load_pair,
+                     softmax_bwd.head_rows, softmax_bwd.softmax_bwd_rows_tile, softmax_bwd.softmax_bwd_cols_tile,
                      softmax_bwd.join_kv, softmax_bwd.kv_columns)
 
 
@@ -47,12 +48,13 @@ def _device_source():
 
 # Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, SCALE.
 _ROWS_ENTRY = r'''
-{{def_kernel("P", "GRAD_ATTN", "K", "V", "DELTA")}}
+{{def_kernel("P", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA")}}
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
-    grad_q, delta = softmax_bwd_rows_tile(P, GRAD_ATTN, K, V, batch, head, m_start, SCALE,
-                                          SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
+    grad_q, delta = softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI,
+                                          V_LO, batch, head, m_start, SCALE, SEQ_LEN,
+                                          NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     tl.store(DELTA + tl.program_id(1).to(tl.int64) * SEQ_LEN + offs_m, delta,
              mask=offs_m < SEQ_LEN)
@@ -64,13 +66,13 @@ _ROWS_ENTRY = r'''
 '''
 
 _COLS_ENTRY = r'''
-{{def_kernel("P", "GRAD_ATTN", "Q", "V", "DELTA")}}
+{{def_kernel("P", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "V_HI", "V_LO", "DELTA")}}
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
-    grad_k, grad_v = softmax_bwd_cols_tile(P, GRAD_ATTN, Q, V, DELTA, batch, head, n_start,
-                                           SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
-                                           BLOCK_N)
+    grad_k, grad_v = softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI,
+                                           V_LO, DELTA, batch, head, n_start, SCALE,
+                                           SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
     KV_WIDTH: tl.constexpr = 2 * HEAD_DIM
     grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)
     rows = n_start + tl.arange(0, BLOCK_N)[:, None]
@@ -118,13 +120,55 @@ def _template_applies(tensor_node, head_dim):
                                           tensor_node.get_dtype(), head_dim)
 
 
-def _prepare(attn_weights, grad_attn, per_head):
-    """Contiguous, realized inputs and the static sizes (batch stays symbolic)."""
-    nodes = [ir.ExternKernel.realize_input(ir.ExternKernel.require_contiguous(t))
-             for t in (attn_weights, grad_attn, *per_head)]
-    batch, num_heads, seq_len, head_dim = per_head[0].get_size()
-    static = [V.graph.sizevars.guard_int(s) for s in (num_heads, seq_len, head_dim)]
-    return nodes, batch, static
+def _contiguous(node):
+    return ir.ExternKernel.realize_input(ir.ExternKernel.require_contiguous(node))
+
+
+# Per graph being lowered: id(float32 input node) -> (node, hi, lo). grad_attn and v feed
+# both passes; they are split once.
+_SPLITS = weakref.WeakKeyDictionary()
+
+
+def _split_bf16(node):
+    """Realized, contiguous bf16 (hi, lo) buffers of a float32 IR node: the math of
+    precision.split_bf16 (hi truncated by an integer mask, so no cast can be folded
+    away), emitted as pointwise IR that Inductor fuses into one kernel per input."""
+    splits = _SPLITS.setdefault(V.graph, {})
+    if id(node) in splits:
+        return splits[id(node)][1:]
+    load = node.make_loader()
+
+    def hi_float32(index):
+        bits = ops.to_dtype_bitcast(load(index), torch.int32, torch.float32)
+        return ops.to_dtype_bitcast(ops.bitwise_and(bits, ops.constant(-65536, torch.int32)),
+                                    torch.float32, torch.int32)
+
+    def hi(index):
+        return ops.to_dtype(hi_float32(index), torch.bfloat16)
+
+    def lo(index):
+        return ops.to_dtype(ops.sub(load(index), hi_float32(index)), torch.bfloat16)
+
+    pair = tuple(_contiguous(ir.Pointwise.create(device=node.get_device(),
+                                                 dtype=torch.bfloat16, inner_fn=fn,
+                                                 ranges=node.get_size()))
+                 for fn in (hi, lo))
+    splits[id(node)] = (node, *pair)
+    return pair
+
+
+def _static_sizes(per_head):
+    """Batch (symbolic) and the static num_heads, seq_len, head_dim of a [B,H,S,D] node."""
+    batch, *static = per_head.get_size()
+    return batch, [V.graph.sizevars.guard_int(s) for s in static]
+
+
+def _template_inputs(attn_weights, grad_attn, per_head):
+    """P contiguous, then the bf16 (hi, lo) pairs of grad_attn and the per-head tensors."""
+    nodes = [_contiguous(attn_weights)]
+    for node in (grad_attn, *per_head):
+        nodes.extend(_split_bf16(node))
+    return nodes
 
 
 _ROWS_OP = torch.ops.vitattn_bwd.softmax_bwd_rows.default
@@ -133,7 +177,7 @@ _COLS_OP = torch.ops.vitattn_bwd.softmax_bwd_cols.default
 
 @register_lowering(_ROWS_OP, type_promotion_kind=None)
 def _lower_rows(attn_weights, grad_attn, k, v, scale):
-    nodes, batch, (num_heads, seq_len, head_dim) = _prepare(attn_weights, grad_attn, (k, v))
+    batch, (num_heads, seq_len, head_dim) = _static_sizes(k)
     if not _template_applies(k, head_dim):
         return fallback_handler(_ROWS_OP, add_to_fallback_set=False)(
             attn_weights, grad_attn, k, v, scale)
@@ -143,7 +187,7 @@ def _lower_rows(attn_weights, grad_attn, k, v, scale):
     layout = ir.FixedLayout(device, torch.float32,
                             [batch, seq_len, num_heads * head_dim])       # [B,S,E]
     constexprs = dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale)
-    inputs = [*nodes, delta]
+    inputs = [*_template_inputs(attn_weights, grad_attn, (k, v)), delta]
     choices = _tile_choices(ROWS_TEMPLATE, inputs, layout, [delta],
                             [batch, num_heads, seq_len], constexprs)
     grad_q = _node_of(autotune_select_algorithm(ROWS_TEMPLATE.name, choices, inputs, layout))
@@ -152,12 +196,12 @@ def _lower_rows(attn_weights, grad_attn, k, v, scale):
 
 @register_lowering(_COLS_OP, type_promotion_kind=None)
 def _lower_cols(attn_weights, grad_attn, q, v, delta, scale):
-    nodes, batch, (num_heads, seq_len, head_dim) = _prepare(attn_weights, grad_attn,
-                                                            (q, v))
+    batch, (num_heads, seq_len, head_dim) = _static_sizes(q)
     if not _template_applies(q, head_dim):
         return fallback_handler(_COLS_OP, add_to_fallback_set=False)(
             attn_weights, grad_attn, q, v, delta, scale)
-    inputs = [*nodes, ir.ExternKernel.require_contiguous(delta)]
+    inputs = [*_template_inputs(attn_weights, grad_attn, (q, v)),
+              ir.ExternKernel.require_contiguous(delta)]
     layout = ir.FixedLayout(q.get_device(), torch.float32,
                             [batch, seq_len, 2 * num_heads * head_dim])   # [B,S,2E]
     constexprs = dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale)

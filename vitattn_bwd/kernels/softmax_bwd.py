@@ -1,7 +1,7 @@
 """Triton device code for the attention core of the backward.
 
-Inputs per (batch, head): P = attn_weights [S,S], dO = grad_attn [S,D] (read with head
-strides from the [B,S,E] out-projection gradient), q, k, v [S,D]. Outputs:
+Inputs per (batch, head): P = attn_weights [S,S] (float32), dO = grad_attn [S,D] (read
+with head strides from the [B,S,E] out-projection gradient), q, k, v [S,D]. Outputs:
 
     dP    = dO @ v^T                         (never stored)
     delta = rowsum(P * dP)                   [S]
@@ -13,11 +13,15 @@ Two passes over P, no S x S tensor in memory:
   rows pass: a program owns BLOCK_M query rows, sweeps all keys once and gets delta and
              dQ together, because dQ is linear in the two running sums above;
   cols pass: a program owns BLOCK_N key rows, sweeps all queries with delta known and
-             gets dK and dV.
+             gets dK and dV. It works on transposed tiles (P^T, dP^T), as the Triton
+             fused-attention tutorial does, so every dot takes its operands as stored.
 No atomics: each output element is written by exactly one program (deterministic).
 
 Every product is float32-grade "bf16x3": each float32 operand is split into bf16 hi + lo
-once, and a @ b = a_hi@b_hi + a_hi@b_lo + a_lo@b_hi with float32 accumulation.
+and a @ b = a_hi@b_hi + a_hi@b_lo + a_lo@b_hi with float32 accumulation. dO, q, k and v
+arrive already split (two bf16 tensors each, made once by the caller with
+precision.split_bf16), so their tiles go from memory straight to the tensor cores; only
+the S x S tiles (P and the products with it) are split here, in registers.
 
 The `*_tile` functions hold the algorithm. They are shared verbatim by the raw kernels
 below (used eagerly and tested under TRITON_INTERPRET=1) and by the Inductor templates
@@ -45,26 +49,37 @@ def dot_bf16x3(a_hi, a_lo, b_hi, b_lo, acc):
 
 
 @triton.jit
-def softmax_bwd_rows_tile(P, GRAD_ATTN, K, V, batch, head, m_start, scale,
-                          SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+def load_pair(HI, LO, offsets, mask):
+    """The bf16 (hi, lo) tiles of a pre-split float32 tensor at `offsets`."""
+    return (tl.load(HI + offsets, mask=mask, other=0.0),
+            tl.load(LO + offsets, mask=mask, other=0.0))
+
+
+@triton.jit
+def head_rows(batch, head, offs, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+              HEAD_DIM: tl.constexpr):
+    """Offsets of rows `offs` of one head in the [B,S,E] (heads merged) layout: [len,D]."""
+    return ((batch * SEQ_LEN + offs[:, None]).to(tl.int64) * (NUM_HEADS * HEAD_DIM)
+            + head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+
+
+@triton.jit
+def softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO, batch,
+                          head, m_start, scale, SEQ_LEN: tl.constexpr,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Rows pass for query rows [m_start, m_start + BLOCK_M) of one (batch, head).
     Returns grad_q [BLOCK_M, HEAD_DIM] and delta [BLOCK_M] (rows past SEQ_LEN are 0)."""
-    EMBED: tl.constexpr = NUM_HEADS * HEAD_DIM
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < SEQ_LEN
-
-    grad_attn = tl.load(GRAD_ATTN + (batch * SEQ_LEN + offs_m[:, None]).to(tl.int64) * EMBED
-                        + head * HEAD_DIM + offs_d[None, :],
-                        mask=row_ok[:, None], other=0.0)                  # [BM,D]
-    grad_attn_hi, grad_attn_lo = split_bf16(grad_attn)
+    grad_attn_hi, grad_attn_lo = load_pair(
+        GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS,
+                                              HEAD_DIM), row_ok[:, None])  # [BM,D]
 
     p_rows = P + batch_head * SEQ_LEN * SEQ_LEN + offs_m[:, None] * SEQ_LEN
-    k_head = K + batch_head * SEQ_LEN * HEAD_DIM
-    v_head = V + batch_head * SEQ_LEN * HEAD_DIM
+    head_start = batch_head * SEQ_LEN * HEAD_DIM
 
     delta = tl.zeros((BLOCK_M,), dtype=tl.float32)
     p_grad_p_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)          # sum (P*dP) @ k
@@ -74,16 +89,13 @@ def softmax_bwd_rows_tile(P, GRAD_ATTN, K, V, batch, head, m_start, scale,
         col_ok = offs_n < SEQ_LEN
         p = tl.load(p_rows + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
                     other=0.0)                                            # [BM,BN]
-        k = tl.load(k_head + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=col_ok[:, None], other=0.0)                      # [BN,D]
-        v = tl.load(v_head + offs_n[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=col_ok[:, None], other=0.0)                      # [BN,D]
-        v_hi, v_lo = split_bf16(v)
+        kv_offsets = head_start + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        k_hi, k_lo = load_pair(K_HI, K_LO, kv_offsets, col_ok[:, None])   # [BN,D]
+        v_hi, v_lo = load_pair(V_HI, V_LO, kv_offsets, col_ok[:, None])   # [BN,D]
         grad_p = dot_bf16x3(grad_attn_hi, grad_attn_lo, tl.trans(v_hi), tl.trans(v_lo),
                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # [BM,BN]
         p_grad_p = p * grad_p
         delta += tl.sum(p_grad_p, axis=1)
-        k_hi, k_lo = split_bf16(k)
         pgp_hi, pgp_lo = split_bf16(p_grad_p)
         p_grad_p_k = dot_bf16x3(pgp_hi, pgp_lo, k_hi, k_lo, p_grad_p_k)
         p_hi, p_lo = split_bf16(p)
@@ -93,24 +105,21 @@ def softmax_bwd_rows_tile(P, GRAD_ATTN, K, V, batch, head, m_start, scale,
 
 
 @triton.jit
-def softmax_bwd_cols_tile(P, GRAD_ATTN, Q, V, DELTA, batch, head, n_start, scale,
-                          SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
-                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
+def softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI, V_LO, DELTA,
+                          batch, head, n_start, scale, SEQ_LEN: tl.constexpr,
+                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Cols pass for key rows [n_start, n_start + BLOCK_N) of one (batch, head), with
     delta from the rows pass. Returns grad_k, grad_v [BLOCK_N, HEAD_DIM]."""
-    EMBED: tl.constexpr = NUM_HEADS * HEAD_DIM
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = offs_n < SEQ_LEN
+    head_start = batch_head * SEQ_LEN * HEAD_DIM
+    v_hi, v_lo = load_pair(V_HI, V_LO, head_start + offs_n[:, None] * HEAD_DIM
+                           + offs_d[None, :], col_ok[:, None])            # [BN,D]
 
-    v = tl.load(V + batch_head * SEQ_LEN * HEAD_DIM + offs_n[:, None] * HEAD_DIM
-                + offs_d[None, :], mask=col_ok[:, None], other=0.0)       # [BN,D]
-    v_hi, v_lo = split_bf16(v)
-
-    p_cols = P + batch_head * SEQ_LEN * SEQ_LEN + offs_n[None, :]
-    q_head = Q + batch_head * SEQ_LEN * HEAD_DIM
+    p_t_cols = P + batch_head * SEQ_LEN * SEQ_LEN + offs_n[:, None]       # P^T rows
     delta_head = DELTA + batch_head * SEQ_LEN
 
     grad_k = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
@@ -118,25 +127,22 @@ def softmax_bwd_cols_tile(P, GRAD_ATTN, Q, V, DELTA, batch, head, n_start, scale
     for m_start in range(0, SEQ_LEN, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < SEQ_LEN
-        p = tl.load(p_cols + offs_m[:, None] * SEQ_LEN,
-                    mask=row_ok[:, None] & col_ok[None, :], other=0.0)    # [BM,BN]
-        grad_attn = tl.load(GRAD_ATTN + (batch * SEQ_LEN + offs_m[:, None]).to(tl.int64)
-                            * EMBED + head * HEAD_DIM + offs_d[None, :],
-                            mask=row_ok[:, None], other=0.0)              # [BM,D]
-        q = tl.load(q_head + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)                      # [BM,D]
+        p_t = tl.load(p_t_cols + offs_m[None, :] * SEQ_LEN,
+                      mask=col_ok[:, None] & row_ok[None, :], other=0.0)  # [BN,BM]
+        grad_attn_hi, grad_attn_lo = load_pair(
+            GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS,
+                                                  HEAD_DIM), row_ok[:, None])  # [BM,D]
+        q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
+                               + offs_d[None, :], row_ok[:, None])        # [BM,D]
         delta = tl.load(delta_head + offs_m, mask=row_ok, other=0.0)      # [BM]
 
-        p_hi, p_lo = split_bf16(p)
-        grad_attn_hi, grad_attn_lo = split_bf16(grad_attn)
-        grad_v = dot_bf16x3(tl.trans(p_hi), tl.trans(p_lo), grad_attn_hi, grad_attn_lo,
-                            grad_v)
-        grad_p = dot_bf16x3(grad_attn_hi, grad_attn_lo, tl.trans(v_hi), tl.trans(v_lo),
-                            tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # [BM,BN]
-        grad_s = p * (grad_p - delta[:, None])
-        gs_hi, gs_lo = split_bf16(grad_s)
-        q_hi, q_lo = split_bf16(q)
-        grad_k = dot_bf16x3(tl.trans(gs_hi), tl.trans(gs_lo), q_hi, q_lo, grad_k)
+        p_t_hi, p_t_lo = split_bf16(p_t)
+        grad_v = dot_bf16x3(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v)
+        grad_p_t = dot_bf16x3(v_hi, v_lo, tl.trans(grad_attn_hi), tl.trans(grad_attn_lo),
+                              tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))  # [BN,BM]
+        grad_s_t = p_t * (grad_p_t - delta[None, :])
+        gs_t_hi, gs_t_lo = split_bf16(grad_s_t)
+        grad_k = dot_bf16x3(gs_t_hi, gs_t_lo, q_hi, q_lo, grad_k)
     return grad_k * scale, grad_v
 
 
@@ -157,34 +163,34 @@ def kv_columns(head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
 # ---- raw kernels: one program per (row or column block, batch * head) ----------------
 
 @triton.jit
-def softmax_bwd_rows_kernel(P, GRAD_ATTN, K, V, GRAD_Q, DELTA, scale,
-                            SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+def softmax_bwd_rows_kernel(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO, GRAD_Q,
+                            DELTA, scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr):
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
-    grad_q, delta = softmax_bwd_rows_tile(P, GRAD_ATTN, K, V, batch, head, m_start, scale,
-                                          SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
+    grad_q, delta = softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI,
+                                          V_LO, batch, head, m_start, scale, SEQ_LEN,
+                                          NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
     tl.store(DELTA + tl.program_id(1).to(tl.int64) * SEQ_LEN + offs_m, delta,
              mask=offs_m < SEQ_LEN)
-    tl.store(GRAD_Q + (batch * SEQ_LEN + offs_m[:, None]).to(tl.int64) * (NUM_HEADS * HEAD_DIM)
-             + head * HEAD_DIM + offs_d[None, :], grad_q, mask=(offs_m < SEQ_LEN)[:, None])
+    tl.store(GRAD_Q + head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM), grad_q,
+             mask=(offs_m < SEQ_LEN)[:, None])
 
 
 @triton.jit
-def softmax_bwd_cols_kernel(P, GRAD_ATTN, Q, V, DELTA, GRAD_KV, scale,
-                            SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+def softmax_bwd_cols_kernel(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI, V_LO, DELTA,
+                            GRAD_KV, scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr):
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
-    grad_k, grad_v = softmax_bwd_cols_tile(P, GRAD_ATTN, Q, V, DELTA, batch, head, n_start,
-                                           scale, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
-                                           BLOCK_N)
+    grad_k, grad_v = softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI,
+                                           V_LO, DELTA, batch, head, n_start, scale,
+                                           SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     cols = kv_columns(head, NUM_HEADS, HEAD_DIM)
     tl.store(GRAD_KV + (batch * SEQ_LEN + offs_n[:, None]).to(tl.int64) * (2 * NUM_HEADS * HEAD_DIM)
