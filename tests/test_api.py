@@ -72,15 +72,29 @@ def test_inputs_are_not_modified_and_outputs_do_not_alias_them():
         assert g.untyped_storage().data_ptr() not in input_storages, name
 
 
-def test_batch_sizes_share_one_compiled_graph():
+def test_batch_sizes_share_one_compiled_graph_per_bucket():
     counters = torch._dynamo.utils.counters["stats"]
-    vitattn_bwd.attention_block_backward(**_inputs(2, 23, 2, 8), num_heads=2)
+
+    def inputs_of(B):                     # scale 0.37: a configuration no other test uses
+        return {**_inputs(B, 23, 2, 8, seed=B), "scale": 0.37}
+
+    for B in (2, 16):                                 # one graph per batch bucket
+        compiled_before = counters["unique_graphs"]
+        vitattn_bwd.attention_block_backward(**inputs_of(B), num_heads=2)
+        assert counters["unique_graphs"] == compiled_before + 1, B
     compiled_before = counters["unique_graphs"]
-    for B in (3, 4, 7, 12, 5, 2, 9, 16, 11, 6):      # more than dynamo's default limit of 8
-        inputs = _inputs(B, 23, 2, 8, seed=B)
+    # more sizes per bucket than dynamo's default recompile limit of 8
+    for B in (3, 4, 7, 12, 5, 2, 9, 15, 11, 6, 17, 31, 16, 24):
+        inputs = inputs_of(B)
         grads = vitattn_bwd.attention_block_backward(**inputs, num_heads=2)
         assert max(relative_errors(grads, reference_grads(inputs, 2, "exact"))) < 1e-5
     assert counters["unique_graphs"] == compiled_before
+
+
+def test_batch_buckets_cover_every_batch_size_once():
+    from vitattn_bwd.graph import batch_bucket
+    assert batch_bucket(1) is None
+    assert [batch_bucket(B)[0] for B in (2, 15, 16, 56, 10_000)] == [2, 2, 16, 16, 16]
 
 
 def test_grad_matches_reference_with_nonstandard_scale_and_eps():

@@ -63,12 +63,15 @@ def test_odd_shapes(seq_len, num_heads, head_dim, monkeypatch):
         assert err < (1e-3 if name == "grad_qkv_weight" else 1e-4), (seq_len, name, err)
 
 
-def test_deterministic():
-    inputs = make_inputs(7, device="cuda")
+@pytest.mark.parametrize("batch", [1, 7])
+def test_deterministic_and_outputs_survive_the_next_call(batch):
+    inputs = make_inputs(batch, device="cuda")
     first = contract.run(*inputs.values())
+    kept = [g.clone() for g in first]
     second = contract.run(*inputs.values())
-    for name, a, b in zip(OUTPUT_NAMES, first, second):
+    for name, a, b, c in zip(OUTPUT_NAMES, first, second, kept):
         assert torch.equal(a, b), name
+        assert torch.equal(a, c), name     # the second call did not overwrite the first
 
 
 @pytest.mark.parametrize("seq_len,head_dim", [(577, 64), (100, 32), (64, 128)])
@@ -89,10 +92,11 @@ def test_eager_triton_kernels(seq_len, head_dim):
         assert err < 5e-5, err
 
 
-def test_module_gradients_at_577_tokens():
+@pytest.mark.parametrize("batch", [1, 2])    # batch 1: the backward runs as a CUDA graph
+def test_module_gradients_at_577_tokens(batch):
     torch.manual_seed(0)
     block = VisionAttentionBlock().cuda()
-    x = torch.randn(2, SEQ_LEN, 1024, device="cuda", requires_grad=True)
+    x = torch.randn(batch, SEQ_LEN, 1024, device="cuda", requires_grad=True)
     y = block(x)
     grad_y = torch.randn_like(y)
     ours = torch.autograd.grad(y, [x, *block.parameters()], grad_y)

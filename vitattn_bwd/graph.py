@@ -3,19 +3,21 @@
 `block_backward` is the graph: cuBLAS-class GEMMs in float32-grade split precision
 (precision.py) around the two attention-core operators (attention_core.py), with the
 bias sums and the LayerNorm backward left to Inductor to fuse. On CUDA it is compiled in
-max-autotune mode (without CUDA graphs), where the attention core becomes our Triton
-templates (inductor.py); on the CPU Inductor emits C++ and the attention core runs its
-PyTorch math.
+max-autotune mode (CUDA graphs at batch 1 only, see compile_mode), where the attention
+core becomes our Triton templates (inductor.py); on the CPU Inductor emits C++ and the
+attention core runs its PyTorch math.
 
 `compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
-num_heads, scale, norm_eps, ln_grad, batch == 1). The batch dimension is dynamic, so
-every batch size >= 2 reuses one graph; batch 1 gets a static graph of its own (dynamo
-specializes size-1 dimensions). Exceeding dynamo's recompile limit raises instead of
-silently running eager code.
+num_heads, scale, norm_eps, ln_grad, batch bucket). Batch 1 gets a static graph (dynamo
+specializes size-1 dimensions); batches 2-15 and 16 and up get one dynamic-batch graph
+each. Max-autotune times its candidates at the first batch size a graph sees, so the
+buckets keep small and large batches from sharing one choice of tiles and GEMM kernels.
+Exceeding dynamo's recompile limit raises instead of silently running eager code.
 """
 import contextlib
 import functools
 import os
+import types
 
 import torch
 
@@ -26,6 +28,9 @@ from .reference import layer_norm_backward
 
 # Compiled graphs one process may hold before dynamo raises (one per configuration key).
 MAX_COMPILED_GRAPHS = 64
+# Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
+# object: (smallest, largest).
+BATCH_BUCKETS = ((2, 15), (16, float("inf")))
 
 _CACHE_KEY_TAG = cache_key_tag()
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v",
@@ -60,24 +65,43 @@ def block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight,
             grad_ln_weight, grad_ln_bias)
 
 
-def compile_mode(device_type):
-    """Inductor mode: max-autotune on CUDA, without CUDA graphs (their replays would copy
-    every input into static buffers, and their outputs live in a pool that the next call
-    overwrites). VITATTN_BWD_COMPILE_MODE=default skips GEMM autotuning (tests of odd
-    shapes use it: minutes less compiling; the attention-core templates still tune)."""
+def compile_mode(device_type, bucket):
+    """Inductor mode on CUDA: max-autotune. The static batch-1 graph also runs as a CUDA
+    graph: at batch 1 the GPU work (~0.3 ms) is smaller than the cost of launching its
+    ~25 kernels one by one, and copying its inputs into the graph's static buffers is
+    cheap. The dynamic-batch graphs run without CUDA graphs: those would be recorded
+    again for every batch size and copy hundreds of MB of inputs per call.
+    VITATTN_BWD_COMPILE_MODE overrides the mode for every graph (tests of odd shapes use
+    "default": minutes less compiling; the attention-core templates still tune)."""
     if device_type != "cuda":
         return None
-    return os.environ.get("VITATTN_BWD_COMPILE_MODE", "max-autotune-no-cudagraphs")
+    default = "max-autotune" if bucket is None else "max-autotune-no-cudagraphs"
+    return os.environ.get("VITATTN_BWD_COMPILE_MODE", default)
+
+
+def _uses_cuda_graphs(mode):
+    return mode in ("max-autotune", "reduce-overhead")
 
 
 @functools.cache
 def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
-             batch_is_one, mode):
+             batch_bucket, mode):
     """One torch.compile'd graph; the arguments are the cache key."""
-    del dtype, seq_len, embed_dim, num_heads, batch_is_one    # they key the cache only
-    fn = functools.partial(block_backward, scale=scale, norm_eps=norm_eps, ln_grad=ln_grad)
+    del dtype, seq_len, embed_dim, num_heads                  # they key the cache only
+    fn = functools.partial(_own_code_object(block_backward), scale=scale,
+                           norm_eps=norm_eps, ln_grad=ln_grad)
     _register_templates(required=device_type == "cuda")
     return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+
+
+def _own_code_object(fn):
+    """A copy of fn with a code object of its own. Dynamo keeps its compiled graphs per
+    code object and reuses any whose guards pass: without the copy, the dynamic graph of
+    one batch bucket would serve the other bucket too, tuned for the wrong sizes."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
+                              fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return functools.update_wrapper(copy, fn)
 
 
 def _register_templates(required):
@@ -91,15 +115,25 @@ def _register_templates(required):
             raise
 
 
+def batch_bucket(batch):
+    """None for batch 1 (static graph), else the BATCH_BUCKETS entry holding `batch`."""
+    if batch == 1:
+        return None
+    return next(b for b in BATCH_BUCKETS if b[0] <= batch <= b[1])
+
+
 @contextlib.contextmanager
-def compile_settings(device_type):
-    """Settings every compile and call of our graphs runs under."""
+def compile_settings(device_type, bucket):
+    """Settings every compile and call of our graphs runs under. The batch bucket is part
+    of the FX graph cache's key: the buckets' graphs are alike but tuned differently."""
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._dynamo.config.patch(
             recompile_limit=MAX_COMPILED_GRAPHS,
             accumulated_recompile_limit=4 * MAX_COMPILED_GRAPHS,
             fail_on_recompile_limit_hit=True))
-        stack.enter_context(torch.compiler.config.patch(cache_key_tag=_CACHE_KEY_TAG))
+        smallest_batch = 1 if bucket is None else bucket[0]
+        stack.enter_context(torch.compiler.config.patch(
+            cache_key_tag=f"{_CACHE_KEY_TAG}-batch{smallest_batch}"))
         if device_type == "cuda":
             stack.enter_context(tf32_matmuls())
         yield
@@ -113,10 +147,17 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
     x = inputs["x"]
     B, S, E = x.shape
     num_heads = inputs["q"].shape[1]
+    bucket = batch_bucket(B)
+    mode = compile_mode(x.device.type, bucket)
     fn = _compile(x.device.type, x.dtype, S, E, num_heads, float(scale), float(norm_eps),
-                  ln_grad, B == 1, compile_mode(x.device.type))
-    if B > 1:
+                  ln_grad, bucket, mode)
+    if bucket is not None:
         for name in BATCHED_INPUTS:
             torch._dynamo.mark_dynamic(inputs[name], 0)
-    with compile_settings(x.device.type):
-        return fn(**inputs)
+    with compile_settings(x.device.type, bucket):
+        grads = fn(**inputs)
+    if _uses_cuda_graphs(mode):
+        # a CUDA graph's outputs live in its memory pool and the next replay overwrites
+        # them: hand out copies (about 20 MB at batch 1)
+        grads = tuple(g.clone() for g in grads)
+    return grads
