@@ -2,7 +2,9 @@
 under Inductor."""
 import torch
 
-from vitattn_bwd.precision import matmul_fp32_grade, split_bf16
+import pytest
+
+from vitattn_bwd.precision import bf16x3_operands, matmul_fp32_grade, split_bf16
 
 
 def _randn(*shape, seed=0):
@@ -21,9 +23,22 @@ def test_split_hi_is_truncation_and_lo_the_rounded_rest():
 
 def _bf16x3_emulated(a, b):
     """The GPU's bf16x3 GEMM on the CPU: bf16 products are exact in float32."""
-    a_hi, a_lo = (p.float() for p in split_bf16(a))
-    b_hi, b_lo = (p.float() for p in split_bf16(b))
-    return torch.cat([a_hi, a_lo, a_hi], 1) @ torch.cat([b_hi, b_hi, b_lo], 0)
+    a3, b3 = bf16x3_operands(a, b)
+    return a3.float() @ b3.float()
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_bf16x3_operands_keep_the_leading_dimension_aligned(transposed):
+    """A transposed `a` (grad_out_weight's grad_rows.t(), K = B*S odd) keeps M as its
+    leading dimension; concatenating its rows would make it 3K (odd, misaligned)."""
+    M, K, N = 64, 577, 32
+    a = _randn(K, M).t() if transposed else _randn(M, K)
+    b = _randn(K, N, seed=1)
+    a3, b3 = bf16x3_operands(a, b)
+    assert a3.shape == (M, 3 * K) and b3.shape == (3 * K, N)
+    assert a3.stride() == ((1, M) if transposed else (3 * K, 1))
+    a_hi, a_lo = split_bf16(a)
+    assert torch.equal(a3, torch.cat([a_hi, a_lo, a_hi], dim=1))
 
 
 def test_bf16x3_is_float32_grade_and_bf16_is_not():

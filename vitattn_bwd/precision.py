@@ -28,11 +28,24 @@ def matmul_fp32_grade(a, b):
     """a [M,K] @ b [K,N] -> [M,N] float32 with float32-grade accuracy."""
     if a.device.type != "cuda" or a.dtype != torch.float32:
         return a @ b
+    return torch.mm(*bf16x3_operands(a, b), out_dtype=torch.float32)
+
+
+def bf16x3_operands(a, b):
+    """The bf16 operands of the one-GEMM bf16x3 product: a3 = [a_hi | a_lo | a_hi] [M,3K]
+    and b3 = [b_hi ; b_hi ; b_lo] [3K,N]."""
     a_hi, a_lo = split_bf16(a)
     b_hi, b_lo = split_bf16(b)
-    a3 = torch.cat([a_hi, a_lo, a_hi], dim=1)                              # [M,3K]
+    if a.stride(0) == 1 and a.stride(1) != 1:
+        # a is a transposed view ([M,K] column-major, e.g. grad_rows.t() with K = B*S):
+        # concatenate its transpose and transpose back, so that the GEMM's leading
+        # dimension stays M. Concatenating along dim 1 would give rows of 3K bf16
+        # elements, not 16-byte aligned for odd B*S, and cuBLAS slows down on those.
+        a3 = torch.cat([a_hi.t(), a_lo.t(), a_hi.t()], dim=0).t()          # [M,3K]
+    else:
+        a3 = torch.cat([a_hi, a_lo, a_hi], dim=1)                          # [M,3K]
     b3 = torch.cat([b_hi, b_hi, b_lo], dim=0)                              # [3K,N]
-    return torch.mm(a3, b3, out_dtype=torch.float32)
+    return a3, b3
 
 
 def matmul_tf32(a, b):
