@@ -31,8 +31,15 @@ def reference_fn(*args):
 class CudaTimer:
     """Median milliseconds of fn(*args), each call after an L2 flush."""
 
-    def __init__(self, l2_flush_bytes=512 * 2 ** 20):
+    def __init__(self, l2_flush_bytes=512 * 2 ** 20, spin_up_seconds=2.0):
         self.flush_buffer = torch.empty(l2_flush_bytes, dtype=torch.uint8, device="cuda")
+        # An idle GPU sits at low clocks (345 MHz seen on the H200): keep it busy for a
+        # while first, or the first case measured (batch 1) runs slow.
+        a = torch.randn(4096, 4096, device="cuda")
+        start = time.perf_counter()
+        while time.perf_counter() - start < spin_up_seconds:
+            a @ a
+            torch.cuda.synchronize()
 
     def __call__(self, fn, args, warmup=3, repeats=20):
         for _ in range(warmup):
