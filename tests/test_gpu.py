@@ -92,7 +92,7 @@ def test_eager_triton_kernels(seq_len, head_dim):
         assert err < 5e-5, err
 
 
-@pytest.mark.parametrize("batch", [1, 2])    # batch 1: the backward runs as a CUDA graph
+@pytest.mark.parametrize("batch", [1, 2])    # batch 1: the static graph
 def test_module_gradients_at_577_tokens(batch):
     torch.manual_seed(0)
     block = VisionAttentionBlock().cuda()

@@ -17,6 +17,7 @@ Exceeding dynamo's recompile limit raises instead of silently running eager code
 import contextlib
 import functools
 import os
+import threading
 import types
 
 import torch
@@ -67,15 +68,20 @@ def block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight,
 
 def compile_mode(device_type, bucket):
     """Inductor mode on CUDA: max-autotune. The static batch-1 graph also runs as a CUDA
-    graph: at batch 1 the GPU work (~0.3 ms) is smaller than the cost of launching its
-    ~25 kernels one by one, and copying its inputs into the graph's static buffers is
-    cheap. The dynamic-batch graphs run without CUDA graphs: those would be recorded
-    again for every batch size and copy hundreds of MB of inputs per call.
+    graph when called from the main thread: at batch 1 the GPU work (~0.26 ms) is smaller
+    than the cost of launching its ~25 kernels one by one, and copying its inputs into the
+    graph's static buffers is cheap. Not from other threads: CUDA graph trees keep
+    per-thread state, and the autograd engine runs VisionAttentionBlock's backward on a
+    thread of its own (one H200 run of scripts/bench_module.py ended without a message
+    right after its batch-1 step there; not reproduced, so we do not go there). The
+    dynamic-batch graphs run without CUDA graphs: those would be recorded again for every
+    batch size and copy hundreds of MB of inputs per call.
     VITATTN_BWD_COMPILE_MODE overrides the mode for every graph (tests of odd shapes use
     "default": minutes less compiling; the attention-core templates still tune)."""
     if device_type != "cuda":
         return None
-    default = "max-autotune" if bucket is None else "max-autotune-no-cudagraphs"
+    cuda_graph = bucket is None and threading.current_thread() is threading.main_thread()
+    default = "max-autotune" if cuda_graph else "max-autotune-no-cudagraphs"
     return os.environ.get("VITATTN_BWD_COMPILE_MODE", default)
 
 
