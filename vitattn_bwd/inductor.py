@@ -9,6 +9,8 @@ between versions are handled here and nowhere else:
 The templates reuse the device code of kernels/softmax_bwd.py verbatim: each template is
 a thin entry point (program ids, output store) followed by the source of the `*_tile`
 functions, so the kernels tested under TRITON_INTERPRET=1 are the kernels compiled here.
+The lowerings hand the templates grad_attn, q, k and v as bf16 (hi, lo) pairs, made by
+one pointwise pass each (shared by the two passes) from the float32 tensors of the graph.
 """
 import inspect
 import weakref
