@@ -10,8 +10,10 @@ attention core runs its PyTorch math.
 `compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
 num_heads, scale, norm_eps, ln_grad, batch bucket). Batch 1 gets a static graph (dynamo
 specializes size-1 dimensions); batches 2-15 and 16 and up get one dynamic-batch graph
-each. Max-autotune times its candidates at the first batch size a graph sees, so the
-buckets keep small and large batches from sharing one choice of tiles and GEMM kernels.
+each (Inductor compiles a bucket once more when a size fails a guard of its first
+compile: batch 10 after batch 2 on the H200). Max-autotune times its candidates at the
+first batch size a graph sees, so the buckets keep small and large batches from sharing
+one choice of tiles and GEMM kernels.
 Exceeding dynamo's recompile limit raises instead of silently running eager code.
 """
 import contextlib

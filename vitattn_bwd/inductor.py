@@ -38,8 +38,9 @@ TILE_CONFIGS = (
 )
 
 _DEVICE_FUNCTIONS = (softmax_bwd.split_bf16, softmax_bwd.dot_bf16x3, softmax_bwd.load_pair,
-                     softmax_bwd.head_rows, softmax_bwd.softmax_bwd_rows_tile, softmax_bwd.softmax_bwd_cols_tile,
-                     softmax_bwd.join_kv, softmax_bwd.kv_columns)
+                     softmax_bwd.head_rows, softmax_bwd.softmax_bwd_rows_tile,
+                     softmax_bwd.softmax_bwd_cols_tile, softmax_bwd.join_kv,
+                     softmax_bwd.kv_columns)
 
 
 def _device_source():
