@@ -1,11 +1,14 @@
 """The public backward: argument checks, then the compiled graph (graph.py)."""
+import functools
 import math
+import numbers
+import operator
 from typing import NamedTuple
 
 import torch
 
 from .graph import compiled_backward
-from .reference import LN_GRAD_MODES
+from .layout import LN_GRAD_MODES
 
 
 class BlockGrads(NamedTuple):
@@ -36,21 +39,66 @@ TENSOR_SHAPES = {
 }
 
 
+@functools.lru_cache(maxsize=256)
+def _expected_shapes(B, S, E, H):
+    """name -> expected shape tuple (cached: the checks run on every call)."""
+    dims = {"B": B, "S": S, "E": E, "3E": 3 * E, "H": H, "D": E // H}
+    return {name: tuple(dims[d] if isinstance(d, str) else d for d in shape)
+            for name, shape in TENSOR_SHAPES.items()}
+
+
+def _heads_hint(name, t, dims):
+    """Why a [B,H,S,D]-shaped input's shape was wrong, when num_heads is the likely cause."""
+    if t.dim() != 4:
+        return ""
+    if name != "attn_weights" and t.shape[1] != dims["H"] and t.shape[1] * t.shape[3] == dims["E"]:
+        return (f"; it has {t.shape[1]} heads of {t.shape[3]}: pass num_heads={t.shape[1]}"
+                f" (num_heads is {dims['H']}; its default is 16)")
+    return f" (num_heads={dims['H']})"
+
+
+def check_num_heads(num_heads):
+    """num_heads as a Python int: ints and NumPy integers (anything with __index__ but
+    bool and tensors); TypeError/ValueError naming it otherwise."""
+    if type(num_heads) is not int:
+        if isinstance(num_heads, (bool, torch.Tensor)):
+            raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
+        try:
+            num_heads = operator.index(num_heads)
+        except TypeError:
+            raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}") \
+                from None
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    return num_heads
+
+
+def check_float(name, value):
+    """A finite Python float from a float, int or NumPy float/int scalar; bool, tensors and
+    strings raise a TypeError naming the argument, NaN/Inf a ValueError."""
+    if type(value) is not float:
+        if isinstance(value, (bool, str, bytes, torch.Tensor)) \
+                or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a Python or NumPy float, "
+                            f"got {type(value).__name__}")
+        value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
 def validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad, check_finite=False):
     """Raise TypeError/ValueError naming the offending argument; return the tensors made
-    contiguous (a copy only where an input was not) and detached."""
+    contiguous (a copy only where an input was not) and detached, and scale, norm_eps and
+    num_heads as Python float, float, int."""
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ln_grad not in LN_GRAD_MODES:
         raise ValueError(f"ln_grad must be one of {LN_GRAD_MODES}, got {ln_grad!r}")
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    for name, value in (("scale", scale), ("norm_eps", norm_eps)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
-        if not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value}")
+    num_heads = check_num_heads(num_heads)
+    scale = check_float("scale", scale)
+    norm_eps = check_float("norm_eps", norm_eps)
     if norm_eps < 0:
         raise ValueError(f"norm_eps must be >= 0, got {norm_eps}")
 
@@ -64,16 +112,19 @@ def validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad, check_finite=F
     B, S, E = x.shape
     if E % num_heads:
         raise ValueError(f"x's embed dim {E} is not divisible by num_heads={num_heads}")
-    dims = {"B": B, "S": S, "E": E, "3E": 3 * E, "H": num_heads, "D": E // num_heads}
     if min(B, S) < 1:
         raise ValueError(f"x must have batch and sequence length >= 1, got {tuple(x.shape)}")
 
     checked = {}
+    shapes = _expected_shapes(B, S, E, num_heads)
     for name, t in tensors.items():
-        want = tuple(dims[d] if isinstance(d, str) else d for d in TENSOR_SHAPES[name])
-        if tuple(t.shape) != want:
+        want = shapes[name]
+        if t.shape != want:
+            dims = {"E": E, "H": num_heads}
+            hint = _heads_hint(name, t, dims) if "H" in TENSOR_SHAPES[name] else ""
             raise ValueError(f"{name} must have shape {want} "
-                             f"({'x'.join(map(str, TENSOR_SHAPES[name]))}), got {tuple(t.shape)}")
+                             f"({'x'.join(map(str, TENSOR_SHAPES[name]))}), "
+                             f"got {tuple(t.shape)}{hint}")
         if t.dtype != dtype:
             raise TypeError(f"{name} has dtype {t.dtype}, but x has {dtype}; all inputs "
                             "must share one dtype")
@@ -83,7 +134,7 @@ def validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad, check_finite=F
         if check_finite and not torch.isfinite(t).all():
             raise ValueError(f"{name} contains NaN or Inf")
         checked[name] = t.detach().contiguous()
-    return checked
+    return checked, scale, norm_eps, num_heads
 
 
 def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight,
@@ -103,6 +154,7 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
     tensors = dict(grad_output=grad_output, x=x, x_mean=x_mean, x_var=x_var, x_norm=x_norm,
                    ln_weight=ln_weight, qkv_weight=qkv_weight, q=q, k=k, v=v,
                    attn_weights=attn_weights, attn_output=attn_output, out_weight=out_weight)
-    inputs = validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad, check_finite)
+    inputs, scale, norm_eps, _ = validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad,
+                                                 check_finite)
     return BlockGrads(*compiled_backward(inputs, scale=scale, norm_eps=norm_eps,
                                          ln_grad=ln_grad))
