@@ -1,7 +1,38 @@
-"""Test helpers: the float64 reference and relative errors."""
+"""Test helpers shared by every test file: the one input factory, the float64 reference,
+relative errors, and the one table of relative-error bounds."""
 import torch
 
 from vitattn_bwd import reference
+from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs
+
+# Relative error (Frobenius norm of the difference over the reference's) allowed per
+# output, against the float64 reference, by path: the CPU float32 and float64 graphs
+# (plain products), and the compiled CUDA path (float32-grade split products, except
+# grad_qkv_weight, an fp16/TF32-grade product).
+TOLERANCES = {
+    ("cpu", torch.float32): dict.fromkeys(OUTPUT_NAMES, 1e-5),
+    ("cpu", torch.float64): dict.fromkeys(OUTPUT_NAMES, 1e-12),
+    ("cuda", torch.float32): {**dict.fromkeys(OUTPUT_NAMES, 1e-4), "grad_qkv_weight": 1e-3},
+}
+
+
+def bound(output_name, device="cpu", dtype=torch.float32):
+    """The relative-error bound of one output on one path (device type, dtype)."""
+    device_type = torch.device(device).type
+    try:
+        table = TOLERANCES[device_type, dtype]
+    except KeyError:
+        raise KeyError(f"no tolerance for {device_type} {dtype}: add one to "
+                       "tests/helpers.TOLERANCES") from None
+    return table[output_name]
+
+
+def make_case(B, S, H, D, dtype=torch.float32, seed=0, device="cpu"):
+    """The 15 inputs as the benchmark draws them (workloads.make_inputs), B x S tokens,
+    H heads of D, reproducible from `seed`."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return make_inputs(B, seq_len=S, embed_dim=H * D, num_heads=H, device=device,
+                       dtype=dtype, generator=g)
 
 
 def reference_grads(inputs, num_heads, ln_grad, dtype=torch.float64, device="cpu"):
@@ -13,3 +44,15 @@ def reference_grads(inputs, num_heads, ln_grad, dtype=torch.float64, device="cpu
 def relative_errors(outputs, refs):
     return [((o.double() - r.double()).norm() / r.double().norm()).item()
             for o, r in zip(outputs, refs)]
+
+
+def assert_within_bounds(outputs, inputs, num_heads, ln_grad):
+    """Every output within its TOLERANCES bound of the float64 reference; the path is the
+    outputs' device and dtype. Returns {name: relative error}."""
+    refs = reference_grads(inputs, num_heads, ln_grad)
+    errors = dict(zip(OUTPUT_NAMES, relative_errors(outputs, refs)))
+    device, dtype = outputs[0].device, outputs[0].dtype
+    over = {name: (err, bound(name, device, dtype)) for name, err in errors.items()
+            if not err <= bound(name, device, dtype)}
+    assert not over, f"over the bound (error, bound) on {device} {dtype}: {over}"
+    return errors
