@@ -1,10 +1,15 @@
 """Compile-cache warm-up: scripts/warmup_cache.py fills a directory; a fresh process
-pointed at it compiles nothing and starts faster; a cache from another stack is refused."""
+pointed at it compiles nothing and starts faster; a cache from another stack is refused.
+VITATTN_BWD_CACHE is read at the first compile, once, never at import. The cache-key tag
+hashes every source of ours that the compiled graph and its lowering import."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -76,3 +81,154 @@ def test_cache_from_another_stack_is_refused(warmed_cache, tmp_path):
 def test_directory_without_fingerprint_is_refused(tmp_path):
     with pytest.raises(RuntimeError, match="not a vitattn_bwd compile cache"):
         vitattn_bwd.load_compile_cache(tmp_path)
+
+
+# torch's own `import torch._dynamo` sets TORCHINDUCTOR_CACHE_DIR to its default: import
+# that first, so that the snapshot tells what importing vitattn_bwd changes.
+IMPORT_WITH_BAD_CACHE = """
+import json, os, torch, torch._dynamo, torch._inductor.config
+before = dict(os.environ)
+import vitattn_bwd
+from vitattn_bwd import cache
+after = dict(os.environ)
+changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+errors = []
+for _ in range(2):
+    try:
+        cache.load_env_cache_once()
+        errors.append(None)
+    except RuntimeError as e:
+        errors.append(str(e))
+print(json.dumps({"changed": changed, "errors": errors,
+                  "inductor_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}))
+"""
+
+
+def test_import_with_a_bad_cache_variable_changes_nothing_and_the_first_load_raises(tmp_path):
+    bad = tmp_path / "not-a-cache"
+    bad.mkdir()
+    run = subprocess.run([sys.executable, "-c", IMPORT_WITH_BAD_CACHE], capture_output=True,
+                         text=True, env=_env(VITATTN_BWD_CACHE=str(bad)), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["changed"] == []                       # importing left os.environ alone
+    message = f"{bad} is not a vitattn_bwd compile cache"
+    assert [message in e for e in out["errors"]] == [True, True], out  # and again, later
+    assert out["inductor_dir"] != str(bad)
+
+
+LOAD_GOOD_CACHE = """
+import json, os, vitattn_bwd
+from vitattn_bwd import cache
+at_import = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+first = cache.load_env_cache_once()
+inductor_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+os.environ[cache.CACHE_ENV] = "/nonexistent"           # read once: no effect now
+second = cache.load_env_cache_once()
+print(json.dumps({"at_import": at_import, "first": str(first), "second": second,
+                  "inductor_dir": inductor_dir}))
+"""
+
+
+def test_env_cache_is_loaded_at_the_first_call_only(tmp_path):
+    cache.write_fingerprint(tmp_path)
+    run = subprocess.run([sys.executable, "-c", LOAD_GOOD_CACHE], capture_output=True,
+                         text=True, env=_env(VITATTN_BWD_CACHE=str(tmp_path)), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["at_import"] != str(tmp_path.resolve())
+    assert out == {"at_import": out["at_import"], "first": str(tmp_path.resolve()),
+                   "second": None, "inductor_dir": str(tmp_path.resolve())}
+
+
+def test_env_cache_unset_does_nothing(monkeypatch):
+    monkeypatch.setattr(cache, "_env_done", False)
+    monkeypatch.delenv(cache.CACHE_ENV, raising=False)
+    environ = dict(os.environ)
+    assert cache.load_env_cache_once() is None
+    assert dict(os.environ) == environ and cache._env_done
+
+
+def test_env_cache_loads_once_under_concurrent_first_calls(monkeypatch):
+    monkeypatch.setattr(cache, "_env_done", False)
+    monkeypatch.setenv(cache.CACHE_ENV, "/some/cache")
+    calls = []
+
+    def slow_load(path):
+        calls.append(path)
+        time.sleep(0.05)                  # wide window for a second thread to slip in
+        return Path(path)
+
+    monkeypatch.setattr(cache, "load_compile_cache", slow_load)
+    start, results = threading.Barrier(8), []
+
+    def first_compile():
+        start.wait()
+        results.append(cache.load_env_cache_once())
+
+    threads = [threading.Thread(target=first_compile) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["/some/cache"]
+    assert sorted(map(str, results)) == ["/some/cache"] + ["None"] * 7
+
+
+def _package_copy(tmp_path):
+    copy = tmp_path / "vitattn_bwd"
+    shutil.copytree(Path(cache.__file__).parent, copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return copy
+
+
+def test_template_sources_are_what_graph_and_inductor_import():
+    sources = cache.template_sources()
+    assert sources == cache._TEMPLATE_SOURCES
+    for name in ("graph.py", "inductor.py", "attention_core.py", "precision.py"):
+        assert name in sources, name
+    # every kernels module that importing the lowering really loads
+    pytest.importorskip("triton")
+    import vitattn_bwd.inductor  # noqa: F401
+    package = Path(cache.__file__).parent
+    kernels = {Path(m.__file__).relative_to(package).as_posix()
+               for name, m in list(sys.modules.items())
+               if name.startswith("vitattn_bwd.kernels.") and getattr(m, "__file__", None)}
+    assert kernels and kernels <= set(sources), (kernels, sources)
+    # modules the compiled code does not import stay out
+    for name in ("api.py", "module.py", "contract.py", "workloads.py", "__init__.py"):
+        assert name not in sources, name
+
+
+def test_touching_any_template_source_changes_the_tag(tmp_path):
+    copy = _package_copy(tmp_path)
+    base = cache.cache_key_tag(copy)
+    assert base == cache.cache_key_tag()                  # same bytes, same tag
+    for rel in cache.template_sources(copy):
+        path = copy / rel
+        original = path.read_bytes()
+        path.write_bytes(original + b"\n# touched\n")
+        assert cache.cache_key_tag(copy) != base, rel
+        path.write_bytes(original)
+    assert cache.cache_key_tag(copy) == base
+    (copy / "module.py").write_bytes((copy / "module.py").read_bytes() + b"\n# touched\n")
+    assert cache.cache_key_tag(copy) == base              # not compiled code
+
+
+def test_a_new_module_imported_by_the_lowering_joins_the_tag(tmp_path):
+    """Generic: a kernels module imported at the top of inductor.py and a module imported
+    inside a function of attention_core.py are followed without a list to update."""
+    copy = _package_copy(tmp_path)
+    (copy / "kernels" / "new_tiles.py").write_text("from ..extra_math import helper\n")
+    (copy / "extra_math.py").write_text("def helper():\n    return 1\n")
+    (copy / "late.py").write_text("X = 1\n")
+    (copy / "inductor.py").write_text("from .kernels import new_tiles\n"
+                                      + (copy / "inductor.py").read_text())
+    (copy / "attention_core.py").write_text((copy / "attention_core.py").read_text()
+                                            + "\n\ndef _late():\n    from .late import X\n")
+    sources = cache.template_sources(copy)
+    for rel in ("kernels/new_tiles.py", "extra_math.py", "late.py"):
+        assert rel in sources, rel
+        base = cache.cache_key_tag(copy)
+        (copy / rel).write_text((copy / rel).read_text() + "# touched\n")
+        assert cache.cache_key_tag(copy) != base, rel

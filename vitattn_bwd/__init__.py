@@ -1,12 +1,10 @@
-"""vitattn_bwd: the fused backward of a pre-LayerNorm ViT attention block."""
-import os
+"""vitattn_bwd: the fused backward of a pre-LayerNorm ViT attention block.
 
+Importing changes no process state: a compile cache named by VITATTN_BWD_CACHE is loaded
+at the first compile (cache.load_env_cache_once), not here."""
 from .api import BlockGrads, attention_block_backward
-from .cache import CACHE_ENV, load_compile_cache
+from .cache import load_compile_cache
 from .module import VisionAttentionBlock
 
 __all__ = ["BlockGrads", "VisionAttentionBlock", "attention_block_backward",
            "load_compile_cache"]
-
-if os.environ.get(CACHE_ENV):                 # a warm-up run's cache, for this process
-    load_compile_cache(os.environ[CACHE_ENV])

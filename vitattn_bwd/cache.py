@@ -7,28 +7,105 @@ GPU and vitattn_bwd sources it was made with. Caches only serve the stack that m
 so `load_compile_cache` refuses a directory whose fingerprint differs.
 
     vitattn_bwd.load_compile_cache("/path/to/cache")   # or VITATTN_BWD_CACHE=/path/...
+
+VITATTN_BWD_CACHE is read at the first compile (graph._compile calls
+load_env_cache_once), not at import: importing the package changes nothing.
 """
+import ast
 import hashlib
 import json
 import os
 import pathlib
+import threading
 
 import torch
 
 FINGERPRINT_FILE = "vitattn_bwd_cache.json"
 CACHE_ENV = "VITATTN_BWD_CACHE"
 _PACKAGE = pathlib.Path(__file__).parent
-# Sources whose changes Inductor's FX graph cache would not notice (it hashes torch and
-# its config, not our lowerings and templates).
-_TEMPLATE_SOURCES = ("inductor.py", "kernels/softmax_bwd.py", "graph.py", "precision.py")
+# The modules whose code is compiled (graph.py: the traced math) or lowers it (inductor.py:
+# templates and lowerings). Inductor's FX graph cache hashes torch and its config, not our
+# sources, so the tag below hashes these and every module of ours they import.
+_COMPILED_ROOTS = ("graph.py", "inductor.py")
 
 
-def cache_key_tag():
-    """A tag that changes whenever our templates, lowering or graph change; compiles run
-    under torch.compiler.config.cache_key_tag = this."""
+def _module_file(package_dir, parts):
+    """The file of package-relative module `parts` (a module or a subpackage's
+    __init__.py), or None if there is none. The package's own __init__ is not ours to
+    follow (it imports the public API, not the compiled code)."""
+    if not parts:
+        return None
+    for rel in ("/".join(parts) + ".py", "/".join(parts) + "/__init__.py"):
+        if (package_dir / rel).is_file():
+            return rel
+    return None
+
+
+def _imported_files(package_dir, rel):
+    """Package-relative files that the module at `rel` imports, anywhere in its body
+    (imports inside functions count: they run at trace or lowering time), read with ast
+    (nothing is executed). Subpackages bring their __init__.py."""
+    parts = rel[:-len(".py")].split("/")
+    package = parts[:-1]                  # the package this module's relative imports start at
+    tree = ast.parse((package_dir / rel).read_bytes(), filename=rel)
+    targets = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                if node.level - 1 > len(package):
+                    continue              # beyond the top package: not ours
+                base = package[:len(package) - (node.level - 1)]
+            elif node.module and node.module.split(".")[0] == _PACKAGE.name:
+                base = []
+                node = ast.ImportFrom(module=".".join(node.module.split(".")[1:]) or None,
+                                      names=node.names, level=1)
+            else:
+                continue
+            module = base + (node.module.split(".") if node.module else [])
+            targets.append(module)
+            targets.extend(module + [alias.name] for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                names = alias.name.split(".")
+                if names[0] == _PACKAGE.name:
+                    targets.append(names[1:])
+    found = []
+    for module in targets:
+        for depth in range(1, len(module) + 1):       # parent packages' __init__ run too
+            file = _module_file(package_dir, module[:depth])
+            if file and (depth == len(module) or file.endswith("__init__.py")):
+                found.append(file)
+    return found
+
+
+def template_sources(package_dir=None):
+    """The package's source files (relative paths, sorted) whose change must change the
+    cache-key tag: graph.py and inductor.py and, transitively, every module of the
+    package they import (attention_core.py, precision.py, the kernels, ...)."""
+    package_dir = pathlib.Path(package_dir or _PACKAGE)
+    seen, todo = set(), [r for r in _COMPILED_ROOTS if (package_dir / r).is_file()]
+    while todo:
+        rel = todo.pop()
+        if rel not in seen:
+            seen.add(rel)
+            todo.extend(_imported_files(package_dir, rel))
+    return tuple(sorted(seen))
+
+
+_TEMPLATE_SOURCES = template_sources()
+
+
+def cache_key_tag(package_dir=None):
+    """A tag that changes whenever our templates, lowering or graph (or anything of ours
+    they import) change; compiles run under torch.compiler.config.cache_key_tag = this."""
+    if package_dir is None:
+        package_dir, sources = _PACKAGE, _TEMPLATE_SOURCES
+    else:
+        package_dir = pathlib.Path(package_dir)
+        sources = template_sources(package_dir)
     digest = hashlib.sha256()
-    for name in _TEMPLATE_SOURCES:
-        digest.update((_PACKAGE / name).read_bytes())
+    for name in sources:
+        digest.update((package_dir / name).read_bytes())
     return "vitattn_bwd-" + digest.hexdigest()[:16]
 
 
@@ -73,3 +150,24 @@ def load_compile_cache(path):
         raise RuntimeError(f"compile cache {path} was made for another stack ({detail}); "
                            "run scripts/warmup_cache.py again here")
     return use_cache_dir(path)
+
+
+_env_lock = threading.Lock()
+_env_done = False
+
+
+def load_env_cache_once():
+    """Load the cache that VITATTN_BWD_CACHE names, once per process, at the first compile
+    (graph._compile calls this). Does nothing when the variable is unset. Raises the
+    RuntimeError of load_compile_cache for a bad cache, and again at every later call
+    until a load succeeds. Thread-safe. Returns the cache directory, or None."""
+    global _env_done
+    if _env_done:
+        return None
+    with _env_lock:
+        if _env_done:
+            return None
+        path = os.environ.get(CACHE_ENV)
+        loaded = load_compile_cache(path) if path else None
+        _env_done = True
+        return loaded
