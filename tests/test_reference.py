@@ -2,6 +2,7 @@
 contract's formula."""
 import pytest
 import torch
+from torch import nn
 
 from vitattn_bwd import reference
 from vitattn_bwd.module import attention_block_forward
@@ -63,3 +64,47 @@ def test_unknown_ln_grad_mode_is_rejected():
     with pytest.raises(ValueError, match="ln_grad"):
         reference.layer_norm_backward(t, t, t, t[..., :1], t[..., :1] + 1, torch.ones(2),
                                       1e-5, "approx")
+
+
+class _ReorderedBlock(nn.Module):
+    """A block with VisionAttentionBlock's parameter names, registered in another order
+    (parameters() yields out_proj first)."""
+
+    def __init__(self, E, H, params):
+        super().__init__()
+        self.num_heads, self.eps = H, 1e-5
+        self.out_proj = nn.Linear(E, E, dtype=torch.float64)
+        self.qkv = nn.Linear(E, 3 * E, dtype=torch.float64)
+        self.norm = nn.LayerNorm(E, dtype=torch.float64)
+        with torch.no_grad():
+            for module, (weight, bias) in ((self.norm, params[0:2]), (self.qkv, params[2:4]),
+                                           (self.out_proj, params[4:6])):
+                module.weight.copy_(weight)
+                module.bias.copy_(bias)
+
+
+def test_reference_block_takes_parameters_by_name_not_by_order():
+    E, H = 16, 2
+    params = _block_params(E)
+    block = _ReorderedBlock(E, H, params)
+    assert next(block.parameters()).shape == (E, E)            # out_proj.weight first
+    x = torch.randn(2, 5, E, dtype=torch.float64)
+    want = reference.block_forward(x, *params, num_heads=H, eps=1e-5)
+    torch.testing.assert_close(reference.ReferenceBlock(block)(x), want, rtol=0, atol=0)
+
+
+def test_production_modules_do_not_import_the_reference():
+    import ast
+    from pathlib import Path
+    package = Path(reference.__file__).parent
+    importers = []
+    for path in package.rglob("*.py"):
+        if path.name == "reference.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] + [a.name for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else
+                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if any(n.split(".")[-1] == "reference" for n in names):
+                importers.append(path.relative_to(package).as_posix())
+    assert importers == []

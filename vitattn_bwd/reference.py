@@ -13,24 +13,15 @@ Forward, for reference:
 
 Two LayerNorm input gradients (see README): "exact" is the true gradient, "contract" is
 the benchmark contract's formula, whose last term lacks a 1/std factor.
+
+Tests and benchmarks only: production code imports nothing from here (shared layouts live
+in layout.py).
 """
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-LN_GRAD_MODES = ("exact", "contract")
-
-
-def split_heads(t, num_heads):
-    """[B,S,E] -> [B,H,S,D]"""
-    B, S, E = t.shape
-    return t.view(B, S, num_heads, E // num_heads).transpose(1, 2)
-
-
-def merge_heads(t):
-    """[B,H,S,D] -> [B,S,E]"""
-    B, H, S, D = t.shape
-    return t.transpose(1, 2).reshape(B, S, H * D)
+from .layout import LN_GRAD_MODES, merge_heads, split_heads
 
 
 def layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, norm_eps,
@@ -107,7 +98,8 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
 
 
 class ReferenceBlock(nn.Module):
-    """A VisionAttentionBlock's parameters through block_forward and stock autograd."""
+    """A VisionAttentionBlock's parameters (by name: norm, qkv, out_proj weights and
+    biases) through block_forward and stock autograd."""
 
     def __init__(self, block):
         super().__init__()
@@ -115,4 +107,6 @@ class ReferenceBlock(nn.Module):
 
     def forward(self, x):
         b = self.block
-        return block_forward(x, *b.parameters(), num_heads=b.num_heads, eps=b.eps)
+        return block_forward(x, b.norm.weight, b.norm.bias, b.qkv.weight, b.qkv.bias,
+                             b.out_proj.weight, b.out_proj.bias, num_heads=b.num_heads,
+                             eps=b.eps)
