@@ -1,0 +1,113 @@
+"""The attention forward as a custom operator that never writes an S x S tensor:
+
+    attention_fwd(q, k, v, scale) -> attn_output [B,S,E], lse [B,H,S]
+
+q, k, v are [B,H,S,D] (any strides); attn_output = softmax(scale * q k^T) v with heads
+merged (E = H*D, what the out projection reads); lse = logsumexp(scale * q k^T) per row
+(natural log), from which the backward recomputes the probabilities:
+P = exp(scale * q k^T - lse) (`attention_probabilities`).
+
+On CUDA, for float32 and the head dims of the Triton kernels, it runs the FlashAttention-
+style kernel of kernels/attention_fwd.py after splitting q, k and v once into bf16 hi/lo
+pairs (what the kernel reads; float32-grade bf16x3 products, ~1e-5 relative error).
+Elsewhere it runs `attention_math`: the same outputs from PyTorch ops in the inputs'
+dtype (float32 products without TF32), materializing S x S.
+"""
+import math
+from typing import NamedTuple
+
+import torch
+
+from .attention_core import triton_supports
+from .precision import split_bf16, tf32_matmuls
+
+
+class FwdTileConfig(NamedTuple):
+    """One launch configuration: BLOCK_M query rows per program, keys swept BLOCK_N at a
+    time."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Defaults per head_dim, sized for the 227 KB of shared memory of an H100/H200: a program
+# keeps its q hi/lo tiles (2 * BLOCK_M * D * 2 bytes) and pipelines num_stages k and v
+# hi/lo tiles (4 * BLOCK_N * D * 2 bytes each stage). D=64: 32 KB + 3 * 32 KB; D=128:
+# 32 KB + 2 * 64 KB. scripts/time_attention_fwd.py --sweep times alternatives.
+FWD_TILES = {16: FwdTileConfig(128, 64, 4, 3), 32: FwdTileConfig(128, 64, 4, 3),
+             64: FwdTileConfig(128, 64, 8, 3), 128: FwdTileConfig(64, 64, 4, 2)}
+
+
+def _check_inputs(q, k, v, scale):
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must be [B,H,S,D] of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype and q.device == k.device == v.device):
+        raise ValueError("q, k, v must share dtype and device")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be finite and > 0, got {scale}")
+
+
+def attention_math(q, k, v, scale):
+    """The operator's outputs from PyTorch ops in q's dtype (materializes S x S)."""
+    B, H, S, D = q.shape
+    with tf32_matmuls(False):
+        logits = (q @ k.transpose(-1, -2)) * scale                         # [B,H,S,S]
+        lse = torch.logsumexp(logits, dim=-1)                              # [B,H,S]
+        attn_output = torch.softmax(logits, dim=-1) @ v                    # [B,H,S,D]
+    return attn_output.transpose(1, 2).reshape(B, S, H * D), lse           # [B,S,E]
+
+
+def attention_probabilities(q, k, lse, scale):
+    """P = exp(scale * q k^T - lse) [B,H,S,S]: the softmax, recomputed from the saved
+    log-sum-exp as the backward does (PyTorch ops, for tests)."""
+    with tf32_matmuls(False):
+        return torch.exp((q @ k.transpose(-1, -2)) * scale - lse.unsqueeze(-1))
+
+
+def _split_for_kernel(t):
+    """bf16 (hi, lo) of float32 t with one set of strides and a contiguous last dim, as
+    the kernel reads them. Strided views (the module's heads of the QKV output) are
+    split without a copy first."""
+    hi, lo = split_bf16(t)
+    if hi.stride() != lo.stride() or hi.stride(-1) != 1:
+        hi, lo = split_bf16(t.contiguous())
+    return hi, lo
+
+
+def launch_attention_fwd(q, k, v, scale, tiles=None):
+    """Run the Triton kernel on any tensors Triton can reach (CUDA, or CPU when
+    TRITON_INTERPRET=1). `tiles`: a FwdTileConfig, default FWD_TILES[head_dim]."""
+    from .kernels.attention_fwd import attention_fwd_kernel
+    _check_inputs(q, k, v, scale)
+    B, H, S, D = q.shape
+    tiles = tiles or FWD_TILES[D]
+    attn_output = q.new_empty(B, S, H * D, dtype=torch.float32)
+    lse = q.new_empty(B, H, S, dtype=torch.float32)
+    if attn_output.numel() == 0:
+        return attn_output, lse
+    (q_hi, q_lo), (k_hi, k_lo), (v_hi, v_lo) = (_split_for_kernel(t) for t in (q, k, v))
+    grid = (-(-S // tiles.block_m), B * H)
+    attention_fwd_kernel[grid](
+        q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output, lse, *q_hi.stride()[:3],
+        *k_hi.stride()[:3], *v_hi.stride()[:3], scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return attn_output, lse
+
+
+@torch.library.custom_op("vitattn_bwd::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_inputs(q, k, v, scale)
+    # the kernel on CUDA only: on the CPU the math is the fast path, interpreter or not
+    if q.device.type == "cuda" and triton_supports("cuda", q.dtype, q.shape[-1]):
+        return launch_attention_fwd(q, k, v, scale)
+    return attention_math(q, k, v, scale)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, scale):
+    B, H, S, D = q.shape
+    return q.new_empty(B, S, H * D), q.new_empty(B, H, S)
