@@ -1,5 +1,6 @@
 """VisionAttentionBlock on the CPU: its fused backward against autograd through a plain
-block, gradcheck, training steps, torch.compile, DDP, and the weight converters."""
+block, gradcheck, training steps, torch.compile, DDP, the weight converters, argument
+checks at construction, empty batches, double backward, autocast and bf16/fp16 blocks."""
 import copy
 import datetime
 import os
@@ -13,7 +14,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from vitattn_bwd import VisionAttentionBlock, reference
-from vitattn_bwd.module import CLIP_KEYS, MOLMO_KEYS, VisionAttentionFunction
+from vitattn_bwd.module import (CLIP_KEYS, MOLMO_KEYS, VisionAttentionFunction,
+                                vision_attention)
 
 from .helpers import relative_errors
 
@@ -158,3 +160,145 @@ def test_state_dict_converters(convention):
 def test_wrong_input_shape_is_rejected():
     with pytest.raises(ValueError, match="x must be"):
         VisionAttentionBlock(16, 2)(torch.randn(2, 5, 8))
+
+
+@pytest.mark.parametrize("args,error,match", [
+    ((32, 0), ValueError, "num_heads must be positive"),
+    ((32, -2), ValueError, "num_heads must be positive"),
+    ((32, 5), ValueError, "num_heads=5 must divide embed_dim=32"),
+    ((32, 2.0), TypeError, "num_heads must be an int"),
+    ((32, True), TypeError, "num_heads must be an int"),
+    ((0, 1), ValueError, "embed_dim must be positive"),
+    ((-4, 2), ValueError, "embed_dim must be positive"),
+    ((32.0, 2), TypeError, "embed_dim must be an int"),
+    ((32, 2, -1e-5), ValueError, "eps must be finite and >= 0"),
+    ((32, 2, float("nan")), ValueError, "eps must be finite and >= 0"),
+    ((32, 2, float("inf")), ValueError, "eps must be finite and >= 0"),
+    ((32, 2, "1e-5"), TypeError, "eps must be a float"),
+])
+def test_bad_configuration_is_refused_at_construction(args, error, match):
+    with pytest.raises(error, match=match):
+        VisionAttentionBlock(*args)
+
+
+def test_eps_zero_is_accepted_and_used():
+    block = _randomize(VisionAttentionBlock(16, 2, eps=0, dtype=torch.float64))
+    assert block.eps == 0.0 and isinstance(block.eps, float)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    want = reference.ReferenceBlock(block)(x)
+    torch.testing.assert_close(block(x), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(0, 7, 16), (3, 0, 16)])
+def test_empty_batch_behaves_like_the_stock_block(shape):
+    block = _randomize(VisionAttentionBlock(16, 2, dtype=torch.float64))
+    stock = reference.ReferenceBlock(copy.deepcopy(block))
+    results = []
+    for model in (block, stock):
+        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        y = model(x)
+        assert y.shape == shape
+        y.sum().backward()
+        assert x.grad.shape == shape
+        results.append([p.grad for p in model.parameters()])
+    for (name, p), ours, theirs in zip(block.named_parameters(), *results):
+        assert ours is not None and theirs is not None, name
+        assert ours.shape == p.shape, name
+        assert torch.equal(ours, theirs) and not ours.any(), name     # all zeros
+
+
+def test_double_backward_raises_a_clear_error():
+    block = _randomize(VisionAttentionBlock(16, 2, dtype=torch.float64))
+    x = torch.randn(2, 5, 16, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match=r"does not support double backward "
+                                           r"\(create_graph=True\)"):
+        torch.autograd.grad(block(x).pow(2).sum(), x, create_graph=True)
+    # and a plain backward still works afterwards
+    (g,) = torch.autograd.grad(block(x).pow(2).sum(), x)
+    x_ref = x.detach().requires_grad_()
+    (want,) = torch.autograd.grad(reference.ReferenceBlock(block)(x_ref).pow(2).sum(), x_ref)
+    torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+
+
+def _float64_truth(block, x, grad_y):
+    """y and the gradients of x and every parameter, by float64 autograd through the stock
+    block on the same values (x, parameters and grad_y upcast exactly)."""
+    params = [p.detach().double().requires_grad_() for p in block.parameters()]
+    x64 = x.detach().double().requires_grad_()
+    y64 = reference.block_forward(x64, *params, num_heads=block.num_heads, eps=block.eps)
+    return [y64] + list(torch.autograd.grad(y64, [x64, *params], grad_y.double()))
+
+
+def _check_against_truth(block, x, grad_y, bounds):
+    """bounds: dtype of the tensor (y, x's gradient, a parameter's gradient) -> bound on
+    its relative error against float64 autograd."""
+    x = x.detach().requires_grad_()
+    y = block(x)
+    got = [y] + list(torch.autograd.grad(y, [x, *block.parameters()], grad_y))
+    want = _float64_truth(block, x, grad_y)
+    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
+    sources = [x, x] + list(block.parameters())
+    for name, g, src, err in zip(names, got, sources, relative_errors(got, want)):
+        assert g.dtype == src.dtype, (name, g.dtype, src.dtype)
+        assert err < bounds[g.dtype], (name, g.dtype, err)
+    return y
+
+
+# A float32 result is float32 math (1e-5, as in the test above); a bf16 / fp16 result is
+# float32 math rounded once to its dtype: a relative error of at most the unit roundoff
+# (2^-8 = 3.9e-3 for bf16, 2^-11 = 4.9e-4 for fp16) per element, hence in norm.
+ROUNDED_ONCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_bfloat16_runs_in_float32_math(x_dtype):
+    block = _randomize(VisionAttentionBlock(32, 4))
+    x = torch.randn(3, 13, 32).to(x_dtype)
+    grad_y = torch.randn(3, 13, 32).to(x_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = _check_against_truth(block, x, grad_y, ROUNDED_ONCE)
+        assert y.dtype == x_dtype            # the residual stream keeps its dtype
+        # the stock block under autocast (bf16 matmuls) is much less accurate: this test
+        # tells float32 math from bf16 math (with a bf16 y both are bf16 rounding-bound)
+        stock = reference.ReferenceBlock(block)(x)
+    if x_dtype == torch.float32:
+        truth = _float64_truth(block, x, grad_y)[0]
+        ours_err, stock_err = relative_errors([y, stock], [truth, truth])
+        assert ours_err * 100 < stock_err, (ours_err, stock_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_block_computes_in_float32(dtype):
+    block = _randomize(VisionAttentionBlock(32, 4)).to(dtype)
+    x = torch.randn(3, 13, 32).to(dtype)
+    grad_y = torch.randn(3, 13, 32).to(dtype)
+    y = _check_against_truth(block, x, grad_y, ROUNDED_ONCE)
+    assert y.dtype == dtype
+    # .grad lands in the parameter's dtype, ready for the optimizer
+    block(x).backward(grad_y)
+    assert all(p.grad.dtype == dtype for p in block.parameters())
+
+
+def test_float32_input_into_a_bfloat16_block():
+    block = _randomize(VisionAttentionBlock(32, 4)).bfloat16()
+    x = torch.randn(2, 9, 32)
+    y = _check_against_truth(block, x, torch.randn(2, 9, 32), ROUNDED_ONCE)
+    assert y.dtype == torch.float32
+
+
+def test_function_refuses_other_dtypes_in_the_forward():
+    block = _randomize(VisionAttentionBlock(16, 2)).bfloat16()
+    x = torch.randn(2, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+    with pytest.raises(TypeError, match="vision_attention casts"):
+        VisionAttentionFunction.apply(x, *block.parameters(), 2, 1e-5)
+    params = [p.detach().float() for p in block.parameters()]
+    params[2] = params[2].double()
+    with pytest.raises(TypeError, match="qkv_weight has dtype torch.float64"):
+        VisionAttentionFunction.apply(x.float(), *params, 2, 1e-5)
+    with pytest.raises(ValueError, match="qkv_weight must have shape"):
+        vision_attention(x, *[p.detach() for p in block.parameters()][:2],
+                         torch.zeros(48, 8), *[p.detach() for p in block.parameters()][3:],
+                         2, 1e-5)
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        vision_attention(torch.ones(2, 5, 16, dtype=torch.int64),
+                         *[p.detach() for p in block.parameters()], 2, 1e-5)

@@ -2,9 +2,27 @@
     y = x + out_proj(attention(qkv(LayerNorm(x)))),
 whose backward is vitattn_bwd's fused backward (ln_grad="exact").
 
-The forward is explicit eager PyTorch math that saves what the backward needs; the
-largest saved tensor is the attention matrix P, B*H*S*S*4 bytes (21.3 MB per image at
-577 tokens and 16 heads). Wrap the model in torch.compile to compile the forward too.
+The forward is explicit eager PyTorch math (`attention_block_forward`, the one place to
+swap for a fused forward) that saves what the backward needs; the largest saved tensor is
+the attention matrix P, B*H*S*S*4 bytes (21.3 MB per image at 577 tokens and 16 heads).
+Wrap the model in torch.compile to compile the forward too.
+
+`vision_attention` is the functional entry point that VisionAttentionBlock and the
+Hugging Face integration (vitattn_bwd.integrations.hf) call: it applies the dtype policy
+below, then VisionAttentionFunction.
+
+Dtypes. The fused backward runs in float32 (float64 too on the CPU). So the block
+computes in float32 whatever its parameters and input are:
+- under torch.autocast (cpu or cuda, bfloat16 or float16) its inputs are cast to
+  float32 and it runs with autocast off, as custom kernels do
+  (torch.amp.custom_fwd(cast_inputs=torch.float32));
+- bfloat16/float16 parameters or input (a `.bfloat16()` model) are cast to float32 in
+  the forward; the casts are ordinary autograd ops, so every gradient comes back in its
+  own tensor's dtype (a bf16 parameter gets a bf16 .grad, rounded once from float32);
+- float64 stays float64 on the CPU (all tensors are then promoted to float64); on CUDA
+  float64 is refused in the forward (TypeError), as is anything but floating point.
+y has x's dtype (the residual stream keeps its dtype, as in the stock block). No error
+is left for the backward: everything the backward checks is checked in the forward.
 """
 import math
 
@@ -13,15 +31,38 @@ from torch import nn
 from torch.nn import functional as F
 
 from .api import attention_block_backward
-from .reference import merge_heads, split_heads
+from .layout import merge_heads, split_heads
+
+DOUBLE_BACKWARD_MESSAGE = (
+    "VisionAttentionBlock does not support double backward (create_graph=True): its "
+    "backward is a fused kernel without a graph of its own. Use the stock block "
+    "(vitattn_bwd.reference.block_forward) where second derivatives are needed.")
+
+
+def check_config(embed_dim, num_heads, eps):
+    """Validate a block's configuration; return (embed_dim, num_heads, eps as float).
+    TypeError/ValueError naming the argument."""
+    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value}")
+    if embed_dim % num_heads:
+        raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return embed_dim, num_heads, float(eps)
 
 
 def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
                             out_bias, num_heads, eps):
-    """Forward math. Returns y and the tensors the backward needs."""
+    """Forward math. Returns y, the tensors the backward needs, and the softmax scale."""
     x_mean = x.mean(-1, keepdim=True)                                          # [B,S,1]
-    x_var = x.var(-1, unbiased=False, keepdim=True)                            # [B,S,1]
-    x_norm = (x - x_mean) * torch.rsqrt(x_var + eps) * ln_weight + ln_bias     # [B,S,E]
+    x_centered = x - x_mean
+    x_var = (x_centered * x_centered).mean(-1, keepdim=True)      # [B,S,1], biased
+    x_norm = x_centered * torch.rsqrt(x_var + eps) * ln_weight + ln_bias       # [B,S,E]
     q, k, v = (split_heads(t, num_heads)                                       # [B,H,S,D]
                for t in F.linear(x_norm, qkv_weight, qkv_bias).chunk(3, dim=-1))
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -35,22 +76,86 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
     return y, saved, scale
 
 
+def _supported_dtypes(device):
+    return (torch.float32,) if device.type == "cuda" else (torch.float32, torch.float64)
+
+
+_PARAM_NAMES = ("ln_weight", "ln_bias", "qkv_weight", "qkv_bias", "out_weight",
+                "out_bias")
+
+
+def _check_tensors(x, params, num_heads):
+    """Shapes and devices of x and the six parameters, checked before any math."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"x must be [batch, tokens, embed_dim], got {tuple(x.shape)}")
+    E = x.shape[-1]
+    check_config(E, num_heads, 0.0)
+    shapes = dict(ln_weight=(E,), ln_bias=(E,), qkv_weight=(3 * E, E), qkv_bias=(3 * E,),
+                  out_weight=(E, E), out_bias=(E,))
+    for name, t in zip(_PARAM_NAMES, params):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != shapes[name]:
+            raise ValueError(f"{name} must have shape {shapes[name]} for x of embed_dim "
+                             f"{E}, got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, but x is on {x.device}")
+    for name, t in zip(("x",) + _PARAM_NAMES, (x, *params)):
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
 class VisionAttentionFunction(torch.autograd.Function):
+    """The autograd Function: forward math + the fused backward. All seven tensors must
+    share one device and one dtype, float32 (or float64 on the CPU); use
+    `vision_attention` for any other dtype or under autocast. Errors are raised here, in
+    the forward, never later in the backward. Not twice differentiable."""
+
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
                 num_heads, eps):
-        y, saved, scale = attention_block_forward(x, ln_weight, ln_bias, qkv_weight,
-                                                  qkv_bias, out_weight, out_bias,
-                                                  num_heads, eps)
+        params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
+        _check_tensors(x, params, num_heads)
+        _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
+        allowed = _supported_dtypes(x.device)
+        if x.dtype not in allowed:
+            raise TypeError(f"x must be one of {allowed} on {x.device.type}, got "
+                            f"{x.dtype} (vitattn_bwd.module.vision_attention casts)")
+        for name, t in zip(_PARAM_NAMES, params):
+            if t.dtype != x.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}, but x has {x.dtype}")
+        # The math runs as written, whatever autocast region the caller is in: an
+        # autocast linear would hand bf16 q, k, v to the float32 backward.
+        with torch.autocast(x.device.type, enabled=False):
+            y, saved, scale = attention_block_forward(x, *params, num_heads, eps)
         ctx.save_for_backward(*saved)
         ctx.num_heads, ctx.eps, ctx.scale = num_heads, eps, scale
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y):
+        # Autograd runs a backward with grad mode on only for create_graph=True.
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
         (x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v, attn_weights,
          attn_output, out_weight) = ctx.saved_tensors
+        # A backward called inside an autocast region (on the CPU it runs on the caller's
+        # thread) must not turn our float32 math into bf16 either.
+        with torch.autocast(x.device.type, enabled=False):
+            return VisionAttentionFunction._backward(ctx, grad_y, x, x_mean, x_var, x_norm,
+                                                     ln_weight, qkv_weight, q, k, v,
+                                                     attn_weights, attn_output, out_weight)
+
+    @staticmethod
+    def _backward(ctx, grad_y, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
+                  attn_weights, attn_output, out_weight):
+        if x.numel() == 0:             # empty batch or no tokens: nothing to sum
+            E = x.shape[-1]
+            zeros = [x.new_zeros(shape) for shape in
+                     ((E,), (E,), (3 * E, E), (3 * E,), (E, E), (E,))]
+            return (torch.zeros_like(x), *zeros, None, None)
         grads = attention_block_backward(
             grad_y.contiguous(), x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
             attn_weights, attn_output, out_weight, ctx.scale, ctx.eps,
@@ -60,19 +165,51 @@ class VisionAttentionFunction(torch.autograd.Function):
                 grads.grad_out_bias, None, None)
 
 
+def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
+                     num_heads, eps):
+    """y = x + out_proj(attention(qkv(LayerNorm(x)))) with the fused backward, for
+    tensors of any floating dtype, inside or outside torch.autocast (see the module
+    docstring: float32 math, y in x's dtype, each gradient in its tensor's dtype).
+
+    x [B,S,E]; ln_weight, ln_bias [E]; qkv_weight [3E,E] (q | k | v rows); qkv_bias
+    [3E]; out_weight [E,E]; out_bias [E]. B = 0 or S = 0 give an empty y and zero
+    parameter gradients."""
+    params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
+    _check_tensors(x, params, num_heads)
+    _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
+    device = x.device
+    dtypes = {t.dtype for t in (x, *params)}
+    if torch.is_autocast_enabled(device.type):
+        compute = torch.float32                 # custom_fwd(cast_inputs=torch.float32)
+    elif torch.float64 in dtypes:
+        if device.type != "cpu":
+            raise TypeError(f"float64 is not supported on {device.type} (the fused "
+                            "backward is float32 there); use float32 or autocast")
+        compute = torch.float64
+    else:
+        compute = torch.float32
+    args = [t if t.dtype == compute else t.to(compute) for t in (x, *params)]
+    with torch.autocast(device.type, enabled=False):
+        y = VisionAttentionFunction.apply(*args, num_heads, eps)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
+
+
 class VisionAttentionBlock(nn.Module):
     """Pre-LayerNorm multi-head self-attention with a residual, no dropout.
 
     Parameters: norm.weight/bias [E], qkv.weight [3E,E] and qkv.bias [3E] (q | k | v
     rows), out_proj.weight [E,E] and out_proj.bias [E]. Load Molmo or CLIP weights with
     `load_molmo_state_dict` / `load_clip_state_dict`.
+
+    Any floating dtype and torch.autocast work: the math is float32 (float64 on the CPU
+    for a float64 block), the output has x's dtype and each gradient its tensor's dtype
+    (see vitattn_bwd.module). float64 on CUDA is refused in the forward. Double backward
+    (create_graph=True) raises a RuntimeError.
     """
 
     def __init__(self, embed_dim=1024, num_heads=16, eps=1e-5, device=None, dtype=None):
         super().__init__()
-        if embed_dim % num_heads:
-            raise ValueError(f"embed_dim={embed_dim} is not divisible by "
-                             f"num_heads={num_heads}")
+        embed_dim, num_heads, eps = check_config(embed_dim, num_heads, eps)
         self.embed_dim, self.num_heads, self.eps = embed_dim, num_heads, eps
         factory = dict(device=device, dtype=dtype)
         self.norm = nn.LayerNorm(embed_dim, eps=eps, **factory)
@@ -80,10 +217,10 @@ class VisionAttentionBlock(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, **factory)
 
     def forward(self, x):
-        if x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            raise ValueError(f"x must be [batch, tokens, {self.embed_dim}], "
-                             f"got {tuple(x.shape)}")
-        return VisionAttentionFunction.apply(
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x must be [batch, tokens, {self.embed_dim}], got {shape}")
+        return vision_attention(
             x, self.norm.weight, self.norm.bias, self.qkv.weight, self.qkv.bias,
             self.out_proj.weight, self.out_proj.bias, self.num_heads, self.eps)
 
