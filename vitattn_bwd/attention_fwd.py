@@ -11,7 +11,7 @@ On CUDA, for float32 and the head dims of the Triton kernels, it runs the FlashA
 style kernel of kernels/attention_fwd.py after splitting q, k and v once into bf16 hi/lo
 pairs (what the kernel reads; float32-grade bf16x3 products, ~1e-5 relative error).
 Elsewhere it runs `attention_math`: the same outputs from PyTorch ops in the inputs'
-dtype (float32 products without TF32), materializing S x S.
+dtype, materializing S x S (float32 products as torch is set: no TF32 unless enabled).
 """
 import math
 from typing import NamedTuple
@@ -19,7 +19,11 @@ from typing import NamedTuple
 import torch
 
 from .attention_core import triton_supports
-from .precision import split_bf16, tf32_matmuls
+
+try:
+    from .precision import split_bf16_truncated as split_bf16
+except ImportError:      # precision.py before its split_bf16 -> split_bf16_truncated rename
+    from .precision import split_bf16
 
 
 class FwdTileConfig(NamedTuple):
@@ -52,18 +56,16 @@ def _check_inputs(q, k, v, scale):
 def attention_math(q, k, v, scale):
     """The operator's outputs from PyTorch ops in q's dtype (materializes S x S)."""
     B, H, S, D = q.shape
-    with tf32_matmuls(False):
-        logits = (q @ k.transpose(-1, -2)) * scale                         # [B,H,S,S]
-        lse = torch.logsumexp(logits, dim=-1)                              # [B,H,S]
-        attn_output = torch.softmax(logits, dim=-1) @ v                    # [B,H,S,D]
+    logits = (q @ k.transpose(-1, -2)) * scale                             # [B,H,S,S]
+    lse = torch.logsumexp(logits, dim=-1)                                  # [B,H,S]
+    attn_output = torch.softmax(logits, dim=-1) @ v                        # [B,H,S,D]
     return attn_output.transpose(1, 2).reshape(B, S, H * D), lse           # [B,S,E]
 
 
 def attention_probabilities(q, k, lse, scale):
     """P = exp(scale * q k^T - lse) [B,H,S,S]: the softmax, recomputed from the saved
     log-sum-exp as the backward does (PyTorch ops, for tests)."""
-    with tf32_matmuls(False):
-        return torch.exp((q @ k.transpose(-1, -2)) * scale - lse.unsqueeze(-1))
+    return torch.exp((q @ k.transpose(-1, -2)) * scale - lse.unsqueeze(-1))
 
 
 def _split_for_kernel(t):
