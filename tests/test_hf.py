@@ -1,0 +1,366 @@
+"""vitattn_bwd.integrations.hf on the CPU: a swapped tiny random-init CLIP / SigLIP vision
+tower (and a Molmo-style one) against the stock model: outputs, gradients, state_dict,
+checkpoints, output_hidden_states, output_attentions, AdamW steps, autocast. Skipped when
+transformers is not installed (`pip install -e ".[hf]"`)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+transformers = pytest.importorskip("transformers")
+
+from transformers import (CLIPConfig, CLIPModel, CLIPVisionConfig,  # noqa: E402
+                          CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel)
+
+from vitattn_bwd.integrations import hf  # noqa: E402
+from vitattn_bwd.integrations.hf import (swap_attention, swapped_layers,  # noqa: E402
+                                         unswap_attention)
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
+            num_hidden_layers=2, image_size=16, patch_size=8)       # 5 tokens
+
+
+def _perturb(model, seed=0, scale=0.2):
+    """Move every parameter off its init (LayerNorm weights off 1, biases off 0) so that a
+    wrong or missing parameter shows in the outputs and gradients."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale)
+    return model
+
+
+def _clip(dtype=torch.float64, config_cls=CLIPVisionConfig, model_cls=CLIPVisionModel,
+          **overrides):
+    torch.manual_seed(0)
+    return _perturb(model_cls(config_cls(**{**TINY, **overrides})).to(dtype).eval())
+
+
+def _pair(**kwargs):
+    stock = _clip(**kwargs)
+    return stock, swap_attention(copy.deepcopy(stock))
+
+
+def _inputs(dtype=torch.float64, batch=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.randn(batch, 3, 16, 16, generator=g).to(dtype)
+    weight = torch.randn(batch, 5, 32, generator=g).to(dtype)
+    return pixels, weight
+
+
+def _loss(model, pixels, weight):
+    out = model(pixel_values=pixels)
+    return (out.last_hidden_state * weight).sum() + out.pooler_output.pow(2).sum()
+
+
+def _errors(got, want):
+    """Relative error of each named gradient. The keys' bias gets no gradient in exact
+    math (softmax ignores a constant added to every key), so its error is measured
+    against the norm of the q/k/v bias gradients of its layer."""
+    errors = {}
+    for name, g in got.items():
+        ref = want[name]
+        denom = ref.norm()
+        if name.endswith("k_proj.bias"):
+            layer = name[:-len("k_proj.bias")]
+            denom = torch.cat([want[layer + p + "_proj.bias"] for p in "qkv"]).norm()
+        errors[name] = ((g.double() - ref.double()).norm() / denom).item()
+    return errors
+
+
+def _grads(model, pixels, weight):
+    model.zero_grad(set_to_none=True)
+    loss = _loss(model, pixels, weight)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the calls of the fused attention half (proves the swap is in use)."""
+    calls = []
+    real = hf.vision_attention
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+    monkeypatch.setattr(hf, "vision_attention", counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_outputs_and_gradients_equal_the_stock_model(dtype, bound, spy):
+    stock, ours = _pair(dtype=dtype)
+    pixels, weight = _inputs(dtype)
+    with torch.no_grad():
+        want, got = stock(pixel_values=pixels), ours(pixel_values=pixels)
+    assert len(spy) == 2                                  # both layers ran fused
+    for key in ("last_hidden_state", "pooler_output"):
+        err = ((got[key] - want[key]).norm() / want[key].norm()).item()
+        assert err < bound, (key, err)
+    loss_want, grads_want = _grads(stock, pixels, weight)
+    loss_got, grads_got = _grads(ours, pixels, weight)
+    torch.testing.assert_close(loss_got, loss_want, rtol=bound, atol=0)
+    assert grads_got.keys() == grads_want.keys()
+    for name, err in _errors(grads_got, grads_want).items():
+        assert err < bound, (name, err)
+    assert all(g.dtype == dtype for g in grads_got.values())
+
+
+def test_state_dict_keys_and_checkpoints_are_stock():
+    stock, ours = _pair()
+    assert list(ours.state_dict()) == list(stock.state_dict())
+    assert swapped_layers(ours) and not swapped_layers(stock)
+    pixels, _ = _inputs()
+    # a swapped model's weights load into a stock model, strictly, and back
+    fresh = _clip()
+    _perturb(fresh, seed=5)
+    fresh.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(fresh(pixel_values=pixels).last_hidden_state,
+                               ours(pixel_values=pixels).last_hidden_state,
+                               rtol=1e-12, atol=1e-12)
+    other = swap_attention(_perturb(_clip(), seed=6))
+    other.load_state_dict(stock.state_dict())
+    torch.testing.assert_close(other(pixel_values=pixels).last_hidden_state,
+                               stock(pixel_values=pixels).last_hidden_state,
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_save_pretrained_from_pretrained_round_trip(tmp_path, spy):
+    stock, ours = _pair(dtype=torch.float32)
+    pixels, _ = _inputs(torch.float32)
+    ours.save_pretrained(tmp_path / "swapped")
+    loaded = CLIPVisionModel.from_pretrained(tmp_path / "swapped").eval()
+    assert not swapped_layers(loaded)                     # a plain CLIP checkpoint
+    for (name, a), b in zip(ours.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    stock.save_pretrained(tmp_path / "stock")
+    reloaded = swap_attention(CLIPVisionModel.from_pretrained(tmp_path / "stock").eval())
+    with torch.no_grad():
+        want = stock(pixel_values=pixels).last_hidden_state
+        got_loaded = loaded(pixel_values=pixels).last_hidden_state
+        got_reloaded = reloaded(pixel_values=pixels).last_hidden_state
+    torch.testing.assert_close(got_loaded, want, rtol=0, atol=0)
+    assert ((got_reloaded - want).norm() / want.norm()).item() < 2e-5
+    assert len(spy) == 2
+
+
+@pytest.mark.parametrize("first_call_before_swap", [False, True])
+def test_output_hidden_states(first_call_before_swap, spy):
+    """transformers 5 installs its capture hooks at the first forward that asks for
+    hidden states: the swapped layers work whether that was before or after the swap."""
+    stock = _clip()
+    pixels, _ = _inputs()
+    want = stock(pixel_values=pixels, output_hidden_states=True).hidden_states
+    ours = stock if first_call_before_swap else copy.deepcopy(stock)
+    swap_attention(ours)
+    got = ours(pixel_values=pixels, output_hidden_states=True).hidden_states
+    assert len(spy) == 2
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert not torch.equal(got[1], got[2])          # the layers' own outputs, not copies
+
+
+def test_output_attentions_is_refused_clearly():
+    stock, ours = _pair()
+    pixels, _ = _inputs()
+    # (transformers 5 refuses output_attentions in the config of an sdpa model)
+    stock.config._attn_implementation = ours.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        ours(pixel_values=pixels, output_attentions=True)
+    ours.config.output_attentions = True
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        ours(pixel_values=pixels)
+    ours.config.output_attentions = False
+    # unswap_attention gives the maps back, from the same weights
+    unswap_attention(ours)
+    assert not swapped_layers(ours)
+    got = ours(pixel_values=pixels, output_attentions=True).attentions
+    want = stock(pixel_values=pixels, output_attentions=True).attentions
+    assert len(got) == 2
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_adamw_steps_track_the_stock_model():
+    stock, ours = _pair()
+    losses = {}
+    for key, model in (("stock", stock), ("ours", ours)):
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses[key] = []
+        for step in range(5):
+            pixels, weight = _inputs(seed=10 + step)
+            opt.zero_grad()
+            loss = _loss(model, pixels, weight)
+            loss.backward()
+            opt.step()
+            losses[key].append(loss.item())
+    torch.testing.assert_close(torch.tensor(losses["ours"]), torch.tensor(losses["stock"]),
+                               rtol=1e-10, atol=0)
+    assert losses["ours"][-1] != losses["ours"][0]
+    for (name, a), (_, b) in zip(ours.named_parameters(), stock.named_parameters()):
+        if name.endswith("k_proj.bias"):
+            # no gradient in exact math: AdamW turns both models' rounding noise into
+            # +-lr steps of random sign, and the outputs do not depend on it
+            continue
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_siglip_tower_carries_its_layer_norm_eps(spy):
+    """SigLIP's layers use their config's eps (1e-6 in released models); a large one
+    here makes a wrong eps visible (it changes the outputs by ~1e-2)."""
+    kwargs = dict(config_cls=SiglipVisionConfig, model_cls=SiglipVisionModel,
+                  layer_norm_eps=0.1)
+    stock, ours = _pair(**kwargs)
+    assert stock.config.layer_norm_eps == 0.1
+    pixels, weight = _inputs(batch=2)
+    want = stock(pixel_values=pixels).last_hidden_state
+    got = ours(pixel_values=pixels).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert len(spy) == 2
+    _, grads_want = _grads(stock, pixels, weight[:, :4])     # SigLIP: 4 tokens, no CLS
+    _, grads_got = _grads(ours, pixels, weight[:, :4])
+    for name, err in _errors(grads_got, grads_want).items():
+        assert err < 1e-10, (name, err)
+    # the default SigLIP eps, 1e-6, is carried into the fused layers as well
+    default = swap_attention(SiglipVisionModel(SiglipVisionConfig(**TINY)))
+    assert default.config.layer_norm_eps == 1e-6
+    layers = [m for n, m in default.named_modules() if n in swapped_layers(default)]
+    assert len(layers) == 2 and all(m.layer_norm1.eps == 1e-6 for m in layers)
+
+
+def test_clip_model_swaps_only_its_vision_tower(spy):
+    torch.manual_seed(0)
+    config = CLIPConfig(text_config=dict(hidden_size=32, intermediate_size=64,
+                                         num_attention_heads=2, num_hidden_layers=2,
+                                         vocab_size=50, max_position_embeddings=8),
+                        vision_config=TINY, projection_dim=16)
+    stock = _perturb(CLIPModel(config).eval())     # float32: 4.x text masks overflow in float64
+    ours = swap_attention(copy.deepcopy(stock))
+    names = swapped_layers(ours)
+    assert len(names) == 2 and all("vision" in n for n in names), names
+    ids = torch.randint(0, 50, (2, 6))
+    pixels, _ = _inputs(torch.float32, batch=2)
+    want = stock(input_ids=ids, pixel_values=pixels)
+    got = ours(input_ids=ids, pixel_values=pixels)
+    assert len(spy) == 2
+    err = ((got.logits_per_image - want.logits_per_image).norm()
+           / want.logits_per_image.norm()).item()
+    assert err < 2e-5, err
+    torch.testing.assert_close(got.text_embeds, want.text_embeds, rtol=0, atol=0)
+
+
+def test_autocast_bfloat16_training_step():
+    """Under autocast the fused attention halves run in float32 and the stock MLPs in
+    bf16: forward and backward complete, gradients come back in float32 (the parameters'
+    dtype), and the result stays within bf16 accuracy of the float64 model."""
+    stock64 = _clip()
+    ours = swap_attention(copy.deepcopy(stock64).float())
+    pixels, weight = _inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ours(pixel_values=pixels).last_hidden_state
+        loss = _loss(ours, pixels, weight)
+    loss.backward()
+    want = stock64(pixel_values=pixels.double()).last_hidden_state
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < 2e-2, err
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+        assert torch.isfinite(p.grad).all(), name
+
+
+def test_gradient_checkpointing(spy):
+    stock, ours = _pair()
+    for model in (stock, ours):
+        model.train()
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=dict(
+            use_reentrant=False))
+    pixels, weight = _inputs()
+    _, want = _grads(stock, pixels, weight)
+    _, got = _grads(ours, pixels, weight)
+    assert len(spy) >= 2
+    for name, err in _errors(got, want).items():
+        assert err < 1e-12, (name, err)
+
+
+def test_unsupported_layers_are_refused_at_the_swap():
+    with pytest.raises(ValueError, match="attention dropout 0.1 > 0 is not supported"):
+        swap_attention(_clip(attention_dropout=0.1))
+    with pytest.raises(ValueError, match="found no encoder layer"):
+        swap_attention(nn.Sequential(nn.Linear(4, 4)))
+    # a bare encoder is not inside a *Vision* module: only with vision_only=False
+    encoder = _clip().encoder if hasattr(_clip(), "encoder") else _clip().vision_model.encoder
+    with pytest.raises(ValueError, match="vision_only=False"):
+        swap_attention(encoder)
+    assert len(swapped_layers(swap_attention(encoder, vision_only=False))) == 2
+
+
+def test_attention_mask_is_refused():
+    _, ours = _pair()
+    layer = ours.get_submodule(swapped_layers(ours)[0])
+    x = torch.randn(1, 5, 32, dtype=torch.float64)
+    mask = torch.zeros(1, 1, 5, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match="does not support attention_mask"):
+        layer(x, mask) if not layer._vitattn_legacy else layer(x, mask, None)
+
+
+# A Molmo-style vision tower (the names of Molmo's image ViT: resblocks of
+# attention_norm, attention.{wq,wk,wv,wo}, ffn_norm, feed_forward).
+class MolmoStyleAttention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.num_heads, self.head_dim = heads, dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        B, S, E = x.shape
+        q, k, v = (lin(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+                   for lin in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(B, S, E))
+
+
+class ResidualAttentionBlock(nn.Module):
+    def __init__(self, dim, heads, eps):
+        super().__init__()
+        self.attention = MolmoStyleAttention(dim, heads)
+        self.feed_forward = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(),
+                                          nn.Linear(2 * dim, dim))
+        self.attention_norm = nn.LayerNorm(dim, eps=eps)
+        self.ffn_norm = nn.LayerNorm(dim, eps=eps)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class VisionTransformer(nn.Module):
+    def __init__(self, dim=32, heads=4, layers=2, eps=1e-3):
+        super().__init__()
+        self.resblocks = nn.ModuleList(ResidualAttentionBlock(dim, heads, eps)
+                                       for _ in range(layers))
+
+    def forward(self, x):
+        for block in self.resblocks:
+            x = block(x)
+        return x
+
+
+def test_molmo_style_tower(spy):
+    torch.manual_seed(0)
+    stock = _perturb(VisionTransformer().double())
+    ours = swap_attention(copy.deepcopy(stock))
+    assert swapped_layers(ours) == ["resblocks.0", "resblocks.1"]
+    assert list(ours.state_dict()) == list(stock.state_dict())
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    g = torch.randn(2, 7, 32, dtype=torch.float64)
+    want, got = stock(x), ours(x)
+    assert len(spy) == 2
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(got, list(ours.parameters()), g),
+                    torch.autograd.grad(want, list(stock.parameters()), g)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -1,0 +1,262 @@
+"""Swap the attention half of Hugging Face vision towers for vitattn_bwd's fused block.
+
+    from transformers import CLIPVisionModel
+    from vitattn_bwd.integrations.hf import swap_attention
+
+    model = CLIPVisionModel.from_pretrained(path)
+    swap_attention(model)          # in place; returns the model
+
+Every encoder layer of a vision tower whose attention half is LayerNorm -> q/k/v/out
+Linear projections -> softmax attention -> residual runs that half as
+`vitattn_bwd.module.vision_attention` (fused backward, float32-grade math). Matched:
+- CLIP / SigLIP style (CLIPEncoderLayer, SiglipEncoderLayer, ...): `layer_norm1`,
+  `self_attn.{q_proj,k_proj,v_proj,out_proj}`, then `layer_norm2` and `mlp`;
+- Molmo style (ResidualAttentionBlock): `attention_norm`, `attention.{wq,wk,wv,wo}`,
+  then `ffn_norm` and `feed_forward`.
+
+How: each matched layer keeps its own submodules and parameters (so state_dict keys,
+checkpoints, save_pretrained/from_pretrained, optimizers and hooks on the layer are
+unchanged) and gets a subclass of its own class whose forward concatenates the q/k/v
+weights into the [3E,E] matrix at each call (gradients flow back through the
+concatenation into q_proj/k_proj/v_proj) and uses the layer's own eps and num_heads. Being
+a subclass, the layer still matches transformers' isinstance checks: the output-capture
+hooks of transformers 5 (output_hidden_states) attach to it whether they were installed
+before or after the swap, and gradient checkpointing works. `unswap_attention` restores
+the stock classes.
+
+Limits: no attention mask (vision towers pass none; a mask raises ValueError), no
+output_attentions (raises ValueError: the attention maps are never materialized for the
+caller), no attention dropout (a layer with attention dropout > 0 is refused at the swap),
+no double backward. Forward hooks registered on `layer_norm1` / `self_attn` (not on the
+layer) no longer fire. By default only layers inside a module whose class name contains
+"Vision" are swapped, so a CLIPModel's text tower stays stock.
+
+Works with transformers 4.4x (layers return a tuple and take output_attentions) and 5.x
+(layers return a tensor; kwargs).
+"""
+import inspect
+import math
+
+import torch
+from torch import nn
+
+from ..module import check_config, vision_attention
+
+__all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped"]
+
+_FUSED_CLASSES = {}        # stock layer class -> its fused subclass
+
+
+def _linear(module, name):
+    lin = getattr(module, name, None)
+    return lin if isinstance(lin, nn.Linear) else None
+
+
+def _layer_norm(module, name):
+    ln = getattr(module, name, None)
+    return ln if isinstance(ln, nn.LayerNorm) else None
+
+
+# Layer conventions: (layer norm, attention module, q, k, v, out projection names, second
+# half). `_match` returns the convention's name when a layer has that structure.
+_CONVENTIONS = {
+    "clip": dict(norm="layer_norm1", attn="self_attn",
+                 proj=("q_proj", "k_proj", "v_proj", "out_proj"),
+                 rest=("layer_norm2", "mlp")),
+    "molmo": dict(norm="attention_norm", attn="attention", proj=("wq", "wk", "wv", "wo"),
+                  rest=("ffn_norm", "feed_forward")),
+}
+
+
+def _match(layer):
+    for kind, conv in _CONVENTIONS.items():
+        attn = getattr(layer, conv["attn"], None)
+        if (_layer_norm(layer, conv["norm"]) is not None and isinstance(attn, nn.Module)
+                and all(_linear(attn, p) is not None for p in conv["proj"])
+                and all(isinstance(getattr(layer, r, None), nn.Module)
+                        for r in conv["rest"])):
+            return kind
+    return None
+
+
+def _check_layer(name, layer, kind):
+    """Refuse, at the swap, a layer our block would compute differently."""
+    conv = _CONVENTIONS[kind]
+    norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
+    q, k, v, o = (getattr(attn, p) for p in conv["proj"])
+    E = q.in_features
+    if len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != E:
+        raise ValueError(f"{name}: {conv['norm']} normalizes {norm.normalized_shape}, "
+                         f"not the embed dim {E}")
+    for lin in (q, k, v, o):
+        if (lin.in_features, lin.out_features) != (E, E):
+            raise ValueError(f"{name}: projections must be {E} -> {E} (no grouped-query "
+                             f"or differently sized heads), got {lin}")
+    num_heads = getattr(attn, "num_heads", None)
+    if num_heads is None:
+        raise ValueError(f"{name}: {conv['attn']} has no num_heads attribute")
+    kv_heads = getattr(attn, "num_key_value_heads", num_heads)
+    if kv_heads != num_heads:
+        raise ValueError(f"{name}: grouped-query attention ({kv_heads} key/value heads "
+                         f"for {num_heads} heads) is not supported")
+    check_config(E, num_heads, norm.eps)
+    head_dim = E // num_heads
+    scale = getattr(attn, "scale", None)
+    if scale is not None and not math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6):
+        raise ValueError(f"{name}: attention scale {scale} is not 1/sqrt(head_dim) "
+                         f"= {head_dim ** -0.5}")
+    dropout = getattr(attn, "dropout", 0.0)
+    dropout = getattr(dropout, "p", dropout)               # a float or an nn.Dropout
+    if isinstance(dropout, (int, float)) and dropout > 0:
+        raise ValueError(f"{name}: attention dropout {dropout} > 0 is not supported "
+                         "(set the config's attention_dropout to 0.0 before loading)")
+    if getattr(attn, "is_causal", False):
+        raise ValueError(f"{name}: causal attention is not supported")
+    return num_heads
+
+
+def _attentions_requested(kwargs):
+    if kwargs.get("output_attentions"):
+        return True
+    try:       # transformers 5: config.output_attentions reaches only the capture hooks
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and "attentions" in collected
+
+
+def _no_attentions(layer):
+    raise ValueError(
+        f"{type(layer).__name__} (vitattn_bwd fused attention) cannot return attention "
+        "maps: output_attentions=True is not supported. Call "
+        "vitattn_bwd.integrations.hf.unswap_attention(model) first to get them from the "
+        "stock layers.")
+
+
+def _no_mask(layer, what):
+    raise ValueError(f"{type(layer).__name__} (vitattn_bwd fused attention) does not "
+                     f"support {what}: got one that is not None. Vision towers pass none; "
+                     "unswap_attention(model) restores the stock layers.")
+
+
+def _attention_half(layer, hidden_states, conv, num_heads):
+    norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
+    q, k, v, o = (getattr(attn, p) for p in conv["proj"])
+    E = q.in_features
+    qkv_weight = torch.cat([q.weight, k.weight, v.weight], dim=0)
+    biases = [lin.bias if lin.bias is not None else q.weight.new_zeros(E)
+              for lin in (q, k, v)]
+    out_bias = o.bias if o.bias is not None else o.weight.new_zeros(E)
+    ln_weight = norm.weight if norm.weight is not None else q.weight.new_ones(E)
+    ln_bias = norm.bias if norm.bias is not None else q.weight.new_zeros(E)
+    return vision_attention(hidden_states, ln_weight, ln_bias, qkv_weight,
+                            torch.cat(biases), o.weight, out_bias, num_heads, norm.eps)
+
+
+def _clip_forward(self, hidden_states, *args, **kwargs):
+    """CLIP / SigLIP layer: the fused attention half, then the stock MLP half."""
+    if self._vitattn_legacy:             # transformers 4.x: explicit arguments, a tuple
+        bound = self._vitattn_signature.bind(self, hidden_states, *args, **kwargs)
+        arguments = bound.arguments
+        extra = arguments.pop("kwargs", {})
+        arguments.update(extra)
+    else:                                # transformers 5 style: (hidden, mask, **kwargs)
+        arguments = dict(kwargs)
+        if args:
+            arguments["attention_mask"] = args[0]
+    for mask in ("attention_mask", "causal_attention_mask"):
+        if arguments.get(mask) is not None:
+            _no_mask(self, mask)
+    if _attentions_requested(arguments):
+        _no_attentions(self)
+    conv = _CONVENTIONS["clip"]
+    hidden_states = _attention_half(self, hidden_states, conv, self._vitattn_num_heads)
+    residual = hidden_states
+    hidden_states = residual + self.mlp(self.layer_norm2(hidden_states))
+    return (hidden_states,) if self._vitattn_legacy else hidden_states
+
+
+def _molmo_forward(self, x, *args, **kwargs):
+    """Molmo ResidualAttentionBlock: x + attention(norm(x)), then the stock FFN half."""
+    if args or any(v is not None for v in kwargs.values()):
+        _no_mask(self, "extra forward arguments (a mask)")
+    x = _attention_half(self, x, _CONVENTIONS["molmo"], self._vitattn_num_heads)
+    return x + self.feed_forward(self.ffn_norm(x))
+
+
+def _fused_class(stock_cls, kind):
+    cls = _FUSED_CLASSES.get(stock_cls)
+    if cls is None:
+        signature = inspect.signature(stock_cls.forward)
+        legacy = kind == "clip" and "output_attentions" in signature.parameters
+        cls = type(f"VitAttn{stock_cls.__name__}", (stock_cls,), {
+            "forward": _clip_forward if kind == "clip" else _molmo_forward,
+            "_vitattn_stock_class": stock_cls,
+            "_vitattn_legacy": legacy,
+            "_vitattn_signature": signature,
+            "__module__": __name__,
+            "__doc__": f"{stock_cls.__name__} whose attention half runs vitattn_bwd's "
+                       "fused block (vitattn_bwd.integrations.hf).",
+        })
+        _FUSED_CLASSES[stock_cls] = cls
+        globals()[cls.__name__] = cls        # so that pickle finds it after a swap
+    return cls
+
+
+def is_swapped(layer):
+    return "_vitattn_stock_class" in type(layer).__dict__
+
+
+def _in_vision_tower(model, name):
+    """True if `model` or a module on the path to `name` has "Vision" in its class name."""
+    module, parts = model, name.split(".") if name else []
+    if "vision" in type(module).__name__.lower():
+        return True
+    for part in parts:
+        module = getattr(module, part)
+        if "vision" in type(module).__name__.lower():
+            return True
+    return False
+
+
+def swap_attention(model, *, vision_only=True):
+    """Run the attention half of every matching encoder layer of `model` (in place) with
+    vitattn_bwd's fused block; return `model`. `vision_only=False` also swaps layers
+    outside modules named *Vision* (e.g. a bare encoder). Raises ValueError if no layer
+    matches or a matching layer cannot be computed exactly (dropout, grouped-query,
+    non-standard scale); nothing is swapped then."""
+    plan = []
+    for name, layer in model.named_modules():
+        if is_swapped(layer):
+            continue
+        kind = _match(layer)
+        if kind is None or (vision_only and not _in_vision_tower(model, name)):
+            continue
+        plan.append((name, layer, kind, _check_layer(name or "model", layer, kind)))
+    if not plan and not swapped_layers(model):
+        raise ValueError(
+            f"swap_attention found no encoder layer to swap in {type(model).__name__} "
+            "(looked for layer_norm1 + self_attn.q_proj/k_proj/v_proj/out_proj + "
+            "layer_norm2 + mlp, or attention_norm + attention.wq/wk/wv/wo + ffn_norm + "
+            "feed_forward" + (", inside a module whose class name contains 'Vision'; "
+                              "pass vision_only=False to swap others" if vision_only
+                              else "") + ")")
+    for name, layer, kind, num_heads in plan:
+        layer.__class__ = _fused_class(type(layer), kind)
+        layer._vitattn_num_heads = num_heads
+    return model
+
+
+def unswap_attention(model):
+    """Restore the stock class of every swapped layer of `model`; return `model`."""
+    for _, layer in model.named_modules():
+        if is_swapped(layer):
+            layer.__class__ = type(layer)._vitattn_stock_class
+            del layer._vitattn_num_heads
+    return model
+
+
+def swapped_layers(model):
+    """Names of the swapped layers of `model`, in module order."""
+    return [name for name, layer in model.named_modules() if is_swapped(layer)]
