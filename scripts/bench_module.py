@@ -1,8 +1,15 @@
 """VisionAttentionBlock against the plain PyTorch block (LayerNorm, Linear, SDPA, Linear):
-forward + backward time and the memory each keeps for its backward.
+forward + backward time and the memory each keeps for its backward. Then, when
+transformers is installed, a CLIP vision tower (ViT-L/14-336 on CUDA: 577 tokens, 1024
+wide, 16 heads, --hf-layers layers) stock against the same tower after
+vitattn_bwd.integrations.hf.swap_attention: fwd+bwd ms of a training step, memory kept
+for the backward per image, and the step's peak memory.
 
-    python scripts/bench_module.py [--batch-sizes 1 8 32]
+    python scripts/bench_module.py [--batch-sizes 1 8 32] [--hf-layers 4] [--no-hf]
+
+float32; TF32 is left as the process has it (off by default) and printed.
 """
+import copy
 import argparse
 import statistics
 import sys
@@ -16,9 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vitattn_bwd import VisionAttentionBlock, reference  # noqa: E402
 
 
-def step_ms(model, x, grad, device, repeats=10):
-    def step():
-        model(x).backward(grad)
+def step_ms(step, device, repeats=10):
+    """Median ms of step() after one untimed call (compiles, autotunes)."""
     step()
     times = []
     for _ in range(repeats):
@@ -43,9 +49,82 @@ def saved_mb(model, x, device):
     return kept / 2 ** 20
 
 
+def hf_tower(device, layers):
+    """A random-init CLIPVisionModel: ViT-L/14-336 on CUDA, a 65-token one on the CPU."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+    if device == "cuda":
+        size = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
+                    image_size=336, patch_size=14)
+    else:
+        size = dict(hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                    image_size=64, patch_size=8)
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(num_hidden_layers=layers, hidden_act="quick_gelu", **size)
+    return CLIPVisionModel(config).to(device).train()
+
+
+def hf_step_ms(model, pixels, grad, device, repeats=10):
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(pixel_values=pixels).last_hidden_state.backward(grad)
+    return step_ms(step, device, repeats)
+
+
+def hf_memory_mb(model, pixels, grad, device):
+    """(MB kept for the backward per image, peak MB of one fwd+bwd step above what was
+    allocated before it); NaN off CUDA."""
+    if device != "cuda":
+        return float("nan"), float("nan")
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = model(pixel_values=pixels)
+    outputs = sum(t.numel() * t.element_size()
+                  for t in (out.last_hidden_state, out.pooler_output))
+    kept = torch.cuda.memory_allocated() - before - outputs
+    out.last_hidden_state.backward(grad)
+    del out
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    model.zero_grad(set_to_none=True)
+    return kept / pixels.shape[0] / 2 ** 20, peak / 2 ** 20
+
+
+def bench_hf(device, batch_sizes, layers):
+    try:
+        from vitattn_bwd.integrations.hf import swap_attention
+        stock = hf_tower(device, layers)
+    except ImportError:
+        print("\n(transformers is not installed: no Hugging Face comparison; "
+              "pip install -e '.[hf]')")
+        return
+    ours = swap_attention(copy.deepcopy(stock))
+    c = stock.config
+    tokens = (c.image_size // c.patch_size) ** 2 + 1
+    print(f"\nHugging Face CLIPVisionModel, {layers} layers, {tokens} tokens, "
+          f"{c.hidden_size} wide, {c.num_attention_heads} heads; training step "
+          "(fwd+bwd of all parameters)")
+    print("\n| batch | stock ms | swapped ms | speedup | stock kept MB/image | "
+          "swapped kept MB/image | stock peak MB | swapped peak MB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for B in batch_sizes:
+        pixels = torch.randn(B, 3, c.image_size, c.image_size, device=device)
+        grad = torch.randn(B, tokens, c.hidden_size, device=device)
+        times = [hf_step_ms(m, pixels, grad, device) for m in (stock, ours)]
+        memory = [hf_memory_mb(m, pixels, grad, device) for m in (stock, ours)]
+        print(f"| {B} | {times[0]:.3f} | {times[1]:.3f} | {times[0] / times[1]:.2f}x | "
+              f"{memory[0][0]:.1f} | {memory[1][0]:.1f} | {memory[0][1]:.0f} | "
+              f"{memory[1][1]:.0f} |", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch-sizes", type=int, nargs="+")
+    parser.add_argument("--hf-layers", type=int, help="layers of the Hugging Face tower "
+                        "(default: 4 on CUDA, 2 on the CPU)")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="skip the Hugging Face comparison")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     seq_len, embed_dim, heads = (577, 1024, 16) if device == "cuda" else (65, 128, 4)
@@ -62,8 +141,11 @@ def main():
         grad = torch.randn_like(x)
         cells = []
         for model in models.values():
-            cells += [f"{step_ms(model, x, grad, device):.3f}", f"{saved_mb(model, x, device):.0f}"]
+            ms = step_ms(lambda: model(x).backward(grad), device)
+            cells += [f"{ms:.3f}", f"{saved_mb(model, x, device):.0f}"]
         print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
+    if not args.no_hf:
+        bench_hf(device, batch_sizes, args.hf_layers or (4 if device == "cuda" else 2))
 
 
 if __name__ == "__main__":
