@@ -28,8 +28,8 @@ import triton.language as tl
 
 from .softmax_bwd import dot_bf16x3, load_pair
 
-LOG2_E: tl.constexpr = 1.4426950408889634      # exp(x) == exp2(x * LOG2_E)
-LN_2: tl.constexpr = 0.6931471805599453        # log(x) == log2(x) * LN_2
+LOG2_E = tl.constexpr(1.4426950408889634)       # exp(x) == exp2(x * LOG2_E)
+LN_2 = tl.constexpr(0.6931471805599453)         # log(x) == log2(x) * LN_2
 
 
 @triton.jit
