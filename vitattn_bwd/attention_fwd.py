@@ -68,7 +68,7 @@ def attention_probabilities(q, k, lse, scale):
     return torch.exp((q @ k.transpose(-1, -2)) * scale - lse.unsqueeze(-1))
 
 
-def _split_for_kernel(t):
+def split_for_kernel(t):
     """bf16 (hi, lo) of float32 t with one set of strides and a contiguous last dim, as
     the kernel reads them. Strided views (the module's heads of the QKV output) are
     split without a copy first."""
@@ -81,15 +81,24 @@ def _split_for_kernel(t):
 def launch_attention_fwd(q, k, v, scale, tiles=None):
     """Run the Triton kernel on any tensors Triton can reach (CUDA, or CPU when
     TRITON_INTERPRET=1). `tiles`: a FwdTileConfig, default FWD_TILES[head_dim]."""
-    from .kernels.attention_fwd import attention_fwd_kernel
     _check_inputs(q, k, v, scale)
-    B, H, S, D = q.shape
+    if q.numel() == 0:
+        B, H, S, D = q.shape
+        return q.new_empty(B, S, H * D), q.new_empty(B, H, S)
+    return launch_attention_fwd_presplit(*(split_for_kernel(t) for t in (q, k, v)), scale,
+                                         tiles)
+
+
+def launch_attention_fwd_presplit(q_halves, k_halves, v_halves, scale, tiles=None):
+    """The kernel on q, k, v already split: each a (hi, lo) pair of bf16 [B,H,S,D]
+    tensors, hi and lo with the same strides and a contiguous last dim (what
+    split_for_kernel makes). Returns attn_output [B,S,E] and lse [B,H,S], float32."""
+    from .kernels.attention_fwd import attention_fwd_kernel
+    (q_hi, q_lo), (k_hi, k_lo), (v_hi, v_lo) = q_halves, k_halves, v_halves
+    B, H, S, D = q_hi.shape
     tiles = tiles or FWD_TILES[D]
-    attn_output = q.new_empty(B, S, H * D, dtype=torch.float32)
-    lse = q.new_empty(B, H, S, dtype=torch.float32)
-    if attn_output.numel() == 0:
-        return attn_output, lse
-    (q_hi, q_lo), (k_hi, k_lo), (v_hi, v_lo) = (_split_for_kernel(t) for t in (q, k, v))
+    attn_output = q_hi.new_empty(B, S, H * D, dtype=torch.float32)
+    lse = q_hi.new_empty(B, H, S, dtype=torch.float32)
     grid = (-(-S // tiles.block_m), B * H)
     attention_fwd_kernel[grid](
         q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output, lse, *q_hi.stride()[:3],
