@@ -1,0 +1,118 @@
+"""On a CUDA GPU: the attention forward kernel (vitattn_bwd.attention_fwd) against
+float64 at the ViT size (577 tokens, 16 heads of 64) and at odd shapes, the PyTorch
+fallback for other head dims, determinism, the operator under opcheck and torch.compile,
+and a timing printout (`-s` not needed).
+
+Precision (bf16x3 products on tensor cores, rounded bf16 conversions): normwise relative
+errors against float64 below GPU_BOUND = 5e-5 for attn_output and for P recomputed as
+exp(scale q k^T - lse); the rms absolute error of lse (the relative error it gives P)
+likewise. Inputs have standard deviation 1; larger logits get a proportionally larger
+bound (test_large_logits).
+"""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from vitattn_bwd import attention_fwd as fwd
+
+from .test_attention_fwd import _errors, _float64_reference, _rel
+
+pytestmark = pytest.mark.gpu
+
+GPU_BOUND = 5e-5
+
+
+def _module_qkv(B, S, H, D, seed=0, std=1.0):
+    """q, k, v as the module passes them: heads of one [B,S,3E] QKV output (strided)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    qkv = torch.randn(B, S, 3 * H * D, device="cuda", generator=g) * std
+    return [t.view(B, S, H, D).transpose(1, 2) for t in qkv.chunk(3, dim=-1)]
+
+
+def _check(q, k, v, scale, bound=GPU_BOUND):
+    attn_output, lse = fwd.attention_fwd(q, k, v, scale)
+    assert attn_output.dtype == lse.dtype == torch.float32
+    errors = _errors(q, k, v, scale, attn_output, lse)
+    for name, err in errors.items():
+        assert err < bound, (name, err, errors)
+    want_output = _float64_reference(q, k, v, scale)[0]
+    bf16_output = _float64_reference(*(t.bfloat16().float() for t in (q, k, v)), scale)[0]
+    assert errors["attn_output"] * 10 < _rel(bf16_output, want_output), errors
+    return errors
+
+
+def test_vit_size_matches_float64():
+    q, k, v = _module_qkv(2, 577, 16, 64)
+    errors = _check(q, k, v, 1.0 / math.sqrt(64))
+    print(f"\n577 tokens, 16 heads of 64, batch 2: {errors}")
+
+
+# every head dim of FWD_TILES with its default tiles; S = 1, S below / above one tile,
+# ragged last tiles; contiguous inputs (the module test above covers strided ones)
+@pytest.mark.parametrize("S,H,D", [(1, 2, 64), (17, 3, 16), (100, 4, 32), (64, 2, 128),
+                                   (257, 16, 64), (577, 8, 128), (577, 32, 32),
+                                   (577, 64, 16), (1025, 4, 64)])
+def test_odd_shapes(S, H, D):
+    g = torch.Generator(device="cuda").manual_seed(S)
+    q, k, v = (torch.randn(2, H, S, D, device="cuda", generator=g) for _ in range(3))
+    _check(q, k, v, 1.0 / math.sqrt(D))
+
+
+def test_large_logits():
+    """Logits ~30x larger than unit inputs (keys growing in norm along the sequence:
+    the row max rises from tile to tile); the bound grows with the logits."""
+    q, k, v = _module_qkv(2, 577, 4, 64, seed=1, std=3.0)
+    k = k * torch.linspace(0.5, 2.0, 577, device="cuda")[:, None]
+    _check(q, k, v, 1.0 / math.sqrt(64), bound=20 * GPU_BOUND)
+
+
+def test_other_head_dims_run_the_math():
+    q, k, v = _module_qkv(2, 100, 4, 48)
+    got = fwd.attention_fwd(q, k, v, 0.2)
+    want = fwd.attention_math(q, k, v, 0.2)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_deterministic_and_inputs_untouched():
+    q, k, v = _module_qkv(3, 577, 16, 64, seed=2)
+    kept = [t.clone() for t in (q, k, v)]
+    first = fwd.attention_fwd(q, k, v, 0.125)
+    second = fwd.attention_fwd(q, k, v, 0.125)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    for t, c in zip((q, k, v), kept):
+        assert torch.equal(t, c)
+
+
+def test_opcheck_and_torch_compile():
+    q, k, v = _module_qkv(2, 33, 2, 32)
+    torch.library.opcheck(fwd.attention_fwd, (q, k, v, 0.2))
+
+    def forward(q, k, v):
+        attn_output, lse = fwd.attention_fwd(q, k, v, 0.2)
+        return attn_output * 2, lse + 1
+
+    eager = forward(q, k, v)
+    compiled = torch.compile(forward, fullgraph=True)(q, k, v)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_timing_printout(capsys):
+    """Prints scripts/time_attention_fwd.py's table at batch 32 (no assertion on speed:
+    the lead reads it)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "time_attention_fwd.py"
+    spec = importlib.util.spec_from_file_location("time_attention_fwd", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        with capsys.disabled():
+            print()
+            script.print_table(batch_sizes=(32,))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
