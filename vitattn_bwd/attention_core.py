@@ -1,124 +1,185 @@
-"""The attention core of the backward as two custom operators.
+"""The attention core of the backward as two custom operators, in the formats their
+consumers read:
 
-    softmax_bwd_rows(P, grad_attn, k, v, scale) -> grad_q [B,S,E], delta [B,H,S]
-    softmax_bwd_cols(P, grad_attn, q, v, delta, scale) -> grad_kv [B,S,2E] (= [dK | dV])
+    softmax_bwd_rows(P, grad_attn, k, v, scale)
+        -> grad_q16 [B,S,E] fp16, grad_q_halves [B,S,2E] bf16 ([hi | lo]), delta [B,H,S]
+    softmax_bwd_cols(P, grad_attn, q, v, delta, scale)
+        -> grad_kv16 [B,S,2E] fp16 (dK | dV), grad_kv_halves [B,S,4E] bf16
+           ([k_hi v_hi | k_lo v_lo])
 
 P is [B,H,S,S]; grad_attn (the out-projection gradient) is [B,S,E] with heads merged;
-q, k, v are [B,H,S,D]. The outputs come with heads merged, ready for the QKV projection.
+q, k, v are [B,H,S,D]. float32 inputs. The fp16 copies feed the QKV weight-gradient GEMM,
+the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the gradient to
+about 16 mantissa bits.
 
-Eagerly they run the Triton kernels on CUDA (after splitting grad_attn, q, k and v into
-bf16 hi/lo pairs, which is what the kernels read) and the same two-pass math in PyTorch
-on other devices. Under torch.compile on CUDA, vitattn_bwd.inductor lowers them to Triton
-templates that max-autotune tunes; elsewhere Inductor calls the eager implementation.
+Eagerly they run the Triton kernels (kernels/softmax_bwd.py) on CUDA and under
+TRITON_INTERPRET=1, after splitting grad_attn, q, k and v into bf16 hi/lo pairs, which
+is what the kernels read; elsewhere (or for head dims the
+kernels do not take) the same gradients come from PyTorch math in float64, rounded to
+the same formats. Under torch.compile on CUDA, vitattn_bwd.inductor lowers them to Triton
+templates that max-autotune tunes.
+
+`attention_backward_math` is the attention core in plain PyTorch (the graph's CPU path),
+and `attention_backward` runs the operators eagerly and returns float32 gradients (tests).
 """
+import os
+from typing import NamedTuple
+
 import torch
 
-from .precision import split_bf16, tf32_matmuls
-from .reference import merge_heads, split_heads
+from .layout import merge_heads, split_heads
+from .precision import split_bf16_rounded, split_bf16_truncated
 
-# Tiles of the eager CUDA launch (the compiled path autotunes its own): (BLOCK_M, BLOCK_N,
-# num_stages). Pipelined bf16 hi/lo tiles of head_dim 128 need smaller blocks to fit the
-# 227 KB of shared memory of an H100/H200.
-EAGER_TILES = {16: (64, 64, 2), 32: (64, 64, 2), 64: (64, 64, 2), 128: (32, 32, 2)}
+
+class TileConfig(NamedTuple):
+    """One launch configuration of the two kernels (rows pass: BLOCK_M query rows per
+    program, swept BLOCK_N keys at a time; cols pass the other way round)."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Tiles of the eager launch (the compiled path autotunes its own, inductor.py). The
+# pipelined bf16 hi/lo tiles of head_dim 128 need smaller blocks to fit the 227 KB of
+# shared memory of an H100/H200.
+EAGER_TILES = {16: TileConfig(64, 64, 4, 2), 32: TileConfig(64, 64, 4, 2),
+               64: TileConfig(64, 64, 4, 2), 128: TileConfig(32, 32, 4, 2)}
 SUPPORTED_TRITON_HEAD_DIMS = tuple(EAGER_TILES)
 
 
-def _rows_math(attn_weights, grad_attn, k, v, scale):
-    num_heads = attn_weights.shape[1]
-    grad_attn = split_heads(grad_attn, num_heads)                          # [B,H,S,D]
-    p_grad_p = attn_weights * (grad_attn @ v.transpose(-1, -2))            # [B,H,S,S]
-    delta = p_grad_p.sum(-1)                                               # [B,H,S]
-    grad_q = (p_grad_p @ k - delta.unsqueeze(-1) * (attn_weights @ k)) * scale
-    return merge_heads(grad_q), delta
+def attention_backward_math(attn_weights, grad_attn, q, k, v, scale):
+    """The attention core in PyTorch ops, in the inputs' dtype (materializes S x S):
+    grad_q, grad_k, grad_v [B,S,E]."""
+    grad_attn = split_heads(grad_attn, attn_weights.shape[1])              # [B,H,S,D]
+    grad_p = grad_attn @ v.transpose(-1, -2)                               # [B,H,S,S]
+    delta = (attn_weights * grad_p).sum(-1, keepdim=True)                  # [B,H,S,1]
+    grad_s = attn_weights * (grad_p - delta)
+    return (merge_heads(grad_s @ k * scale), merge_heads(grad_s.transpose(-1, -2) @ q * scale),
+            merge_heads(attn_weights.transpose(-1, -2) @ grad_attn))
 
 
-def _cols_math(attn_weights, grad_attn, q, v, delta, scale):
-    num_heads = attn_weights.shape[1]
-    grad_attn = split_heads(grad_attn, num_heads)                          # [B,H,S,D]
-    grad_v = attn_weights.transpose(-1, -2) @ grad_attn
-    grad_s = attn_weights * (grad_attn @ v.transpose(-1, -2) - delta.unsqueeze(-1))
-    grad_k = (grad_s.transpose(-1, -2) @ q) * scale
-    return torch.cat([merge_heads(grad_k), merge_heads(grad_v)], dim=-1)   # [B,S,2E]
+def _halves(grads):
+    """float [.., N] tensors -> bf16 [.., 2N]: all hi parts, then all lo parts (rounded
+    split, as the kernels store them)."""
+    pairs = [split_bf16_rounded(g.float()) for g in grads]
+    return torch.cat([hi for hi, _ in pairs] + [lo for _, lo in pairs], dim=-1)
 
 
-def _split(t):
-    """Contiguous bf16 (hi, lo) pair of a float32 tensor, as the kernels read it."""
-    return split_bf16(t.contiguous())
+def triton_supports(device_type, dtype, head_dim):
+    """The Triton kernels (eager) and templates (compiled) take float32 CUDA tensors
+    with a power-of-two head_dim >= 16."""
+    return device_type == "cuda" and dtype == torch.float32 and head_dim in EAGER_TILES
+
+
+def _use_triton(t):
+    """Eagerly: the kernels where they apply, and CPU tensors under Triton's interpreter."""
+    interpreted = t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return triton_supports("cuda" if interpreted else t.device.type, t.dtype, t.shape[-1])
 
 
 def _tiles(head_dim, block_m, block_n):
-    default_m, default_n, num_stages = EAGER_TILES.get(head_dim, (64, 64, 2))
-    return block_m or default_m, block_n or default_n, num_stages
+    tiles = EAGER_TILES[head_dim]
+    return tiles._replace(block_m=block_m or tiles.block_m, block_n=block_n or tiles.block_n)
 
 
 def launch_rows(attn_weights, grad_attn, k, v, scale, block_m=None, block_n=None):
-    """Run the rows kernel on any tensors Triton can reach (CUDA, or CPU when
-    TRITON_INTERPRET=1)."""
+    """Run the rows kernel on any tensors Triton can reach; returns the operator's
+    outputs."""
     from .kernels.softmax_bwd import softmax_bwd_rows_kernel
     B, H, S, D = k.shape
-    block_m, block_n, num_stages = _tiles(D, block_m, block_n)
-    grad_q = torch.empty(B, S, H * D, device=k.device, dtype=torch.float32)
-    delta = torch.empty(B, H, S, device=k.device, dtype=torch.float32)
-    grid = (-(-S // block_m), B * H)
-    softmax_bwd_rows_kernel[grid](attn_weights.contiguous(), *_split(grad_attn),
-                                  *_split(k), *_split(v), grad_q, delta, scale,
-                                  SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=block_m,
-                                  BLOCK_N=block_n, num_stages=num_stages)
-    return grad_q, delta
+    tiles = _tiles(D, block_m, block_n)
+    grad_q16 = k.new_empty(B, S, H * D, dtype=torch.float16)
+    grad_q_halves = k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16)
+    delta = k.new_empty(B, H, S)
+    grid = (-(-S // tiles.block_m), B * H)
+    softmax_bwd_rows_kernel[grid](
+        attn_weights.contiguous(), *split_bf16_truncated(grad_attn.contiguous()),
+        *split_bf16_truncated(k.contiguous()), *split_bf16_truncated(v.contiguous()),
+        grad_q16, grad_q_halves, delta, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return grad_q16, grad_q_halves, delta
 
 
 def launch_cols(attn_weights, grad_attn, q, v, delta, scale, block_m=None, block_n=None):
     """Run the cols kernel (see launch_rows)."""
     from .kernels.softmax_bwd import softmax_bwd_cols_kernel
     B, H, S, D = q.shape
-    block_m, block_n, num_stages = _tiles(D, block_m, block_n)
-    grad_kv = torch.empty(B, S, 2 * H * D, device=q.device, dtype=torch.float32)
-    grid = (-(-S // block_n), B * H)
-    softmax_bwd_cols_kernel[grid](attn_weights.contiguous(), *_split(grad_attn),
-                                  *_split(q), *_split(v), delta.contiguous(),
-                                  grad_kv, scale,
-                                  SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=block_m,
-                                  BLOCK_N=block_n, num_stages=num_stages)
-    return grad_kv
+    tiles = _tiles(D, block_m, block_n)
+    grad_kv16 = q.new_empty(B, S, 2 * H * D, dtype=torch.float16)
+    grad_kv_halves = q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16)
+    grid = (-(-S // tiles.block_n), B * H)
+    softmax_bwd_cols_kernel[grid](
+        attn_weights.contiguous(), *split_bf16_truncated(grad_attn.contiguous()),
+        *split_bf16_truncated(q.contiguous()), *split_bf16_truncated(v.contiguous()),
+        delta.contiguous(),
+        grad_kv16, grad_kv_halves, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return grad_kv16, grad_kv_halves
 
 
-def triton_supports(device_type, dtype, head_dim):
-    """The Triton kernels (eager) and templates (compiled) take float32 CUDA tensors with
-    a power-of-two head_dim >= 16; anything else runs the PyTorch math (correct, but it
-    materializes S x S)."""
-    return (device_type == "cuda" and dtype == torch.float32
-            and head_dim in SUPPORTED_TRITON_HEAD_DIMS)
-
-
-def _use_triton(t):
-    return triton_supports(t.device.type, t.dtype, t.shape[-1])
+def _math_in_float64(attn_weights, grad_attn, q, k, v, scale):
+    return attention_backward_math(*(t.double() for t in (attn_weights, grad_attn, q, k, v)),
+                                   scale)
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())
 def softmax_bwd_rows(attn_weights: torch.Tensor, grad_attn: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     v: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(k):
         return launch_rows(attn_weights, grad_attn, k, v, scale)
-    with tf32_matmuls(False):         # the compiled graph runs under TF32 on CUDA
-        return _rows_math(attn_weights, grad_attn, k, v, scale)
+    # k stands in for q: dQ does not depend on q; the math wants a tensor of its shape
+    grad_q, _, _ = _math_in_float64(attn_weights, grad_attn, k, k, v, scale)
+    grad_p = split_heads(grad_attn.double(), k.shape[1]) @ v.double().transpose(-1, -2)
+    delta = (attn_weights.double() * grad_p).sum(-1)                       # [B,H,S]
+    return grad_q.half(), _halves([grad_q]), delta.float()
 
 
 @softmax_bwd_rows.register_fake
 def _(attn_weights, grad_attn, k, v, scale):
     B, H, S, D = k.shape
-    return k.new_empty(B, S, H * D), k.new_empty(B, H, S)
+    return (k.new_empty(B, S, H * D, dtype=torch.float16),
+            k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16), k.new_empty(B, H, S))
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_cols", mutates_args=())
 def softmax_bwd_cols(attn_weights: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
-                     v: torch.Tensor, delta: torch.Tensor, scale: float) -> torch.Tensor:
+                     v: torch.Tensor, delta: torch.Tensor, scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(q):
         return launch_cols(attn_weights, grad_attn, q, v, delta, scale)
-    with tf32_matmuls(False):
-        return _cols_math(attn_weights, grad_attn, q, v, delta, scale)
+    # dK and dV need delta, which the math recomputes from P and dP itself
+    _, grad_k, grad_v = _math_in_float64(attn_weights, grad_attn, q, q, v, scale)
+    return torch.cat([grad_k, grad_v], dim=-1).half(), _halves([grad_k, grad_v])
 
 
 @softmax_bwd_cols.register_fake
 def _(attn_weights, grad_attn, q, v, delta, scale):
     B, H, S, D = q.shape
-    return q.new_empty(B, S, 2 * H * D)
+    return (q.new_empty(B, S, 2 * H * D, dtype=torch.float16),
+            q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16))
+
+
+def float32_from_halves(halves):
+    """[.., 2N] bf16 [hi | lo] -> [.., N] float32 hi + lo."""
+    hi, lo = halves.float().chunk(2, dim=-1)
+    return hi + lo
+
+
+def attention_backward(attn_weights, grad_attn, q, k, v, scale, *, block_m=None,
+                       block_n=None):
+    """Both operators eagerly (the Triton kernels where they apply, with optional tile
+    sizes), as float32 grad_q, grad_k, grad_v [B,S,E] rebuilt from the bf16 halves."""
+    if _use_triton(q):
+        _, grad_q_halves, delta = launch_rows(attn_weights, grad_attn, k, v, scale,
+                                              block_m, block_n)
+        _, grad_kv_halves = launch_cols(attn_weights, grad_attn, q, v, delta, scale,
+                                        block_m, block_n)
+    else:
+        _, grad_q_halves, delta = softmax_bwd_rows(attn_weights, grad_attn, k, v, scale)
+        _, grad_kv_halves = softmax_bwd_cols(attn_weights, grad_attn, q, v, delta, scale)
+    grad_k, grad_v = float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
+    return float32_from_halves(grad_q_halves), grad_k, grad_v

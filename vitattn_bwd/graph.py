@@ -1,22 +1,23 @@
 """The backward as explicit PyTorch math, compiled once per configuration by Inductor.
 
-`block_backward` is the graph: cuBLAS-class GEMMs in float32-grade split precision
-(precision.py) around the two attention-core operators (attention_core.py), with the
-bias sums and the LayerNorm backward left to Inductor to fuse. On CUDA it is compiled in
-max-autotune mode (CUDA graphs at batch 1 only, see compile_mode), where the attention
-core becomes our Triton templates (inductor.py); on the CPU Inductor emits C++ and the
-attention core runs its PyTorch math.
+`block_backward` is the graph. On CUDA (float32) every product is float32-grade from
+operands split once (precision.py): cuBLAS bf16 GEMMs around the two attention-core
+operators (attention_core.py), which Inductor lowers to our Triton templates
+(inductor.py) and which write their gradients in the formats the next GEMMs read; the
+QKV weight gradient is one fp16 GEMM. Elsewhere (the CPU, float64) the products are
+plain. The bias sums and the LayerNorm backward are left to Inductor to fuse.
 
 `compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
-num_heads, scale, norm_eps, ln_grad, batch bucket). Batch 1 gets a static graph (dynamo
-specializes size-1 dimensions); batches 2-15 and 16 and up get one dynamic-batch graph
-each (Inductor compiles a bucket once more when a size fails a guard of its first
-compile: batch 10 after batch 2 on the H200). Max-autotune times its candidates at the
-first batch size a graph sees, so the buckets keep small and large batches from sharing
-one choice of tiles and GEMM kernels.
-Exceeding dynamo's recompile limit raises instead of silently running eager code.
+num_heads, scale, norm_eps, ln_grad, batch bucket, CUDA graphs). Batch 1 gets a static
+graph (dynamo specializes size-1 dimensions); batches 2-15 and 16 and up get one
+dynamic-batch graph each (Inductor compiles a bucket once more when a size fails a
+guard of its first compile: batch 10 after batch 2 on the H200). Max-autotune times its
+candidates at the first batch size a graph sees, so the buckets keep small and large
+batches from sharing one choice of tiles and GEMM kernels. Each graph is compiled with
+fullgraph=True, so exceeding dynamo's recompile limit raises instead of silently running
+eager code. Nothing here changes process-wide settings: every option is given per
+compile.
 """
-import contextlib
 import functools
 import os
 import threading
@@ -24,82 +25,127 @@ import types
 
 import torch
 
-from . import attention_core
-from .cache import cache_key_tag
-from .precision import matmul_fp32_grade, matmul_tf32, tf32_matmuls
-from .reference import layer_norm_backward
+from . import attention_core, cache
+from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
+                        matmul_halves_transposed)
 
-# Compiled graphs one process may hold before dynamo raises (one per configuration key).
-MAX_COMPILED_GRAPHS = 64
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
 BATCH_BUCKETS = ((2, 15), (16, float("inf")))
-
-_CACHE_KEY_TAG = cache_key_tag()
+# Buckets whose batches (at most this large) run as CUDA graphs from the main thread.
+CUDA_GRAPH_MAX_BATCH = 15
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v",
                   "attn_weights", "attn_output")
 
 
-def block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
-                   attn_weights, attn_output, out_weight, *, scale, norm_eps, ln_grad):
-    """The seven gradients; same math as reference.attention_block_backward."""
-    B, S, E = x.shape
+def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
+                              attn_weights, q, k, v, scale):
+    """Out projection, attention core and QKV projection from split operands (CUDA):
+    returns grad_out_weight, grad_x_norm [B*S,E], grad_qkv_weight, grad_qkv_bias."""
+    B, S, E = attn_weights.shape[0], attn_weights.shape[2], out_weight.shape[0]
     rows = B * S
-    grad_rows = grad_output.reshape(rows, E)                                   # [B*S,E]
+    grad_rows_halves = bf16_halves(grad_rows)                                  # [B*S,2E]
+    grad_out_weight = matmul_halves_transposed(grad_rows_halves, bf16_halves(attn_rows))
+    grad_attn = matmul_halves_by_weight(grad_rows_halves, out_weight).view(B, S, E)
 
-    # out projection: y = attn_output @ out_weight.T + out_bias (+ x)
-    grad_out_weight = matmul_fp32_grade(grad_rows.t(), attn_output.reshape(rows, E))  # [E,E]
-    grad_out_bias = grad_rows.sum(0)
-    grad_attn = matmul_fp32_grade(grad_rows, out_weight).view(B, S, E)         # [B,S,E]
+    grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(
+        attn_weights, grad_attn, k, v, scale)               # [B,S,E], [B,S,2E], [B,H,S]
+    grad_kv16, grad_kv_halves = attention_core.softmax_bwd_cols(
+        attn_weights, grad_attn, q, v, delta, scale)        # [B,S,2E], [B,S,4E]
+    grad_q_halves = grad_q_halves.view(rows, 2 * E)
+    grad_kv_halves = grad_kv_halves.view(rows, 4 * E)
 
-    # attention core: two passes over P, no S x S intermediate
-    grad_q, delta = attention_core.softmax_bwd_rows(attn_weights, grad_attn, k, v, scale)
-    grad_kv = attention_core.softmax_bwd_cols(attn_weights, grad_attn, q, v, delta, scale)
-    grad_qkv = torch.cat([grad_q, grad_kv], dim=-1).view(rows, 3 * E)         # [B*S,3E]
+    grad_x_norm = (matmul_halves_by_weight(grad_q_halves, qkv_weight[:E])
+                   + matmul_halves_by_weight(grad_kv_halves, qkv_weight[E:]))  # [B*S,E]
+    x_norm16 = x_norm_rows.half()
+    grad_qkv_weight = torch.cat([                                              # [3E,E]
+        matmul_fp16_transposed(grad_q16.view(rows, E), x_norm16),
+        matmul_fp16_transposed(grad_kv16.view(rows, 2 * E), x_norm16)])
+    grad_qkv_bias = torch.cat([attention_core.float32_from_halves(grad_q_halves).sum(0),
+                               attention_core.float32_from_halves(grad_kv_halves).sum(0)])
+    return grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias
 
-    # qkv projection: qkv = x_norm @ qkv_weight.T + qkv_bias
-    grad_x_norm = matmul_fp32_grade(grad_qkv, qkv_weight).view(B, S, E)
-    grad_qkv_weight = matmul_tf32(grad_qkv.t(), x_norm.reshape(rows, E))       # [3E,E]
-    grad_qkv_bias = grad_qkv.sum(0)
 
+def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
+                    attn_weights, q, k, v, scale):
+    """The same products in the inputs' own precision (CPU, float64)."""
+    B, S, E = attn_weights.shape[0], attn_weights.shape[2], out_weight.shape[0]
+    grad_out_weight = grad_rows.t() @ attn_rows
+    grad_attn = (grad_rows @ out_weight).view(B, S, E)
+    grad_qkv = torch.cat(attention_core.attention_backward_math(                 # [B*S,3E]
+        attn_weights, grad_attn, q, k, v, scale), dim=-1).view(B * S, 3 * E)
+    return (grad_out_weight, grad_qkv @ qkv_weight, grad_qkv.t() @ x_norm_rows,
+            grad_qkv.sum(0))
+
+
+def layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, norm_eps,
+                        ln_grad):
+    """LayerNorm's backward plus the residual: (grad_x, grad_ln_weight, grad_ln_bias).
+    ln_grad "exact" is the true gradient, "contract" the benchmark's formula (its last
+    term lacks 1/std)."""
+    rstd = torch.rsqrt(x_var + norm_eps)                                       # [B,S,1]
+    xhat = (x - x_mean) * rstd                                                 # [B,S,E]
+    grad_xhat = grad_x_norm * ln_weight
+    centered = grad_xhat - grad_xhat.mean(-1, keepdim=True)
+    projection = xhat * (grad_xhat * xhat).mean(-1, keepdim=True)
+    if ln_grad == "exact":
+        grad_x = grad_output + (centered - projection) * rstd
+    else:
+        grad_x = grad_output + centered * rstd - projection
+    return grad_x, (grad_x_norm * xhat).sum((0, 1)), grad_x_norm.sum((0, 1))
+
+
+def block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
+                   attn_weights, attn_output, out_weight, *, scale, norm_eps, ln_grad,
+                   split_precision):
+    """The seven gradients (the math of reference.attention_block_backward)."""
+    B, S, E = x.shape
+    grad_rows = grad_output.reshape(B * S, E)                                  # [B*S,E]
+    products = _split_precision_products if split_precision else _plain_products
+    grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias = products(
+        grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E), out_weight,
+        qkv_weight, attn_weights, q, k, v, scale)
     grad_x, grad_ln_weight, grad_ln_bias = layer_norm_backward(
-        grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, norm_eps, ln_grad)
-    return (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
+        grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
+        ln_grad)
+    return (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_rows.sum(0),
             grad_ln_weight, grad_ln_bias)
 
 
-def compile_mode(device_type, bucket):
-    """Inductor mode on CUDA: max-autotune. The static batch-1 graph also runs as a CUDA
-    graph when called from the main thread: at batch 1 the GPU work (~0.26 ms) is smaller
-    than the cost of launching its ~25 kernels one by one, and copying its inputs into the
-    graph's static buffers is cheap. Not from other threads: CUDA graph trees keep
-    per-thread state, and the autograd engine runs VisionAttentionBlock's backward on a
-    thread of its own (one H200 run of scripts/bench_module.py ended without a message
-    right after its batch-1 step there; not reproduced, so we do not go there). The
-    dynamic-batch graphs run without CUDA graphs: those would be recorded again for every
-    batch size and copy hundreds of MB of inputs per call.
-    VITATTN_BWD_COMPILE_MODE overrides the mode for every graph (tests of odd shapes use
-    "default": minutes less compiling; the attention-core templates still tune)."""
-    if device_type != "cuda":
-        return None
-    cuda_graph = bucket is None and threading.current_thread() is threading.main_thread()
-    default = "max-autotune" if cuda_graph else "max-autotune-no-cudagraphs"
-    return os.environ.get("VITATTN_BWD_COMPILE_MODE", default)
+def uses_cuda_graph(device_type, bucket):
+    """Small batches run as CUDA graphs, when called from the main thread: there their
+    GPU work (0.3-1.5 ms) is smaller than the cost of launching ~30 kernels one by one,
+    and copying their inputs into the graphs' static buffers is cheap. Not from other
+    threads: CUDA graph trees keep per-thread state, and the autograd engine runs
+    VisionAttentionBlock's backward on a thread of its own. Large batches run without:
+    their input copies (P is 21 MB per image) would cost more than the launch gaps."""
+    small = bucket is None or bucket[1] <= CUDA_GRAPH_MAX_BATCH
+    return (device_type == "cuda" and small
+            and threading.current_thread() is threading.main_thread())
 
 
-def _uses_cuda_graphs(mode):
-    return mode in ("max-autotune", "reduce-overhead")
+def _max_autotune(device_type):
+    """Max-autotune on CUDA, unless VITATTN_BWD_COMPILE_MODE=default (tests of odd
+    shapes: minutes less compiling; the attention-core templates still tune)."""
+    return (device_type == "cuda"
+            and os.environ.get("VITATTN_BWD_COMPILE_MODE", "max-autotune") != "default")
 
 
 @functools.cache
 def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
-             batch_bucket, mode):
+             batch_bucket, cuda_graph):
     """One torch.compile'd graph; the arguments are the cache key."""
     del dtype, seq_len, embed_dim, num_heads                  # they key the cache only
+    cache.load_env_cache_once()
     fn = functools.partial(_own_code_object(block_backward), scale=scale,
-                           norm_eps=norm_eps, ln_grad=ln_grad)
-    _register_templates(required=device_type == "cuda")
-    return torch.compile(fn, fullgraph=True, dynamic=False, mode=mode)
+                           norm_eps=norm_eps, ln_grad=ln_grad,
+                           split_precision=device_type == "cuda")
+    from .inductor import compile_options                    # registers the lowerings
+    smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
+    options = compile_options(f"{cache.cache_key_tag()}-batch{smallest_batch}",
+                              max_autotune=_max_autotune(device_type),
+                              cuda_graphs=cuda_graph)
+    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
 def _own_code_object(fn):
@@ -112,17 +158,6 @@ def _own_code_object(fn):
     return functools.update_wrapper(copy, fn)
 
 
-def _register_templates(required):
-    """Import inductor.py, which registers the attention-core lowerings. It needs triton;
-    on the CPU without triton, Inductor calls the eager operators instead, as the lowering
-    itself would."""
-    try:
-        from . import inductor  # noqa: F401
-    except ImportError:
-        if required:
-            raise
-
-
 def batch_bucket(batch):
     """None for batch 1 (static graph), else the BATCH_BUCKETS entry holding `batch`."""
     if batch == 1:
@@ -130,42 +165,23 @@ def batch_bucket(batch):
     return next(b for b in BATCH_BUCKETS if b[0] <= batch <= b[1])
 
 
-@contextlib.contextmanager
-def compile_settings(device_type, bucket):
-    """Settings every compile and call of our graphs runs under. The batch bucket is part
-    of the FX graph cache's key: the buckets' graphs are alike but tuned differently."""
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch._dynamo.config.patch(
-            recompile_limit=MAX_COMPILED_GRAPHS,
-            accumulated_recompile_limit=4 * MAX_COMPILED_GRAPHS,
-            fail_on_recompile_limit_hit=True))
-        smallest_batch = 1 if bucket is None else bucket[0]
-        stack.enter_context(torch.compiler.config.patch(
-            cache_key_tag=f"{_CACHE_KEY_TAG}-batch{smallest_batch}"))
-        if device_type == "cuda":
-            stack.enter_context(tf32_matmuls())
-        yield
-
-
 @torch.compiler.disable
 def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
     """Run the compiled graph on a dict of validated tensors. Opaque to an enclosing
     torch.compile (of a model using VisionAttentionBlock): our graph is compiled on its
-    own, with its own settings, and called from there."""
+    own, with its own options, and called from there."""
     x = inputs["x"]
     B, S, E = x.shape
-    num_heads = inputs["q"].shape[1]
     bucket = batch_bucket(B)
-    mode = compile_mode(x.device.type, bucket)
-    fn = _compile(x.device.type, x.dtype, S, E, num_heads, float(scale), float(norm_eps),
-                  ln_grad, bucket, mode)
+    cuda_graph = uses_cuda_graph(x.device.type, bucket)
+    fn = _compile(x.device.type, x.dtype, S, E, inputs["q"].shape[1], scale, norm_eps,
+                  ln_grad, bucket, cuda_graph)
     if bucket is not None:
         for name in BATCHED_INPUTS:
             torch._dynamo.mark_dynamic(inputs[name], 0)
-    with compile_settings(x.device.type, bucket):
-        grads = fn(**inputs)
-    if _uses_cuda_graphs(mode):
-        # a CUDA graph's outputs live in its memory pool and the next replay overwrites
-        # them: hand out copies (about 20 MB at batch 1)
+    grads = fn(**inputs)
+    if cuda_graph:
+        # a CUDA graph's outputs live in its memory pool and a later replay overwrites
+        # them: hand out copies
         grads = tuple(g.clone() for g in grads)
     return grads

@@ -1,75 +1,107 @@
-"""Everything that touches Inductor's private API: the attention-core Triton templates,
-and their lowerings (so max-autotune weighs their configs). Inductor's FX graph cache does
-not hash this file: cache.cache_key_tag() does, and every compile runs under that tag.
+"""Everything that touches Inductor's private API: the compile options (with the tag
+that puts our sources into Inductor's cache key), the attention-core Triton templates,
+and their lowerings (so max-autotune weighs their configs).
 
 Checked against torch 2.11 (the GPU machine) and 2.13 (CPU development). Differences
 between versions are handled here and nowhere else:
   - autotune_select_algorithm returns a node in 2.11 and (node, choice) from 2.12 on.
+If an API this module needs is missing, importing it raises an ImportError naming the
+torch version: the package never falls back silently to slower code.
 
 The templates reuse the device code of kernels/softmax_bwd.py verbatim: each template is
-a thin entry point (program ids, output store) followed by the source of the `*_tile`
-functions, so the kernels tested under TRITON_INTERPRET=1 are the kernels compiled here.
-The lowerings hand the templates grad_attn, q, k and v as bf16 (hi, lo) pairs, made by
-one pointwise pass each (shared by the two passes) from the float32 tensors of the graph.
+a thin entry point (program ids, output stores) followed by the source of every
+non-kernel function of that file, so the kernels tested under TRITON_INTERPRET=1 are
+the kernels compiled here. The lowerings hand the templates grad_attn, q, k and v as
+bf16 (hi, lo) pairs, made by one pointwise pass each from the float32 tensors of the
+graph (grad_attn and v once for both passes).
 """
+import functools
 import inspect
 import weakref
 
 import torch
-from torch._inductor import ir
-from torch._inductor.lowering import empty_strided, fallback_handler, register_lowering
-from torch._inductor.select_algorithm import (SymbolicGridFn, TritonTemplate,
-                                              autotune_select_algorithm)
-from torch._inductor.virtualized import V, ops
+
+try:
+    from torch._inductor import ir
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+    from torch._inductor.lowering import empty_strided, fallback_handler, register_lowering
+    from torch._inductor.select_algorithm import (SymbolicGridFn, TritonTemplate,
+                                                  autotune_select_algorithm)
+    from torch._inductor.virtualized import V, ops
+except ImportError as error:              # pragma: no cover - depends on the torch build
+    raise ImportError(f"vitattn_bwd needs Inductor APIs that torch {torch.__version__} "
+                      f"lacks ({error}); it was written against torch 2.11-2.13") from error
 
 from . import attention_core
-from .kernels import softmax_bwd
+from .attention_core import TileConfig
+from .precision import BF16_HI_MASK
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) that max-autotune times against each other.
-# The five measured best on the H200 (3.62 ms mean; docs/performance.md, v2). A wider set
-# of nine measured worse (3.84 ms, v3): the dynamic graph tunes at the first batch size it
-# sees, and more configs fit that size better and the large batches worse.
+# The configs max-autotune times against each other for both templates. The five
+# measured best on the H200 (docs/performance.md, v2); nine measured worse (v3).
 TILE_CONFIGS = (
-    (64, 64, 4, 2),
-    (64, 64, 4, 3),
-    (64, 32, 4, 3),
-    (32, 64, 4, 3),
-    (128, 64, 8, 2),
+    TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+    TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=3),
+    TileConfig(block_m=32, block_n=64, num_warps=4, num_stages=3),
+    TileConfig(block_m=128, block_n=64, num_warps=8, num_stages=2),
 )
 
-_DEVICE_FUNCTIONS = (softmax_bwd.split_bf16, softmax_bwd.dot_bf16x3, softmax_bwd.load_pair,
-                     softmax_bwd.head_rows, softmax_bwd.softmax_bwd_rows_tile,
-                     softmax_bwd.softmax_bwd_cols_tile, softmax_bwd.join_kv,
-                     softmax_bwd.kv_columns)
+
+class CacheKeyTag(CustomGraphPass):
+    """A pass that does nothing; Inductor hashes its uuid into the FX graph cache key,
+    so compiled graphs are keyed by our sources too (Inductor hashes torch's own only).
+    Given per compile through torch.compile(options=...): no process-wide setting."""
+
+    def __init__(self, tag):
+        self.tag = tag
+
+    def __call__(self, graph):
+        return None
+
+    def uuid(self):
+        return self.tag
 
 
-def _device_source():
-    """Source of the shared @triton.jit functions, protected from Jinja."""
-    sources = [inspect.getsource(fn.fn) for fn in _DEVICE_FUNCTIONS]
-    return "{% raw %}\n" + "\n\n".join(sources) + "{% endraw %}\n"
+def compile_options(tag, *, max_autotune, cuda_graphs):
+    """torch.compile options of one of our graphs. No epilogue or prologue fusion: our
+    templates store their outputs themselves and read their inputs through raw pointers
+    (a pointwise node fused into them would read buffers that are never written, or read
+    back the halves before every thread of the program has stored them). No
+    coordinate-descent tuning: in torch 2.11 it re-runs on warm cache loads (pytorch
+    issue 172819)."""
+    options = {"post_grad_custom_post_pass": CacheKeyTag(tag), "epilogue_fusion": False,
+               "prologue_fusion": False}
+    if max_autotune:
+        options["max_autotune"] = True
+    if cuda_graphs:
+        options["triton.cudagraphs"] = True
+    return options
 
+
+# ---- the attention-core templates ----------------------------------------------------
 
 # Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, SCALE.
 _ROWS_ENTRY = r'''
-{{def_kernel("P", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA")}}
+{{def_kernel("P", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_Q_HALVES")}}
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
     grad_q, delta = softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI,
                                           V_LO, batch, head, m_start, SCALE, SEQ_LEN,
                                           NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    tl.store(DELTA + tl.program_id(1).to(tl.int64) * SEQ_LEN + offs_m, delta,
-             mask=offs_m < SEQ_LEN)
-    rows = offs_m[:, None]
+    store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
+    store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
+                        HEAD_DIM, BLOCK_M)
+    grad_q16 = grad_q.to(tl.float16)
+    rows = m_start + tl.arange(0, BLOCK_M)[:, None]
     cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     mask = (rows < SEQ_LEN) & (cols < NUM_HEADS * HEAD_DIM)
-    {{store_output(("batch", "rows", "cols"), "grad_q", "mask", val_shape=("BLOCK_M", "HEAD_DIM"))}}
+    {{store_output(("batch", "rows", "cols"), "grad_q16", "mask", val_shape=("BLOCK_M", "HEAD_DIM"))}}
 
 '''
 
 _COLS_ENTRY = r'''
-{{def_kernel("P", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "V_HI", "V_LO", "DELTA")}}
+{{def_kernel("P", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES")}}
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
@@ -78,12 +110,32 @@ _COLS_ENTRY = r'''
                                            SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
     KV_WIDTH: tl.constexpr = 2 * HEAD_DIM
     grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)
+    store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
+                         NUM_HEADS, HEAD_DIM, BLOCK_N)
+    grad_kv16 = grad_kv.to(tl.float16)
     rows = n_start + tl.arange(0, BLOCK_N)[:, None]
     cols = kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :]
     mask = (rows < SEQ_LEN) & (cols < 2 * NUM_HEADS * HEAD_DIM)
-    {{store_output(("batch", "rows", "cols"), "grad_kv", "mask", val_shape=("BLOCK_N", "KV_WIDTH"))}}
+    {{store_output(("batch", "rows", "cols"), "grad_kv16", "mask", val_shape=("BLOCK_N", "KV_WIDTH"))}}
 
 '''
+
+
+def device_functions():
+    """The @triton.jit functions of kernels/softmax_bwd.py that the templates paste in:
+    all but the raw kernels, in source order."""
+    from triton.runtime import JITFunction
+
+    from .kernels import softmax_bwd
+    functions = [obj for name, obj in vars(softmax_bwd).items()
+                 if isinstance(obj, JITFunction) and not name.endswith("_kernel")]
+    return sorted(functions, key=lambda jit: jit.fn.__code__.co_firstlineno)
+
+
+def _device_source():
+    """Source of the shared device functions, protected from Jinja."""
+    sources = [inspect.getsource(jit.fn) for jit in device_functions()]
+    return "{% raw %}\n" + "\n\n".join(sources) + "{% endraw %}\n"
 
 
 @SymbolicGridFn
@@ -96,23 +148,34 @@ def _cols_grid(batch, num_heads, seq_len, meta, *, cdiv):
     return (cdiv(seq_len, meta["BLOCK_N"]), batch * num_heads, 1)
 
 
-ROWS_TEMPLATE = TritonTemplate(name="vitattn_softmax_bwd_rows", grid=_rows_grid,
-                               source=_ROWS_ENTRY + _device_source())
-COLS_TEMPLATE = TritonTemplate(name="vitattn_softmax_bwd_cols", grid=_cols_grid,
-                               source=_COLS_ENTRY + _device_source())
+@functools.cache
+def _templates():
+    """(rows, cols) templates, made at the first lowering (a template name may be
+    defined once per process, and this needs triton)."""
+    source = _device_source()
+    return (TritonTemplate(name="vitattn_softmax_bwd_rows", grid=_rows_grid,
+                           source=_ROWS_ENTRY + source),
+            TritonTemplate(name="vitattn_softmax_bwd_cols", grid=_cols_grid,
+                           source=_COLS_ENTRY + source))
 
 
-def _node_of(selected):
+def _select(template, choices, inputs, layout):
+    """The tuned template's output node. Selected now, not deferred to the scheduler
+    (return_multi_template=False): a deferred choice is a MultiTemplateBuffer, which
+    drops the mutated inputs, so the scheduler would not order the readers of our
+    halves and delta after the template (seen on the H200: they ran before it)."""
+    selected = autotune_select_algorithm(template.name, choices, inputs, layout,
+                                         return_multi_template=False)
     return selected[0] if isinstance(selected, tuple) else selected
 
 
 def _tile_choices(template, input_nodes, layout, mutated_inputs, call_sizes, constexprs):
     choices = []
-    for block_m, block_n, num_warps, num_stages in TILE_CONFIGS:
+    for tiles in TILE_CONFIGS:
         template.maybe_append_choice(
             choices, input_nodes=input_nodes, layout=layout, mutated_inputs=mutated_inputs,
-            call_sizes=call_sizes, num_warps=num_warps, num_stages=num_stages,
-            BLOCK_M=block_m, BLOCK_N=block_n, **constexprs)
+            call_sizes=call_sizes, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **constexprs)
     if not choices:
         raise RuntimeError(f"{template.name}: no template config could be generated")
     return choices
@@ -127,24 +190,31 @@ def _contiguous(node):
     return ir.ExternKernel.realize_input(ir.ExternKernel.require_contiguous(node))
 
 
-# Per graph being lowered: id(float32 input node) -> (node, hi, lo). grad_attn and v feed
-# both passes; they are split once.
+def _pointwise(node, dtype, inner_fn):
+    return _contiguous(ir.Pointwise.create(device=node.get_device(), dtype=dtype,
+                                           inner_fn=inner_fn, ranges=node.get_size()))
+
+
+# Per graph being lowered: (buffer name, size, stride) of a realized float32 node ->
+# (hi, lo). grad_attn and v feed both passes; they are split once.
 _SPLITS = weakref.WeakKeyDictionary()
 
 
 def _split_bf16(node):
     """Realized, contiguous bf16 (hi, lo) buffers of a float32 IR node: the math of
-    precision.split_bf16 (hi truncated by an integer mask, so no cast can be folded
-    away), emitted as pointwise IR that Inductor fuses into one kernel per input."""
+    precision.split_bf16_truncated (hi by an integer mask, so no cast can be folded
+    away), emitted as pointwise IR."""
+    node = _contiguous(node)
+    key = (node.get_name(), tuple(node.get_size()), tuple(node.get_stride()))
     splits = _SPLITS.setdefault(V.graph, {})
-    if id(node) in splits:
-        return splits[id(node)][1:]
+    if key in splits:
+        return splits[key]
     load = node.make_loader()
 
     def hi_float32(index):
         bits = ops.to_dtype_bitcast(load(index), torch.int32, torch.float32)
-        return ops.to_dtype_bitcast(ops.bitwise_and(bits, ops.constant(-65536, torch.int32)),
-                                    torch.float32, torch.int32)
+        masked = ops.bitwise_and(bits, ops.constant(BF16_HI_MASK, torch.int32))
+        return ops.to_dtype_bitcast(masked, torch.float32, torch.int32)
 
     def hi(index):
         return ops.to_dtype(hi_float32(index), torch.bfloat16)
@@ -152,26 +222,14 @@ def _split_bf16(node):
     def lo(index):
         return ops.to_dtype(ops.sub(load(index), hi_float32(index)), torch.bfloat16)
 
-    pair = tuple(_contiguous(ir.Pointwise.create(device=node.get_device(),
-                                                 dtype=torch.bfloat16, inner_fn=fn,
-                                                 ranges=node.get_size()))
-                 for fn in (hi, lo))
-    splits[id(node)] = (node, *pair)
-    return pair
+    splits[key] = tuple(_pointwise(node, torch.bfloat16, fn) for fn in (hi, lo))
+    return splits[key]
 
 
 def _static_sizes(per_head):
     """Batch (symbolic) and the static num_heads, seq_len, head_dim of a [B,H,S,D] node."""
     batch, *static = per_head.get_size()
     return batch, [V.graph.sizevars.guard_int(s) for s in static]
-
-
-def _template_inputs(attn_weights, grad_attn, per_head):
-    """P contiguous, then the bf16 (hi, lo) pairs of grad_attn and the per-head tensors."""
-    nodes = [_contiguous(attn_weights)]
-    for node in (grad_attn, *per_head):
-        nodes.extend(_split_bf16(node))
-    return nodes
 
 
 _ROWS_OP = torch.ops.vitattn_bwd.softmax_bwd_rows.default
@@ -184,17 +242,20 @@ def _lower_rows(attn_weights, grad_attn, k, v, scale):
     if not _template_applies(k, head_dim):
         return fallback_handler(_ROWS_OP, add_to_fallback_set=False)(
             attn_weights, grad_attn, k, v, scale)
-    device = k.get_device()
+    device, embed_dim = k.get_device(), num_heads * head_dim
     delta = empty_strided([batch, num_heads, seq_len], None, dtype=torch.float32,
                           device=device)                                  # [B,H,S]
-    layout = ir.FixedLayout(device, torch.float32,
-                            [batch, seq_len, num_heads * head_dim])       # [B,S,E]
+    grad_q_halves = empty_strided([batch, seq_len, 2 * embed_dim], None,
+                                  dtype=torch.bfloat16, device=device)    # [B,S,2E]
+    layout = ir.FixedLayout(device, torch.float16, [batch, seq_len, embed_dim])  # [B,S,E]
+    inputs = [_contiguous(attn_weights), *_split_bf16(grad_attn), *_split_bf16(k),
+              *_split_bf16(v), delta, grad_q_halves]
     constexprs = dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale)
-    inputs = [*_template_inputs(attn_weights, grad_attn, (k, v)), delta]
-    choices = _tile_choices(ROWS_TEMPLATE, inputs, layout, [delta],
+    rows_template, _ = _templates()
+    choices = _tile_choices(rows_template, inputs, layout, [delta, grad_q_halves],
                             [batch, num_heads, seq_len], constexprs)
-    grad_q = _node_of(autotune_select_algorithm(ROWS_TEMPLATE.name, choices, inputs, layout))
-    return grad_q, delta
+    grad_q16 = _select(rows_template, choices, inputs, layout)
+    return grad_q16, grad_q_halves, delta
 
 
 @register_lowering(_COLS_OP, type_promotion_kind=None)
@@ -203,11 +264,16 @@ def _lower_cols(attn_weights, grad_attn, q, v, delta, scale):
     if not _template_applies(q, head_dim):
         return fallback_handler(_COLS_OP, add_to_fallback_set=False)(
             attn_weights, grad_attn, q, v, delta, scale)
-    inputs = [*_template_inputs(attn_weights, grad_attn, (q, v)),
-              ir.ExternKernel.require_contiguous(delta)]
-    layout = ir.FixedLayout(q.get_device(), torch.float32,
-                            [batch, seq_len, 2 * num_heads * head_dim])   # [B,S,2E]
+    device, embed_dim = q.get_device(), num_heads * head_dim
+    grad_kv_halves = empty_strided([batch, seq_len, 4 * embed_dim], None,
+                                   dtype=torch.bfloat16, device=device)   # [B,S,4E]
+    layout = ir.FixedLayout(device, torch.float16,
+                            [batch, seq_len, 2 * embed_dim])              # [B,S,2E]
+    inputs = [_contiguous(attn_weights), *_split_bf16(grad_attn), *_split_bf16(q),
+              *_split_bf16(v), ir.ExternKernel.require_contiguous(delta), grad_kv_halves]
     constexprs = dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale)
-    choices = _tile_choices(COLS_TEMPLATE, inputs, layout, None,
+    _, cols_template = _templates()
+    choices = _tile_choices(cols_template, inputs, layout, [grad_kv_halves],
                             [batch, num_heads, seq_len], constexprs)
-    return _node_of(autotune_select_algorithm(COLS_TEMPLATE.name, choices, inputs, layout))
+    grad_kv16 = _select(cols_template, choices, inputs, layout)
+    return grad_kv16, grad_kv_halves

@@ -1,64 +1,81 @@
-"""Float32-grade matrix products at tensor-core speed.
+"""Float32-grade matrix products at tensor-core speed, from operands split once.
 
-On CUDA, `matmul_fp32_grade` is "bf16x3" through one bf16 GEMM: each float32 operand is
-split into bf16 hi + lo, and
-    a @ b  ~=  a_hi @ b_hi + a_lo @ b_hi + a_hi @ b_lo
-           ==  [a_hi | a_lo | a_hi] @ [b_hi ; b_hi ; b_lo]        (one GEMM over 3K)
-with a float32 result (relative error about 1e-5, against 3e-4 for TF32). The split is
-written with integer masking, not with casts: Inductor folds a float32 -> bf16 -> float32
-round trip inside a fused kernel, which would make lo == 0 silently.
+"bf16x3": a float32 operand is split into bf16 hi + lo (hi + lo carries about 16 of its
+24 mantissa bits), and
 
-`matmul_tf32` is for the one product the tolerance lets run in TF32 (the QKV weight
-gradient); the compiled graph runs under `tf32_matmuls()`.
+    a @ b  ~=  a_hi @ b_hi + a_lo @ b_hi + a_hi @ b_lo        (relative error ~1e-5)
 
-On the CPU both are plain float32 (or float64) products.
+with float32 accumulation. An activation is split once into its "halves", one bf16
+tensor [.., 2N] = [hi | lo], that several GEMMs read as it lies: for a weight b,
+
+    a @ b  =  [a_hi | a_lo] @ [b_hi ; b_hi]  +  a_hi @ b_lo              (two GEMMs)
+
+and for a weight gradient a^T @ c summed over many rows (K = B*S), the three products
+are separate GEMMs added small terms first, which stays accurate at large K (CONTRACT.md,
+"Accumulation error at large K"):
+
+    a^T @ c  =  ([a_hi | a_lo]^T @ c_hi  ->  a_hi^T c_hi ; a_lo^T c_hi)  +  a_hi^T @ c_lo
+
+The QKV weight gradient, which the contract's tolerance lets run on one product, is ONE
+GEMM of round-to-nearest fp16 operands (unbiased, unlike truncating TF32).
+
+Splits are written with integer masking, not with casts: Inductor folds a float32 ->
+bf16 -> float32 round trip inside a fused kernel, which would make lo == 0 silently.
+
+On CUDA the GEMMs are cuBLAS bf16/fp16 GEMMs with a float32 result; elsewhere the same
+products run as float32 matmuls of the upcast parts, which is exact for products of
+bf16 or fp16 values: the CPU reproduces the GPU's arithmetic up to summation order.
 """
-import contextlib
-
 import torch
 
+# float32 bits of the bf16 part of a value: sign, exponent and the top 7 mantissa bits
+BF16_HI_MASK = -65536            # 0xFFFF0000 as an int32
+_ROUNDING_BIAS = 0x7FFF          # added below the bf16 bits: round half to even
 
-def split_bf16(t):
-    """float32 t -> (hi, lo) bf16 with hi = t truncated to bf16 and lo = bf16(t - hi)."""
-    hi = (t.view(torch.int32) & -65536).view(torch.float32)
+
+def split_bf16_truncated(t):
+    """float32 t -> (hi, lo) bf16: hi = t truncated to bf16, lo = t - hi rounded."""
+    hi = (t.view(torch.int32) & BF16_HI_MASK).view(torch.float32)
     return hi.to(torch.bfloat16), (t - hi).to(torch.bfloat16)
 
 
-def matmul_fp32_grade(a, b):
-    """a [M,K] @ b [K,N] -> [M,N] float32 with float32-grade accuracy."""
-    if a.device.type != "cuda" or a.dtype != torch.float32:
-        return a @ b
-    return torch.mm(*bf16x3_operands(a, b), out_dtype=torch.float32)
+def split_bf16_rounded(t):
+    """float32 t -> (hi, lo) bf16: hi = t rounded to the nearest bf16 (ties to even),
+    lo = t - hi rounded. What the kernels' epilogues store (kernels/softmax_bwd.py)."""
+    bits = t.view(torch.int32)
+    hi = ((bits + _ROUNDING_BIAS + ((bits >> 16) & 1)) & BF16_HI_MASK).view(torch.float32)
+    return hi.to(torch.bfloat16), (t - hi).to(torch.bfloat16)
 
 
-def bf16x3_operands(a, b):
-    """The bf16 operands of the one-GEMM bf16x3 product: a3 = [a_hi | a_lo | a_hi] [M,3K]
-    and b3 = [b_hi ; b_hi ; b_lo] [3K,N]."""
-    a_hi, a_lo = split_bf16(a)
-    b_hi, b_lo = split_bf16(b)
-    if a.stride(0) == 1 and a.stride(1) != 1:
-        # a is a transposed view ([M,K] column-major, e.g. grad_rows.t() with K = B*S):
-        # concatenate its transpose and transpose back, so that the GEMM's leading
-        # dimension stays M. Concatenating along dim 1 would give rows of 3K bf16
-        # elements, not 16-byte aligned for odd B*S, and cuBLAS slows down on those.
-        a3 = torch.cat([a_hi.t(), a_lo.t(), a_hi.t()], dim=0).t()          # [M,3K]
-    else:
-        a3 = torch.cat([a_hi, a_lo, a_hi], dim=1)                          # [M,3K]
-    b3 = torch.cat([b_hi, b_hi, b_lo], dim=0)                              # [3K,N]
-    return a3, b3
+def bf16_halves(t):
+    """float32 [.., N] -> bf16 [.., 2N] = [hi | lo] (truncated split), one pass."""
+    return torch.cat(split_bf16_truncated(t), dim=-1)
 
 
-def matmul_tf32(a, b):
-    """a @ b; TF32 on CUDA while tf32_matmuls() is active."""
-    return a @ b
+def mm_float32(a, b):
+    """a @ b with a float32 result for bf16/fp16 operands."""
+    if a.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return a.float() @ b.float()
 
 
-@contextlib.contextmanager
-def tf32_matmuls(enabled=True):
-    """Let float32 cuBLAS products use TF32 inside the block, then restore the setting."""
-    saved = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = saved
+def matmul_halves_by_weight(a_halves, weight):
+    """a [M,K] (given as halves [M,2K]) @ weight [K,N] float32 -> [M,N], bf16x3."""
+    K = weight.shape[0]
+    w_hi, w_lo = split_bf16_truncated(weight)
+    return (mm_float32(a_halves[:, :K], w_lo)                               # a_hi @ w_lo
+            + mm_float32(a_halves, torch.cat([w_hi, w_hi], dim=0)))         # + the rest
+
+
+def matmul_halves_transposed(a_halves, c_halves):
+    """a^T @ c for a [K,M], c [K,N] given as halves [K,2M], [K,2N] -> [M,N], bf16x3 with
+    the three products as separate GEMMs (K = B*S is large)."""
+    M, N = a_halves.shape[1] // 2, c_halves.shape[1] // 2
+    hi_and_lo_by_c_hi = mm_float32(a_halves.t(), c_halves[:, :N])          # [2M,N]
+    a_hi_by_c_lo = mm_float32(a_halves[:, :M].t(), c_halves[:, N:])        # [M,N]
+    return (hi_and_lo_by_c_hi[M:] + a_hi_by_c_lo) + hi_and_lo_by_c_hi[:M]
+
+
+def matmul_fp16_transposed(a16, c16):
+    """a^T @ c for fp16 a [K,M], c [K,N] -> float32 [M,N], one product."""
+    return mm_float32(a16.t(), c16)

@@ -17,23 +17,31 @@ Two passes over P, no S x S tensor in memory:
              fused-attention tutorial does, so every dot takes its operands as stored.
 No atomics: each output element is written by exactly one program (deterministic).
 
-Every product is float32-grade "bf16x3": each float32 operand is split into bf16 hi + lo
-and a @ b = a_hi@b_hi + a_hi@b_lo + a_lo@b_hi with float32 accumulation. dO, q, k and v
-arrive already split (two bf16 tensors each, made once by the caller with
-precision.split_bf16), so their tiles go from memory straight to the tensor cores; only
-the S x S tiles (P and the products with it) are split here, in registers.
+Precision: every product is float32-grade "bf16x3" (each float32 operand split into
+bf16 hi + lo, a @ b = a_lo@b_hi + a_hi@b_lo + a_hi@b_hi with float32 accumulation).
+(dK as one fp16 product, which the contract's tolerance allows, measured no faster on
+the H200 and cost accuracy: docs/performance.md, v7.) dO, q, k and v arrive already
+split (two bf16 tensors each, made once by the caller), so their tiles go from memory
+straight to the tensor cores; only the S x S tiles (P and the products with it) are
+split here, in registers.
 
-The `*_tile` functions hold the algorithm. They are shared verbatim by the raw kernels
-below (used eagerly and tested under TRITON_INTERPRET=1) and by the Inductor templates
-(vitattn_bwd/inductor.py pastes their source into the template).
+The outputs are written in the formats their consumers read, so no kernel reads them
+again to convert them: each gradient as fp16 (the QKV weight-gradient GEMM's operand)
+and as bf16 [hi | lo] halves of one row (the QKV input-gradient GEMM's bf16x3 operand).
+
+The `*_tile` and store functions hold the algorithm. They are shared verbatim by the raw
+kernels below (used eagerly and tested under TRITON_INTERPRET=1) and by the Inductor
+templates (vitattn_bwd/inductor.py pastes every non-kernel function of this file into
+its templates).
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def split_bf16(x):
-    """float32 tile -> (hi, lo) bf16 tiles with hi + lo == x to about 16 mantissa bits."""
+def split_bf16_rounded(x):
+    """float32 tile -> (hi, lo) bf16 tiles: hi = x rounded to bf16, lo = the rest rounded;
+    hi + lo == x to about 16 mantissa bits."""
     hi = x.to(tl.bfloat16)
     lo = (x - hi.to(tl.float32)).to(tl.bfloat16)
     return hi, lo
@@ -56,10 +64,20 @@ def load_pair(HI, LO, offsets, mask):
 
 
 @triton.jit
+def store_bf16_halves(HALVES, offsets, lo_offset, value, mask):
+    """Store a float32 tile as its rounded bf16 hi part at `offsets` and lo part at
+    `offsets + lo_offset` (the [hi | lo] halves of a row of the consumer's operand)."""
+    hi, lo = split_bf16_rounded(value)
+    tl.store(HALVES + offsets, hi, mask=mask)
+    tl.store(HALVES + offsets + lo_offset, lo, mask=mask)
+
+
+@triton.jit
 def head_rows(batch, head, offs, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
-              HEAD_DIM: tl.constexpr):
-    """Offsets of rows `offs` of one head in the [B,S,E] (heads merged) layout: [len,D]."""
-    return ((batch * SEQ_LEN + offs[:, None]).to(tl.int64) * (NUM_HEADS * HEAD_DIM)
+              HEAD_DIM: tl.constexpr, ROW_WIDTH: tl.constexpr):
+    """Offsets of rows `offs` of one head in a [B,S,ROW_WIDTH] layout whose first
+    NUM_HEADS * HEAD_DIM columns hold the heads side by side: [len,D]."""
+    return ((batch * SEQ_LEN + offs[:, None]).to(tl.int64) * ROW_WIDTH
             + head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
 
 
@@ -76,7 +94,8 @@ def softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO,
     row_ok = offs_m < SEQ_LEN
     grad_attn_hi, grad_attn_lo = load_pair(
         GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS,
-                                              HEAD_DIM), row_ok[:, None])  # [BM,D]
+                                              HEAD_DIM, NUM_HEADS * HEAD_DIM),
+        row_ok[:, None])                                                  # [BM,D]
 
     p_rows = P + batch_head * SEQ_LEN * SEQ_LEN + offs_m[:, None] * SEQ_LEN
     head_start = batch_head * SEQ_LEN * HEAD_DIM
@@ -96,9 +115,9 @@ def softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO,
                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # [BM,BN]
         p_grad_p = p * grad_p
         delta += tl.sum(p_grad_p, axis=1)
-        pgp_hi, pgp_lo = split_bf16(p_grad_p)
+        pgp_hi, pgp_lo = split_bf16_rounded(p_grad_p)
         p_grad_p_k = dot_bf16x3(pgp_hi, pgp_lo, k_hi, k_lo, p_grad_p_k)
-        p_hi, p_lo = split_bf16(p)
+        p_hi, p_lo = split_bf16_rounded(p)
         p_k = dot_bf16x3(p_hi, p_lo, k_hi, k_lo, p_k)
     grad_q = (p_grad_p_k - delta[:, None] * p_k) * scale
     return grad_q, delta
@@ -131,19 +150,40 @@ def softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI, V_LO,
                       mask=col_ok[:, None] & row_ok[None, :], other=0.0)  # [BN,BM]
         grad_attn_hi, grad_attn_lo = load_pair(
             GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS,
-                                                  HEAD_DIM), row_ok[:, None])  # [BM,D]
+                                                  HEAD_DIM, NUM_HEADS * HEAD_DIM),
+            row_ok[:, None])                                              # [BM,D]
         q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
                                + offs_d[None, :], row_ok[:, None])        # [BM,D]
         delta = tl.load(delta_head + offs_m, mask=row_ok, other=0.0)      # [BM]
 
-        p_t_hi, p_t_lo = split_bf16(p_t)
+        p_t_hi, p_t_lo = split_bf16_rounded(p_t)
         grad_v = dot_bf16x3(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v)
         grad_p_t = dot_bf16x3(v_hi, v_lo, tl.trans(grad_attn_hi), tl.trans(grad_attn_lo),
                               tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))  # [BN,BM]
-        grad_s_t = p_t * (grad_p_t - delta[None, :])
-        gs_t_hi, gs_t_lo = split_bf16(grad_s_t)
+        grad_s_t = p_t * (grad_p_t - delta[None, :])                      # [BN,BM]
+        gs_t_hi, gs_t_lo = split_bf16_rounded(grad_s_t)
         grad_k = dot_bf16x3(gs_t_hi, gs_t_lo, q_hi, q_lo, grad_k)
     return grad_k * scale, grad_v
+
+
+@triton.jit
+def store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start,
+                        SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """grad_q [BM,D] into the [B,S,2E] [hi | lo] layout."""
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offsets = head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
+                        2 * NUM_HEADS * HEAD_DIM)
+    store_bf16_halves(GRAD_Q_HALVES, offsets, NUM_HEADS * HEAD_DIM, grad_q,
+                      (offs_m < SEQ_LEN)[:, None])
+
+
+@triton.jit
+def store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN: tl.constexpr,
+                NUM_HEADS: tl.constexpr, BLOCK_M: tl.constexpr):
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    tl.store(DELTA + (batch * NUM_HEADS + head).to(tl.int64) * SEQ_LEN + offs_m, delta,
+             mask=offs_m < SEQ_LEN)
 
 
 @triton.jit
@@ -155,44 +195,60 @@ def join_kv(grad_k, grad_v, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
 
 @triton.jit
 def kv_columns(head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Column of each element of a join_kv tile in the [B,S,2E] grad_kv layout."""
+    """Column of each element of a join_kv tile in a [B,S,2E] (dK | dV) layout."""
     j = tl.arange(0, 2 * HEAD_DIM)
     return (j // HEAD_DIM) * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + j % HEAD_DIM
+
+
+@triton.jit
+def store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start,
+                         SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A join_kv tile [BN,2D] into the [B,S,4E] [k_hi v_hi | k_lo v_lo] layout."""
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offsets = ((batch * SEQ_LEN + offs_n[:, None]).to(tl.int64) * (4 * NUM_HEADS * HEAD_DIM)
+               + kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :])
+    store_bf16_halves(GRAD_KV_HALVES, offsets, 2 * NUM_HEADS * HEAD_DIM, grad_kv,
+                      (offs_n < SEQ_LEN)[:, None])
 
 
 # ---- raw kernels: one program per (row or column block, batch * head) ----------------
 
 @triton.jit
-def softmax_bwd_rows_kernel(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO, GRAD_Q,
-                            DELTA, scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+def softmax_bwd_rows_kernel(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO,
+                            GRAD_Q16, GRAD_Q_HALVES, DELTA, scale, SEQ_LEN: tl.constexpr,
+                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
     grad_q, delta = softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI,
                                           V_LO, batch, head, m_start, scale, SEQ_LEN,
                                           NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
+    store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
+    store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
+                        HEAD_DIM, BLOCK_M)
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    tl.store(DELTA + tl.program_id(1).to(tl.int64) * SEQ_LEN + offs_m, delta,
-             mask=offs_m < SEQ_LEN)
-    tl.store(GRAD_Q + head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM), grad_q,
-             mask=(offs_m < SEQ_LEN)[:, None])
+    tl.store(GRAD_Q16 + head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
+                                  NUM_HEADS * HEAD_DIM),
+             grad_q.to(tl.float16), mask=(offs_m < SEQ_LEN)[:, None])
 
 
 @triton.jit
 def softmax_bwd_cols_kernel(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI, V_LO, DELTA,
-                            GRAD_KV, scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr):
+                            GRAD_KV16, GRAD_KV_HALVES, scale, SEQ_LEN: tl.constexpr,
+                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
     grad_k, grad_v = softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI,
                                            V_LO, DELTA, batch, head, n_start, scale,
                                            SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
+    grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)                  # [BN,2D]
+    store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
+                         NUM_HEADS, HEAD_DIM, BLOCK_N)
     offs_n = n_start + tl.arange(0, BLOCK_N)
-    cols = kv_columns(head, NUM_HEADS, HEAD_DIM)
-    tl.store(GRAD_KV + (batch * SEQ_LEN + offs_n[:, None]).to(tl.int64) * (2 * NUM_HEADS * HEAD_DIM)
-             + cols[None, :], join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM),
-             mask=(offs_n < SEQ_LEN)[:, None])
+    tl.store(GRAD_KV16 + (batch * SEQ_LEN + offs_n[:, None]).to(tl.int64)
+             * (2 * NUM_HEADS * HEAD_DIM) + kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :],
+             grad_kv.to(tl.float16), mask=(offs_n < SEQ_LEN)[:, None])
