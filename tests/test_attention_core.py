@@ -1,5 +1,6 @@
-"""The attention-core operators: their PyTorch math (CPU path) and the raw Triton kernels
-under the interpreter, against the textbook softmax backward in float64."""
+"""The attention-core operators: their outputs' formats, their PyTorch math (the CPU
+path) and the raw Triton kernels under the interpreter, against the textbook softmax
+backward in float64."""
 import math
 import os
 
@@ -28,21 +29,38 @@ def _textbook(P, grad_attn, q, k, v, scale):
 
 
 @pytest.mark.parametrize("B,H,S,D", [(2, 3, 17, 8), (1, 1, 1, 4), (2, 2, 64, 16)])
-def test_two_pass_math_equals_textbook_backward(B, H, S, D):
+def test_plain_math_equals_textbook_backward(B, H, S, D):
     P, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, dtype=torch.float64)
-    grad_q, delta = attention_core.softmax_bwd_rows(P, grad_attn, k, v, scale)
-    grad_kv = attention_core.softmax_bwd_cols(P, grad_attn, q, v, delta, scale)
+    got = attention_core.attention_backward_math(P, grad_attn, q, k, v, scale)
+    for g, want in zip(got, _textbook(P, grad_attn, q, k, v, scale)):
+        torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
+
+
+def test_operators_write_fp16_copies_and_bf16_halves():
+    """Outside Triton the operators round float64 math to the formats the graph's GEMMs
+    read: fp16 gradients, and [hi | lo] bf16 halves whose sum keeps ~16 mantissa bits."""
+    P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 8)
+    grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(P, grad_attn, k, v,
+                                                                     scale)
+    grad_kv16, grad_kv_halves = attention_core.softmax_bwd_cols(P, grad_attn, q, v, delta,
+                                                                scale)
+    assert (grad_q16.dtype, grad_q_halves.dtype, grad_kv16.dtype) == (
+        torch.float16, torch.bfloat16, torch.float16)
+    assert grad_q_halves.shape == (2, 17, 48) and grad_kv_halves.shape == (2, 17, 96)
     want_q, want_k, want_v = _textbook(P, grad_attn, q, k, v, scale)
-    E = H * D
-    for got, want in ((grad_q, want_q), (grad_kv[..., :E], want_k), (grad_kv[..., E:], want_v)):
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    want_delta = (P * (reference.split_heads(grad_attn, H) @ v.transpose(-1, -2))).sum(-1)
-    torch.testing.assert_close(delta, want_delta, rtol=1e-12, atol=1e-12)
+    want_kv = torch.cat([want_k, want_v], dim=-1)
+    for halves, want in ((grad_q_halves, want_q), (grad_kv_halves, want_kv)):
+        err = (attention_core.float32_from_halves(halves).double() - want).abs()
+        assert (err <= 2 ** -16 * want.abs() + 1e-12).all()
+    for copy16, want in ((grad_q16, want_q), (grad_kv16, want_kv)):
+        assert torch.equal(copy16, want.half())                # round to nearest fp16
+    want_delta = (P * (reference.split_heads(grad_attn, 3) @ v.transpose(-1, -2))).sum(-1)
+    torch.testing.assert_close(delta, want_delta, rtol=1e-6, atol=1e-6)
 
 
 def test_operators_pass_opcheck():
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, 9, 8)
-    grad_q, delta = attention_core.softmax_bwd_rows(P, grad_attn, k, v, scale)
+    _, _, delta = attention_core.softmax_bwd_rows(P, grad_attn, k, v, scale)
     torch.library.opcheck(attention_core.softmax_bwd_rows, (P, grad_attn, k, v, scale))
     torch.library.opcheck(attention_core.softmax_bwd_cols, (P, grad_attn, q, v, delta, scale))
 
@@ -63,11 +81,9 @@ def triton_interpreter():
 def test_triton_kernels_under_interpreter(triton_interpreter, S, D, block_m, block_n):
     B, H = 2, 2
     P, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, seed=S)
-    grad_q, delta = attention_core.launch_rows(P, grad_attn, k, v, scale, block_m, block_n)
-    grad_kv = attention_core.launch_cols(P, grad_attn, q, v, delta, scale, block_m, block_n)
+    got = attention_core.attention_backward(P, grad_attn, q, k, v, scale,
+                                            block_m=block_m, block_n=block_n)
     want = _textbook(P, grad_attn, q, k, v, scale)
-    E = H * D
-    got = [grad_q, grad_kv[..., :E], grad_kv[..., E:]]
     # bf16x3: ~1e-5 on the GPU; the interpreter truncates where the GPU rounds. Errors
     # are measured against the larger of the output's and dV's norms: at S = 1, dQ = dK = 0
     # exactly and the kernel leaves rounding of terms as large as dV.
@@ -78,3 +94,13 @@ def test_triton_kernels_under_interpreter(triton_interpreter, S, D, block_m, blo
     bf16 = _textbook(*(t.bfloat16().float() for t in (P, grad_attn, q, k, v)), scale)
     if S > 1:
         assert relative_errors(got[2:], want[2:])[0] * 10 < relative_errors(bf16[2:], want[2:])[0]
+
+
+def test_kernels_fp16_copies_match_their_halves(triton_interpreter):
+    """The kernels' two output formats describe the same gradient."""
+    P, grad_attn, q, k, v, scale = _core_inputs(1, 2, 21, 16, seed=5)
+    grad_q16, grad_q_halves, delta = attention_core.launch_rows(P, grad_attn, k, v, scale)
+    grad_kv16, grad_kv_halves = attention_core.launch_cols(P, grad_attn, q, v, delta, scale)
+    for copy16, halves in ((grad_q16, grad_q_halves), (grad_kv16, grad_kv_halves)):
+        value = attention_core.float32_from_halves(halves)
+        assert ((copy16.float() - value).abs() <= 2 ** -10 * value.abs() + 1e-6).all()

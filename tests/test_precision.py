@@ -1,68 +1,73 @@
-"""The bf16 hi/lo split: exact bookkeeping, float32-grade products, and no cast folding
-under Inductor."""
+"""The bf16 hi/lo splits and the split-operand GEMMs: exact bookkeeping, float32-grade
+products, and no cast folding under Inductor. On the CPU the GEMMs multiply the upcast
+parts, which reproduces the GPU's products exactly."""
+import pytest
 import torch
 
-import pytest
-
-from vitattn_bwd.precision import bf16x3_operands, matmul_fp32_grade, split_bf16
+from vitattn_bwd.precision import (BF16_HI_MASK, bf16_halves, matmul_fp16_transposed,
+                                   matmul_halves_by_weight, matmul_halves_transposed,
+                                   split_bf16_rounded, split_bf16_truncated)
 
 
 def _randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_split_hi_is_truncation_and_lo_the_rounded_rest():
+def _rel(x, exact):
+    return ((x.double() - exact).norm() / exact.norm()).item()
+
+
+def test_truncated_split_keeps_the_top_bits_and_rounds_the_rest():
     t = _randn(1000) * 100
-    hi, lo = split_bf16(t)
+    hi, lo = split_bf16_truncated(t)
     assert hi.dtype == lo.dtype == torch.bfloat16
-    # hi keeps the top 16 bits of the float32 pattern exactly
-    assert torch.equal(hi.float().view(torch.int32), t.view(torch.int32) & -65536)
+    assert torch.equal(hi.float().view(torch.int32), t.view(torch.int32) & BF16_HI_MASK)
     rel = ((hi.float() + lo.float()).double() - t.double()).abs() / t.double().abs()
     assert rel.max() < 2 ** -16
 
 
-def _bf16x3_emulated(a, b):
-    """The GPU's bf16x3 GEMM on the CPU: bf16 products are exact in float32."""
-    a3, b3 = bf16x3_operands(a, b)
-    return a3.float() @ b3.float()
+def test_rounded_split_rounds_to_nearest_even_like_a_cast():
+    t = torch.cat([_randn(10000) * 100,
+                   torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8)])])
+    hi, lo = split_bf16_rounded(t)
+    assert torch.equal(hi, t.bfloat16())                 # torch rounds half to even
+    assert torch.equal(lo, (t - hi.float()).bfloat16())
 
 
-@pytest.mark.parametrize("transposed", [False, True])
-def test_bf16x3_operands_keep_the_leading_dimension_aligned(transposed):
-    """A transposed `a` (grad_out_weight's grad_rows.t(), K = B*S odd) keeps M as its
-    leading dimension; concatenating its rows would make it 3K (odd, misaligned)."""
-    M, K, N = 64, 577, 32
-    a = _randn(K, M).t() if transposed else _randn(M, K)
-    b = _randn(K, N, seed=1)
-    a3, b3 = bf16x3_operands(a, b)
-    assert a3.shape == (M, 3 * K) and b3.shape == (3 * K, N)
-    assert a3.stride() == ((1, M) if transposed else (3 * K, 1))
-    a_hi, a_lo = split_bf16(a)
-    assert torch.equal(a3, torch.cat([a_hi, a_lo, a_hi], dim=1))
-
-
-def test_bf16x3_is_float32_grade_and_bf16_is_not():
-    a, b = _randn(256, 512, seed=1), _randn(512, 128, seed=2)
-    exact = a.double() @ b.double()
-
-    def rel(x):
-        return ((x.double() - exact).norm() / exact.norm()).item()
-
-    assert rel(_bf16x3_emulated(a, b)) < 3e-5
-    assert rel(a.bfloat16().float() @ b.bfloat16().float()) > 1e-3
-
-
-def test_split_survives_inductor():
-    """Inductor folds float32 -> bf16 -> float32 round trips; the integer-mask split has
-    no such round trip, so the compiled lo part is not zero."""
+@pytest.mark.parametrize("split", [split_bf16_truncated, split_bf16_rounded])
+def test_splits_survive_inductor(split):
+    """Inductor folds float32 -> bf16 -> float32 round trips; the integer-mask splits
+    have none to fold, so the compiled lo part is not zero."""
     t = _randn(4096)
-    compiled = torch.compile(split_bf16, fullgraph=True)
-    hi, lo = compiled(t)
-    ref_hi, ref_lo = split_bf16(t)
+    hi, lo = torch.compile(split, fullgraph=True)(t)
+    ref_hi, ref_lo = split(t)
     assert torch.equal(hi, ref_hi) and torch.equal(lo, ref_lo)
     assert lo.float().abs().max() > 0
 
 
-def test_cpu_matmul_is_plain_float32():
-    a, b = _randn(8, 16), _randn(16, 4)
-    assert torch.equal(matmul_fp32_grade(a, b), a @ b)
+def test_halves_are_hi_then_lo():
+    t = _randn(7, 5)
+    hi, lo = split_bf16_truncated(t)
+    assert torch.equal(bf16_halves(t), torch.cat([hi, lo], dim=1))
+
+
+def test_matmul_by_weight_is_float32_grade_and_bf16_is_not():
+    a, w = _randn(256, 512, seed=1), _randn(512, 128, seed=2)
+    exact = a.double() @ w.double()
+    assert _rel(matmul_halves_by_weight(bf16_halves(a), w), exact) < 3e-5
+    assert _rel(a.bfloat16().float() @ w.bfloat16().float(), exact) > 1e-3
+
+
+def test_transposed_matmul_sums_three_products_at_large_k():
+    """a^T c over K = 4,000 rows (a weight gradient): float32-grade, from the halves."""
+    a, c = _randn(4000, 48, seed=3), _randn(4000, 40, seed=4)
+    exact = a.double().t() @ c.double()
+    got = matmul_halves_transposed(bf16_halves(a), bf16_halves(c))
+    assert got.shape == (48, 40) and _rel(got, exact) < 3e-5
+
+
+def test_fp16_transposed_matmul_is_one_rounded_product():
+    a, c = _randn(3000, 32, seed=5), _randn(3000, 16, seed=6)
+    exact = a.double().t() @ c.double()
+    err = _rel(matmul_fp16_transposed(a.half(), c.half()), exact)
+    assert 1e-5 < err < 1e-3                          # fp16-grade, not float32-grade

@@ -124,11 +124,9 @@ _COLS_ENTRY = r'''
 def device_functions():
     """The @triton.jit functions of kernels/softmax_bwd.py that the templates paste in:
     all but the raw kernels, in source order."""
-    from triton.runtime import JITFunction
-
     from .kernels import softmax_bwd
-    functions = [obj for name, obj in vars(softmax_bwd).items()
-                 if isinstance(obj, JITFunction) and not name.endswith("_kernel")]
+    functions = [obj for name, obj in vars(softmax_bwd).items()      # jit or interpreted
+                 if inspect.isfunction(getattr(obj, "fn", None)) and not name.endswith("_kernel")]
     return sorted(functions, key=lambda jit: jit.fn.__code__.co_firstlineno)
 
 
