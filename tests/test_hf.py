@@ -292,6 +292,14 @@ def test_unsupported_layers_are_refused_at_the_swap():
         swap_attention(_clip(attention_dropout=0.1))
     with pytest.raises(ValueError, match="found no encoder layer"):
         swap_attention(nn.Sequential(nn.Linear(4, 4)))
+    # a forward set on the instance (accelerate's hooks) would bypass the swap
+    model = _clip()
+    layer = model.get_submodule([n for n, m in model.named_modules()
+                                 if type(m).__name__ == "CLIPEncoderLayer"][0])
+    layer.forward = layer.forward
+    with pytest.raises(ValueError, match="overridden on the instance"):
+        swap_attention(model)
+    assert not swapped_layers(model)                  # nothing swapped half-way
     # a bare encoder is not inside a *Vision* module: only with vision_only=False
     encoder = _clip().encoder if hasattr(_clip(), "encoder") else _clip().vision_model.encoder
     with pytest.raises(ValueError, match="vision_only=False"):

@@ -28,7 +28,8 @@ Limits: no attention mask (vision towers pass none; a mask raises ValueError), n
 output_attentions (raises ValueError: the attention maps are never materialized for the
 caller), no attention dropout (a layer with attention dropout > 0 is refused at the swap),
 no double backward. Forward hooks registered on `layer_norm1` / `self_attn` (not on the
-layer) no longer fire. By default only layers inside a module whose class name contains
+layer) no longer fire. A layer whose forward is overridden on the instance (accelerate's
+device_map hooks) is refused at the swap. By default only layers inside a module whose class name contains
 "Vision" are swapped, so a CLIPModel's text tower stays stock.
 
 Works with transformers 4.4x (layers return a tuple and take output_attentions) and 5.x
@@ -82,6 +83,10 @@ def _match(layer):
 def _check_layer(name, layer, kind):
     """Refuse, at the swap, a layer our block would compute differently."""
     conv = _CONVENTIONS[kind]
+    if "forward" in vars(layer):
+        raise ValueError(f"{name}: its forward is overridden on the instance (accelerate's "
+                         "device_map/offload hooks do this), which would bypass the swap; "
+                         "swap a model loaded without device_map")
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
     E = q.in_features
