@@ -25,6 +25,7 @@ y has x's dtype (the residual stream keeps its dtype, as in the stock block). No
 is left for the backward: everything the backward checks is checked in the forward.
 """
 import math
+import numbers
 
 import torch
 from torch import nn
@@ -43,17 +44,17 @@ def check_config(embed_dim, num_heads, eps):
     """Validate a block's configuration; return (embed_dim, num_heads, eps as float).
     TypeError/ValueError naming the argument."""
     for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
         if value < 1:
             raise ValueError(f"{name} must be positive, got {value}")
     if embed_dim % num_heads:
         raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    return embed_dim, num_heads, float(eps)
+    return int(embed_dim), int(num_heads), float(eps)
 
 
 def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
