@@ -82,20 +82,17 @@ def test_batch_sizes_share_one_compiled_graph_per_bucket():
     assert counters["unique_graphs"] == compiled_before
 
 
-def test_cuda_graphs_only_for_batch_one_on_the_main_thread(monkeypatch):
+def test_cuda_graphs_only_for_small_batches_on_the_main_thread():
     import threading
-    from vitattn_bwd.graph import batch_bucket, compile_mode
-    monkeypatch.delenv("VITATTN_BWD_COMPILE_MODE", raising=False)
-    assert compile_mode("cpu", None) is None
-    assert compile_mode("cuda", None) == "max-autotune"
-    assert compile_mode("cuda", batch_bucket(2)) == "max-autotune-no-cudagraphs"
+    from vitattn_bwd.graph import batch_bucket, uses_cuda_graph
+    assert not uses_cuda_graph("cpu", None)
+    assert uses_cuda_graph("cuda", None) and uses_cuda_graph("cuda", batch_bucket(15))
+    assert not uses_cuda_graph("cuda", batch_bucket(16))
     in_thread = []                       # where autograd runs a CUDA backward
-    worker = threading.Thread(target=lambda: in_thread.append(compile_mode("cuda", None)))
+    worker = threading.Thread(target=lambda: in_thread.append(uses_cuda_graph("cuda", None)))
     worker.start()
     worker.join()
-    assert in_thread == ["max-autotune-no-cudagraphs"]
-    monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")
-    assert compile_mode("cuda", None) == "default"
+    assert in_thread == [False]
 
 
 def test_batch_buckets_cover_every_batch_size_once():

@@ -137,9 +137,8 @@ def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps,
     """One torch.compile'd graph; the arguments are the cache key."""
     del dtype, seq_len, embed_dim, num_heads                  # they key the cache only
     cache.load_env_cache_once()
-    fn = functools.partial(_own_code_object(block_backward), scale=scale,
-                           norm_eps=norm_eps, ln_grad=ln_grad,
-                           split_precision=device_type == "cuda")
+    fn = _entry_point(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
+                      split_precision=device_type == "cuda")
     from .inductor import compile_options                    # registers the lowerings
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
     options = compile_options(f"{cache.cache_key_tag()}-batch{smallest_batch}",
@@ -148,14 +147,19 @@ def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps,
     return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
-def _own_code_object(fn):
-    """A copy of fn with a code object of its own. Dynamo keeps its compiled graphs per
-    code object and reuses any whose guards pass: without the copy, the dynamic graph of
-    one batch bucket would serve the other bucket too, tuned for the wrong sizes."""
-    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__,
-                              fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return functools.update_wrapper(copy, fn)
+def _entry_point(**constants):
+    """block_backward with `constants` bound, as a function with a code object of its
+    own. Dynamo keeps its compiled graphs, and counts them against its recompile limit
+    (8), per code object, and reuses any whose guards pass: one code object per
+    configuration and batch bucket keeps each to a graph or two, and keeps the dynamic
+    graph of one bucket from serving the other, tuned for the wrong sizes. (A
+    functools.partial would not do: dynamo traces all partials through one wrapper.)"""
+    def backward_graph(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k,
+                       v, attn_weights, attn_output, out_weight):
+        return block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight,
+                              q, k, v, attn_weights, attn_output, out_weight, **constants)
+    return types.FunctionType(backward_graph.__code__.replace(), backward_graph.__globals__,
+                              backward_graph.__name__, None, backward_graph.__closure__)
 
 
 def batch_bucket(batch):
