@@ -17,11 +17,32 @@ settings.register_profile("ci", max_examples=6, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
+# On the H200 (tests/test_gpu_properties.py): fresh random draws each run, failures printed
+# with a reproduce blob; each property there sets its own example count and time budget,
+# and the whole file stays around 3 minutes.
+settings.register_profile("gpu", max_examples=20, deadline=None, print_blob=True,
+                          suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What each property run of tests/strategies.run_property did: examples, time, and
+    the largest relative error per output (for the notes on the GPU profile's runs)."""
+    from .strategies import RUN_STATS
+    if not RUN_STATS:
+        return
+    terminalreporter.section(f"property runs (profile {settings.get_current_profile_name()})")
+    for name, stats in RUN_STATS.items():
+        errors = ", ".join(f"{k} {v:.2e}" for k, v in stats["max_errors"].items())
+        over = stats["rejected_over_budget"]
+        terminalreporter.write_line(
+            f"{name}: {stats['examples']} examples in {stats['seconds']:.1f} s"
+            + (f" (time budget reached, {over} draws rejected)" if over else "")
+            + (f"; max errors: {errors}" if errors else ""))
 
 
 def pytest_collection_modifyitems(config, items):

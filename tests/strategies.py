@@ -1,0 +1,347 @@
+"""Hypothesis strategies, input builders, float64 references, error bounds and a runner
+shared by the property tests: tests/test_properties.py (CPU: Triton interpreter and the
+compiled CPU path), tests/test_stateful.py (CPU) and tests/test_gpu_properties.py (gpu).
+
+Error measure: ||out - ref|| / ||ref|| with ref computed in float64 from the same
+float32 inputs. The bounds come from the precision map, stated next to each number.
+"""
+import dataclasses
+import math
+import time
+
+import torch
+from hypothesis import HealthCheck, Phase, example, given, reject, settings
+from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
+
+from vitattn_bwd import reference
+from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs
+
+# ---------------------------------------------------------------------------------------
+# Bounds (relative to the output's norm, against float64)
+# ---------------------------------------------------------------------------------------
+
+# Attention core on the GPU. dV = P^T dO, dP = dO V^T and dQ: "bf16x3" (three bf16
+# products, float32 accumulation, ~1e-5 relative) -> 5e-5. dK = dS^T Q: ONE fp16 product
+# (round-to-nearest fp16 operands, float32 accumulation, ~3e-4) -> 1e-3.
+CORE_BOUNDS_GPU = {"grad_q": 5e-5, "grad_k": 1e-3, "grad_v": 5e-5}
+# Under the Triton interpreter bf16 conversions truncate where the GPU rounds (about 2x
+# the error of a rounded split, plus a bias): 2e-4 for the bf16x3 outputs, 2e-3 for dK.
+CORE_BOUNDS_INTERPRETER = {"grad_q": 2e-4, "grad_k": 2e-3, "grad_v": 2e-4}
+CORE_OUTPUTS = ("grad_q", "grad_k", "grad_v")
+
+# Compiled whole backward on the GPU: bf16x3 GEMMs, 1e-4. grad_qkv_weight is one fp16
+# GEMM: 1e-3. grad_x, grad_ln_weight, grad_ln_bias come from grad_x_norm = grad_qkv @
+# qkv_weight, which carries dK's fp16 error: 1e-3. grad_qkv_bias: its K third is exactly
+# zero in exact arithmetic (the sum over keys of dS is zero per row), so what is left there
+# is dK's rounding (~3e-4 of the norm of dK's column sums): 1e-3 as well.
+BLOCK_BOUNDS_GPU = {name: 1e-4 for name in OUTPUT_NAMES}
+BLOCK_BOUNDS_GPU.update(grad_qkv_weight=1e-3, grad_x=1e-3, grad_ln_weight=1e-3,
+                        grad_ln_bias=1e-3, grad_qkv_bias=1e-3)
+# Compiled path on the CPU: plain float32 products (1e-5), float64 (1e-12).
+BLOCK_BOUNDS_CPU = {torch.float32: 1e-5, torch.float64: 1e-12}
+
+# ---------------------------------------------------------------------------------------
+# Shapes and layouts
+# ---------------------------------------------------------------------------------------
+
+HEAD_DIMS = (16, 32, 64, 128)                    # what the Triton kernels take
+TILE_SIZES = (16, 32, 64, 128)
+TILE_EDGES = tuple(sorted({t + d for t in TILE_SIZES for d in (-1, 0, 1)}))
+# contiguous; "offset": a view into a larger flat buffer at an odd element offset (4-byte,
+# not 16-byte, aligned); "transposed": dims 1 and 2 swapped in storage (q, k, v held
+# sequence-major as a fused QKV projection gives them); "strided": every other element of
+# the last dim; "padded": rows of a wider buffer (a pitch of n + odd, like qkv.chunk(3)).
+# Gaps and margins of the larger buffers hold NaN: a kernel that reads outside the view
+# returns NaN, which the finite check and the error bound catch.
+LAYOUTS = ("contiguous", "offset", "transposed", "strided", "padded")
+
+
+def seq_lens(max_len, min_len=1):
+    """Any length in [min_len, max_len], with 1, 2 and the tile edges (16, 32, 64, 128
+    and each +-1) drawn often."""
+    edges = [s for s in (1, 2) + TILE_EDGES if min_len <= s <= max_len]
+    return st.one_of(st.sampled_from(edges), st.integers(min_len, max_len))
+
+
+def scales(head_dim):
+    return st.one_of(st.just(1.0 / math.sqrt(head_dim)),
+                     st.floats(0.01, 2.0, allow_nan=False, allow_infinity=False))
+
+
+def place(t, layout, offset=1):
+    """A tensor with t's values held in `layout` (see LAYOUTS); a fresh allocation."""
+    nan = float("nan")
+    if layout == "contiguous":
+        out = t.clone()
+    elif layout == "offset":
+        buf = torch.full((t.numel() + offset + 3,), nan, dtype=t.dtype, device=t.device)
+        out = buf[offset:offset + t.numel()].view(t.shape)
+        out.copy_(t)
+    elif layout == "transposed":
+        out = t.transpose(1, 2).contiguous().transpose(1, 2) if t.dim() >= 3 else \
+            t.t().contiguous().t() if t.dim() == 2 else t.clone()
+    elif layout == "strided":
+        buf = torch.full((*t.shape[:-1], 2 * t.shape[-1]), nan, dtype=t.dtype,
+                         device=t.device)
+        out = buf[..., ::2]
+        out.copy_(t)
+    elif layout == "padded":
+        buf = torch.full((*t.shape[:-1], t.shape[-1] + offset), nan, dtype=t.dtype,
+                         device=t.device)
+        out = buf[..., offset:]
+        out.copy_(t)
+    else:
+        raise ValueError(layout)
+    assert torch.equal(out, t)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The attention core: attention_backward(P, grad_attn, q, k, v, scale, block_m, block_n)
+# ---------------------------------------------------------------------------------------
+
+CORE_TENSORS = ("attn_weights", "grad_attn", "q", "k", "v")
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreCase:
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    scale: float
+    seed: int
+    p_source: str                # "random": softmax(randn); "qk": softmax(q k^T / sqrt(D))
+    layouts: tuple               # one per CORE_TENSORS entry
+    offset: int                  # element offset / row padding of "offset"/"padded"
+    block_m: int | None = None   # None: the launcher's default tiles
+    block_n: int | None = None
+
+
+@st.composite
+def core_cases(draw, *, max_seq, max_heads, max_batch, max_batch_heads=None,
+               head_dims=HEAD_DIMS, tiles=(None,), layouts=LAYOUTS):
+    S = draw(seq_lens(max_seq))
+    D = draw(st.sampled_from(head_dims))
+    H = draw(st.integers(1, max_heads))
+    most_batch = max_batch if max_batch_heads is None else max(1, min(max_batch,
+                                                                       max_batch_heads // H))
+    B = draw(st.integers(1, most_batch))
+    return CoreCase(
+        batch=B, heads=H, seq_len=S, head_dim=D, scale=draw(scales(D)),
+        seed=draw(st.integers(0, 2 ** 31 - 1)),
+        p_source=draw(st.sampled_from(["random", "qk"])),
+        layouts=tuple(draw(st.sampled_from(layouts)) for _ in CORE_TENSORS),
+        offset=draw(st.sampled_from([1, 3, 5, 7, 33])),
+        block_m=draw(st.sampled_from(tiles)), block_n=draw(st.sampled_from(tiles)))
+
+
+def core_inputs(case, device):
+    """(logical, placed): the inputs as contiguous float32 tensors, and the same values in
+    the case's layouts (what the kernel gets)."""
+    g = torch.Generator(device=device).manual_seed(case.seed)
+    B, H, S, D = case.batch, case.heads, case.seq_len, case.head_dim
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=torch.float32)
+
+    q, k, v = randn(B, H, S, D), randn(B, H, S, D), randn(B, H, S, D)
+    grad_attn = randn(B, S, H * D)
+    if case.p_source == "qk":
+        logits = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
+        attn_weights = torch.softmax(logits, dim=-1).float()
+    else:
+        attn_weights = torch.softmax(randn(B, H, S, S), dim=-1)
+    logical = dict(attn_weights=attn_weights, grad_attn=grad_attn, q=q, k=k, v=v)
+    placed = {name: place(logical[name], layout, case.offset)
+              for name, layout in zip(CORE_TENSORS, case.layouts)}
+    return logical, placed
+
+
+def core_reference(attn_weights, grad_attn, q, k, v, scale):
+    """float64 textbook softmax backward: grad_q, grad_k, grad_v [B,S,E]."""
+    H = attn_weights.shape[1]
+    grads = reference.softmax_attention_backward(
+        attn_weights.double(), reference.split_heads(grad_attn.double(), H), q.double(),
+        k.double(), v.double(), scale)
+    return [reference.merge_heads(g) for g in grads]
+
+
+def core_errors(got, want, seq_len):
+    """Relative errors of grad_q, grad_k, grad_v. At seq_len 1, dQ = dK = 0 exactly and
+    a kernel leaves rounding of terms as large as dV: measure those against dV's norm."""
+    errors = {}
+    for name, g, w in zip(CORE_OUTPUTS, got, want):
+        denom = w.norm().item()
+        if seq_len == 1 and name != "grad_v":
+            denom = max(denom, want[2].norm().item())
+        errors[name] = (g.double() - w).norm().item() / max(denom, 1e-300)
+    return errors
+
+
+def check_core(case, device, bounds, attention_backward):
+    """One example of the attention-core property: attention_backward on the case's
+    layouts against float64, inputs untouched, outputs float32 [B,S,E] and finite."""
+    logical, placed = core_inputs(case, device)
+    before = {name: t.clone() for name, t in placed.items()}
+    got = attention_backward(*(placed[n] for n in CORE_TENSORS), case.scale,
+                             block_m=case.block_m, block_n=case.block_n)
+    want = core_reference(*(logical[n] for n in CORE_TENSORS), case.scale)
+    for name in CORE_TENSORS:
+        assert torch.equal(placed[name], before[name]), f"{name} was modified"
+    for name, g, w in zip(CORE_OUTPUTS, got, want):
+        assert g.dtype == torch.float32 and g.shape == w.shape, (name, g.dtype, g.shape)
+        assert torch.isfinite(g).all(), f"{name} has NaN/Inf"
+    errors = core_errors(got, want, case.seq_len)
+    for name, err in errors.items():
+        assert err <= bounds[name], (name, err, bounds[name], case)
+    return errors
+
+
+# ---------------------------------------------------------------------------------------
+# The whole backward: vitattn_bwd.attention_block_backward (compiled path)
+# ---------------------------------------------------------------------------------------
+
+BLOCK_TENSORS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "ln_weight", "qkv_weight",
+                 "q", "k", "v", "attn_weights", "attn_output", "out_weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCase:
+    batch: int
+    seq_len: int
+    heads: int
+    head_dim: int
+    ln_grad: str
+    seed: int
+    scale: float
+    norm_eps: float
+    layouts: tuple                # one per BLOCK_TENSORS entry
+    offset: int = 1
+    dtype: torch.dtype = torch.float32
+
+
+@st.composite
+def block_cases(draw, *, seqs, max_heads, head_dims, max_batch, layouts=LAYOUTS,
+                dtypes=(torch.float32,), batches=None):
+    S = draw(seqs)
+    D = draw(st.sampled_from(head_dims))
+    H = draw(st.integers(1, max_heads))
+    B = draw(batches if batches is not None else st.integers(1, max_batch))
+    return BlockCase(
+        batch=B, seq_len=S, heads=H, head_dim=D,
+        ln_grad=draw(st.sampled_from(["exact", "contract"])),
+        seed=draw(st.integers(0, 2 ** 31 - 1)),
+        scale=draw(st.sampled_from([1.0 / math.sqrt(D), 0.37])),
+        norm_eps=draw(st.sampled_from([1e-5, 1e-3])),
+        layouts=tuple(draw(st.sampled_from(layouts)) for _ in BLOCK_TENSORS),
+        offset=draw(st.sampled_from([1, 3, 5])),
+        dtype=draw(st.sampled_from(dtypes)))
+
+
+def block_inputs(case, device):
+    """(logical, placed) dicts of the 15 inputs (make_inputs' distribution)."""
+    g = torch.Generator(device=device).manual_seed(case.seed)
+    logical = make_inputs(case.batch, seq_len=case.seq_len,
+                          embed_dim=case.heads * case.head_dim, num_heads=case.heads,
+                          device=device, dtype=case.dtype, generator=g)
+    logical.update(scale=case.scale, norm_eps=case.norm_eps)
+    placed = dict(logical)
+    for name, layout in zip(BLOCK_TENSORS, case.layouts):
+        placed[name] = place(logical[name], layout, case.offset)
+    return logical, placed
+
+
+def block_reference(logical, num_heads, ln_grad, device):
+    args = {n: (t.to(device=device, dtype=torch.float64) if torch.is_tensor(t) else t)
+            for n, t in logical.items()}
+    with torch.no_grad():
+        return reference.attention_block_backward(**args, num_heads=num_heads,
+                                                  ln_grad=ln_grad)
+
+
+def relative_error(out, ref):
+    ref = ref.double()
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def check_block(case, device, bounds, backward):
+    """One example of the compiled-path property: backward(**placed) (the public API's
+    signature) against float64, inputs untouched, outputs finite and not aliasing inputs.
+    bounds: {output name: bound}."""
+    logical, placed = block_inputs(case, device)
+    tensors = {n: t for n, t in placed.items() if torch.is_tensor(t)}
+    before = {n: t.clone() for n, t in tensors.items()}
+    grads = backward(**placed, num_heads=case.heads, ln_grad=case.ln_grad)
+    refs = block_reference(logical, case.heads, case.ln_grad, device)
+    for name, t in tensors.items():
+        assert torch.equal(t, before[name]), f"{name} was modified"
+    storages = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    errors = {}
+    for name, out, ref in zip(OUTPUT_NAMES, grads, refs):
+        assert out.dtype == case.dtype and out.shape == ref.shape, (name, out.dtype)
+        assert out.untyped_storage().data_ptr() not in storages, f"{name} aliases an input"
+        assert torch.isfinite(out).all(), f"{name} has NaN/Inf"
+        errors[name] = relative_error(out, ref)
+        assert errors[name] <= bounds[name], (name, errors[name], bounds[name], case)
+    return errors
+
+
+# ---------------------------------------------------------------------------------------
+# Running a property with bounded examples and time
+# ---------------------------------------------------------------------------------------
+
+# name -> {"examples": run, "rejected_over_budget": n, "seconds": s, "max_errors": {...}}
+RUN_STATS = {}
+
+
+def run_property(name, check, strategy, *, explicit=(), budget_s=None, **settings_kwargs):
+    """Run `check(case)` as a hypothesis property over `strategy` (plus the explicit
+    cases first) under the loaded profile overridden by settings_kwargs. With budget_s,
+    examples drawn after that many seconds are rejected (cheaply, before any tensor is
+    made): the run is bounded in examples AND in time. Records what ran in RUN_STATS."""
+    stats = {"examples": 0, "rejected_over_budget": 0, "seconds": 0.0, "max_errors": {}}
+    RUN_STATS[name] = stats
+    start = time.monotonic()
+
+    def body(case):
+        if budget_s is not None and time.monotonic() - start > budget_s:
+            stats["rejected_over_budget"] += 1
+            reject()
+        errors = check(case) or {}
+        stats["examples"] += 1
+        for out, err in errors.items():
+            stats["max_errors"][out] = max(err, stats["max_errors"].get(out, 0.0))
+
+    test = given(case=strategy)(body)
+    for case in reversed(tuple(explicit)):
+        test = example(case=case)(test)
+    kwargs = dict(deadline=None, suppress_health_check=list(HealthCheck))
+    kwargs.update(settings_kwargs)
+    test = settings(settings.default, **kwargs)(test)
+    try:
+        test()
+    except Unsatisfiable:
+        # every generated example came after the budget: fine once some example ran
+        if not (stats["examples"] and stats["rejected_over_budget"]):
+            raise
+    finally:
+        stats["seconds"] = time.monotonic() - start
+
+
+# Settings for re-running a property with a planted error: the explicit examples, then a
+# few generated ones, no shrinking, nothing saved to the example database.
+PLANT_SETTINGS = dict(phases=[Phase.explicit, Phase.generate], max_examples=2,
+                      database=None, report_multiple_bugs=False, derandomize=True)
+# On the GPU: the explicit examples only (their compiles and tunes are already cached).
+PLANT_SETTINGS_EXPLICIT = dict(PLANT_SETTINGS, phases=[Phase.explicit])
+
+
+def profile_examples(ci, thorough=None):
+    """max_examples for a property: `ci` under the ci profile, else the loaded profile's
+    count (or `thorough` when given and smaller)."""
+    default = settings.default.max_examples
+    if settings.get_current_profile_name() == "ci":
+        return ci
+    return default if thorough is None else min(default, thorough)
