@@ -39,12 +39,22 @@ TENSOR_SHAPES = {
 }
 
 
-@functools.lru_cache(maxsize=256)
-def _expected_shapes(B, S, E, H):
-    """name -> expected shape tuple (cached: the checks run on every call)."""
+def _shapes_of(B, S, E, H):
+    """name -> expected shape tuple."""
     dims = {"B": B, "S": S, "E": E, "3E": 3 * E, "H": H, "D": E // H}
     return {name: tuple(dims[d] if isinstance(d, str) else d for d in shape)
             for name, shape in TENSOR_SHAPES.items()}
+
+
+_cached_shapes = functools.lru_cache(maxsize=256)(_shapes_of)
+
+
+def _expected_shapes(B, S, E, H):
+    """Cached in eager calls (the checks run on every call); computed afresh when dynamo
+    traces the call (a model under torch.compile), which would bypass the cache anyway."""
+    if torch.compiler.is_compiling():
+        return _shapes_of(B, S, E, H)
+    return _cached_shapes(B, S, E, H)
 
 
 def _heads_hint(name, t, dims):
