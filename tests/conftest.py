@@ -42,7 +42,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{name}: {stats['examples']} examples in {stats['seconds']:.1f} s"
             + (f" (time budget reached, {over} draws rejected)" if over else "")
-            + (f"; max errors: {errors}" if errors else ""))
+            + (" -- FAILED" if stats.get("failed") else "")
+            + (f"; max errors of the passing ones: {errors}" if errors else ""))
 
 
 def pytest_collection_modifyitems(config, items):

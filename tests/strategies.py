@@ -322,6 +322,9 @@ def run_property(name, check, strategy, *, explicit=(), budget_s=None, **setting
     test = settings(settings.default, **kwargs)(test)
     try:
         test()
+    except AssertionError:
+        stats["failed"] = True
+        raise
     except Unsatisfiable:
         # every generated example came after the budget: fine once some example ran
         if not (stats["examples"] and stats["rejected_over_budget"]):

@@ -55,7 +55,7 @@ def _check_core(case):
 
 def test_attention_core_kernels_under_interpreter(triton_interpreter):
     S.run_property("interpreter: attention core", _check_core, INTERPRETER_CORE,
-                   explicit=[CORE_EXAMPLE], max_examples=S.profile_examples(6))
+                   explicit=[CORE_EXAMPLE], max_examples=S.profile_examples(15))
 
 
 @pytest.mark.parametrize("plant", plants.plants_for("core"))
@@ -105,7 +105,7 @@ def _check_compiled_cpu(case):
 
 def test_compiled_cpu_path_matches_float64():
     S.run_property("compiled CPU path", _check_compiled_cpu, COMPILED_CPU,
-                   explicit=[BLOCK_EXAMPLE], max_examples=S.profile_examples(3, 30))
+                   explicit=[BLOCK_EXAMPLE], max_examples=S.profile_examples(4, 30))
 
 
 # the other block plants (settings, recompiles) are invariants of tests/test_stateful.py

@@ -20,6 +20,7 @@ Tiny shapes (S <= 16, E <= 32) and few steps: each new (shape, mode, bucket) com
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -53,14 +54,28 @@ INDUCTOR_KEYS = ("max_autotune", "max_autotune_gemm", "coordinate_descent_tuning
 TORCH_OWN_ENVIRON = ("_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",)
 
 
+def _read(getter):
+    """A setting's value, or what reading it raised (torch raises from
+    get_float32_matmul_precision() once the legacy and the per-backend TF32 APIs
+    disagree: a changed setting too)."""
+    try:
+        return getter()
+    except Exception as e:                   # noqa: BLE001 (recorded, compared)
+        return f"raises {type(e).__name__}: {str(e)[:60]}"
+
+
 def process_wide():
     """Settings every thread shares."""
+    matmul = torch.backends.cuda.matmul
     return dict(
-        cuda_matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
-        cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
-        float32_matmul_precision=torch.get_float32_matmul_precision(),
-        bf16_reduced_reduction=torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
-        fp16_reduced_reduction=torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+        cuda_matmul_allow_tf32=_read(lambda: matmul.allow_tf32),
+        cudnn_allow_tf32=_read(lambda: torch.backends.cudnn.allow_tf32),
+        float32_matmul_precision=_read(torch.get_float32_matmul_precision),
+        cuda_matmul_fp32_precision=_read(lambda: matmul.fp32_precision),
+        mkldnn_matmul_fp32_precision=_read(lambda: torch.backends.mkldnn.matmul.fp32_precision),
+        generic_fp32_precision=_read(lambda: torch.backends.fp32_precision),
+        bf16_reduced_reduction=_read(lambda: matmul.allow_bf16_reduced_precision_reduction),
+        fp16_reduced_reduction=_read(lambda: matmul.allow_fp16_reduced_precision_reduction),
         default_dtype=torch.get_default_dtype(),
         num_threads=torch.get_num_threads(),
         deterministic=torch.are_deterministic_algorithms_enabled(),
@@ -181,6 +196,7 @@ def allowed_graphs(key):
 class BackwardCalls(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
+        self.saved_precision = torch.get_float32_matmul_precision()
         self.baseline = thread_visible()
         self.keys = set()
         self.compiled = 0
@@ -201,6 +217,9 @@ class BackwardCalls(RuleBasedStateMachine):
             grads, before, after = run_in(
                 thread, lambda: observer.watch(lambda: _call(inputs, heads, ln_grad)))
         compiled = counters["unique_graphs"] - graphs_before
+        stats = S.RUN_STATS.setdefault("stateful machine", {
+            "examples": 0, "rejected_over_budget": 0, "seconds": 0.0, "max_errors": {}})
+        stats["examples"] += 1                        # here: calls, in every run so far
         GRAPHS[key] = GRAPHS.get(key, 0) + compiled
         self.keys.add(key)
         self.compiled += compiled
@@ -237,6 +256,15 @@ class BackwardCalls(RuleBasedStateMachine):
         for name, a, b in zip(OUTPUT_NAMES, grads, previous):
             assert torch.equal(a, b), f"{name} differs between two identical calls"
 
+    @rule(precision=st.sampled_from(("highest", "high", "medium")))
+    def user_sets_float32_matmul_precision(self, precision):
+        """A user's own setting (what a training script does): calls must leave it so."""
+        torch.set_float32_matmul_precision(precision)
+        self.baseline = thread_visible()
+
+    def teardown(self):
+        torch.set_float32_matmul_precision(self.saved_precision)
+
     @invariant()
     def graphs_within_documented_count(self):
         assert self.compiled <= sum(allowed_graphs(k) for k in self.keys), (
@@ -249,15 +277,19 @@ class BackwardCalls(RuleBasedStateMachine):
 
 
 def _run_machine(**overrides):
-    kwargs = dict(max_examples=S.profile_examples(2, 20),
-                  stateful_step_count=S.profile_examples(5, 20), deadline=None)
+    kwargs = dict(max_examples=S.profile_examples(3, 20),
+                  stateful_step_count=S.profile_examples(6, 20), deadline=None)
     kwargs.update(overrides)
     run_state_machine_as_test(BackwardCalls, settings=settings(settings.default, **kwargs))
 
 
 def test_call_sequences_keep_the_invariants():
+    start = time.monotonic()
     with plants.planted(plants.from_env()):
         _run_machine()
+    stats = S.RUN_STATS.get("stateful machine")
+    if stats is not None:                     # "examples" counts calls here
+        stats["seconds"] = time.monotonic() - start
 
 
 # A fixed script through the machine's rules and invariants: the planted runs must not
@@ -278,6 +310,19 @@ def _script():
 
 def test_script_passes_without_plant():
     _script()
+
+
+@pytest.mark.parametrize("precision", ["highest", "high", "medium"])
+def test_a_call_leaves_the_users_float32_matmul_precision(precision):
+    """The machine's user_sets_float32_matmul_precision rule, for each value, then a call
+    (a configuration the script compiled already)."""
+    machine = BackwardCalls()
+    try:
+        machine.user_sets_float32_matmul_precision(precision)
+        machine.call(SHAPES[0], 2, "exact", "main", 4)
+        machine.settings_unchanged()
+    finally:
+        machine.teardown()
 
 
 @pytest.mark.parametrize("plant", ["drop_lo", "round_out", "mutate_input", "leak_setting",
