@@ -60,7 +60,7 @@ def _check_core(case):
 
 def test_attention_core_matches_float64():
     S.run_property("gpu: attention core (eager)", _check_core, GPU_CORE,
-                   explicit=CORE_EXAMPLES, max_examples=40, budget_s=70)
+                   explicit=CORE_EXAMPLES, max_examples=40, budget_s=60)
 
 
 @pytest.mark.parametrize("plant", plants.plants_for("core"))
@@ -99,7 +99,7 @@ def default_compile_mode(monkeypatch):
 
 def test_compiled_path_matches_float64(default_compile_mode):
     S.run_property("gpu: compiled path (default mode)", _check_compiled, GPU_COMPILED,
-                   explicit=[BLOCK_EXAMPLE], max_examples=2, budget_s=60)
+                   explicit=[BLOCK_EXAMPLE], max_examples=2, budget_s=50)
 
 
 @pytest.mark.parametrize("plant", ["drop_lo", "round_out", "drop_last_token"])
@@ -146,7 +146,7 @@ def _check_contract_seed(seed):
 
 def test_contract_margin_over_seeds():
     S.run_property("gpu: contract margin at batch 56 (missed fraction)", _check_contract_seed,
-                   st.integers(0, 2 ** 31 - 1), explicit=[0], max_examples=4, budget_s=60)
+                   st.integers(0, 2 ** 31 - 1), explicit=[0], max_examples=4, budget_s=50)
 
 
 @pytest.mark.parametrize("plant", ["exact_ln", "vector_misses", "matrix_misses",
