@@ -40,10 +40,10 @@ def test_operators_write_fp16_copies_and_bf16_halves():
     """Outside Triton the operators round float64 math to the formats the graph's GEMMs
     read: fp16 gradients, and [hi | lo] bf16 halves whose sum keeps ~16 mantissa bits."""
     P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 8)
-    grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(P, grad_attn, k, v,
-                                                                     scale)
-    grad_kv16, grad_kv_halves = attention_core.softmax_bwd_cols(P, grad_attn, q, v, delta,
-                                                                scale)
+    grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(P, grad_attn, q, k,
+                                                                     v, scale)
+    grad_kv16, grad_kv_halves = attention_core.softmax_bwd_cols(P, grad_attn, q, k, v,
+                                                                delta, scale)
     assert (grad_q16.dtype, grad_q_halves.dtype, grad_kv16.dtype) == (
         torch.float16, torch.bfloat16, torch.float16)
     assert grad_q_halves.shape == (2, 17, 48) and grad_kv_halves.shape == (2, 17, 96)
@@ -60,9 +60,10 @@ def test_operators_write_fp16_copies_and_bf16_halves():
 
 def test_operators_pass_opcheck():
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, 9, 8)
-    _, _, delta = attention_core.softmax_bwd_rows(P, grad_attn, k, v, scale)
-    torch.library.opcheck(attention_core.softmax_bwd_rows, (P, grad_attn, k, v, scale))
-    torch.library.opcheck(attention_core.softmax_bwd_cols, (P, grad_attn, q, v, delta, scale))
+    _, _, delta = attention_core.softmax_bwd_rows(P, grad_attn, q, k, v, scale)
+    torch.library.opcheck(attention_core.softmax_bwd_rows, (P, grad_attn, q, k, v, scale))
+    torch.library.opcheck(attention_core.softmax_bwd_cols,
+                          (P, grad_attn, q, k, v, delta, scale))
 
 
 @pytest.fixture
@@ -99,8 +100,39 @@ def test_triton_kernels_under_interpreter(triton_interpreter, S, D, block_m, blo
 def test_kernels_fp16_copies_match_their_halves(triton_interpreter):
     """The kernels' two output formats describe the same gradient."""
     P, grad_attn, q, k, v, scale = _core_inputs(1, 2, 21, 16, seed=5)
-    grad_q16, grad_q_halves, delta = attention_core.launch_rows(P, grad_attn, k, v, scale)
-    grad_kv16, grad_kv_halves = attention_core.launch_cols(P, grad_attn, q, v, delta, scale)
+    grad_q16, grad_q_halves, delta = attention_core.launch_rows(P, grad_attn, q, k, v, scale)
+    grad_kv16, grad_kv_halves = attention_core.launch_cols(P, grad_attn, q, k, v, delta,
+                                                           scale)
     for copy16, halves in ((grad_q16, grad_q_halves), (grad_kv16, grad_kv_halves)):
         value = attention_core.float32_from_halves(halves)
         assert ((copy16.float() - value).abs() <= 2 ** -10 * value.abs() + 1e-6).all()
+
+
+def _softmax_inputs(B, H, S, D, seed):
+    """q, k, v and the P they make (so that P can also be given as its log-sum-exp)."""
+    _, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, seed=seed)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    return torch.softmax(logits, -1), torch.logsumexp(logits, -1), grad_attn, q, k, v, scale
+
+
+def test_math_recomputes_p_from_its_log_sum_exp():
+    _, grad_attn, q, k, v, scale = _core_inputs(2, 2, 13, 8, dtype=torch.float64, seed=3)
+    logits = (q @ k.transpose(-1, -2)) * scale
+    given = attention_core.attention_backward_math(torch.softmax(logits, -1), grad_attn,
+                                                   q, k, v, scale)
+    recomputed = attention_core.attention_backward_math(torch.logsumexp(logits, -1),
+                                                        grad_attn, q, k, v, scale)
+    for a, b in zip(given, recomputed):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("S,block_m,block_n", [(37, 16, 32), (1, 16, 16), (64, 32, 16)])
+def test_kernels_recompute_p_under_interpreter(triton_interpreter, S, block_m, block_n):
+    """RECOMPUTE_P: the kernels read lse [B,H,S] instead of P and match the textbook."""
+    P, lse, grad_attn, q, k, v, scale = _softmax_inputs(2, 2, S, 16, seed=S)
+    got = attention_core.attention_backward(lse, grad_attn, q, k, v, scale,
+                                            block_m=block_m, block_n=block_n)
+    want = _textbook(P, grad_attn, q, k, v, scale)
+    for name, g, w in zip(("grad_q", "grad_k", "grad_v"), got, want):
+        err = (g.double() - w).norm().item()
+        assert err <= 2e-4 * max(w.norm().item(), want[2].norm().item()), (name, err)

@@ -44,10 +44,10 @@ def test_compiled_cpu_graph_goes_through_the_lowering_fallback():
     g = torch.Generator().manual_seed(0)
     P = torch.softmax(torch.randn(2, 2, 9, 9, generator=g), -1)
     grad_attn = torch.randn(2, 9, 16, generator=g)
-    k, v = torch.randn(2, 2, 9, 8, generator=g), torch.randn(2, 2, 9, 8, generator=g)
+    q, k, v = (torch.randn(2, 2, 9, 8, generator=g) for _ in range(3))
 
     def rows(P, grad_attn, k, v):
-        return attention_core.softmax_bwd_rows(P, grad_attn, k, v, 0.3)
+        return attention_core.softmax_bwd_rows(P, grad_attn, q, k, v, 0.3)
 
     calls = []
     original = inductor._lower_rows

@@ -1,14 +1,16 @@
 """The attention core of the backward as two custom operators, in the formats their
 consumers read:
 
-    softmax_bwd_rows(P, grad_attn, k, v, scale)
+    softmax_bwd_rows(probs, grad_attn, q, k, v, scale)
         -> grad_q16 [B,S,E] fp16, grad_q_halves [B,S,2E] bf16 ([hi | lo]), delta [B,H,S]
-    softmax_bwd_cols(P, grad_attn, q, v, delta, scale)
+    softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale)
         -> grad_kv16 [B,S,2E] fp16 (dK | dV), grad_kv_halves [B,S,4E] bf16
            ([k_hi v_hi | k_lo v_lo])
 
-P is [B,H,S,S]; grad_attn (the out-projection gradient) is [B,S,E] with heads merged;
-q, k, v are [B,H,S,D]. float32 inputs. The fp16 copies feed the QKV weight-gradient GEMM,
+probs is the attention matrix P [B,H,S,S] (the benchmark contract gives it), or its row
+log-sum-exp lse [B,H,S] (VisionAttentionBlock's forward saves only that): then every P
+tile is recomputed from q and k as exp(scale * q k^T - lse). grad_attn (the
+out-projection gradient) is [B,S,E] with heads merged; q, k, v are [B,H,S,D]. float32. The fp16 copies feed the QKV weight-gradient GEMM,
 the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the gradient to
 about 16 mantissa bits.
 
@@ -48,9 +50,17 @@ EAGER_TILES = {16: TileConfig(64, 64, 4, 2), 32: TileConfig(64, 64, 4, 2),
 SUPPORTED_TRITON_HEAD_DIMS = tuple(EAGER_TILES)
 
 
-def attention_backward_math(attn_weights, grad_attn, q, k, v, scale):
+def probabilities(probs, q, k, scale):
+    """P [B,H,S,S] from `probs`: P itself, or recomputed from its log-sum-exp [B,H,S]."""
+    if probs.dim() == 4:
+        return probs
+    return torch.exp((q @ k.transpose(-1, -2)) * scale - probs.unsqueeze(-1))
+
+
+def attention_backward_math(probs, grad_attn, q, k, v, scale):
     """The attention core in PyTorch ops, in the inputs' dtype (materializes S x S):
     grad_q, grad_k, grad_v [B,S,E]."""
+    attn_weights = probabilities(probs, q, k, scale)                       # [B,H,S,S]
     grad_attn = split_heads(grad_attn, attn_weights.shape[1])              # [B,H,S,D]
     grad_p = grad_attn @ v.transpose(-1, -2)                               # [B,H,S,S]
     delta = (attn_weights * grad_p).sum(-1, keepdim=True)                  # [B,H,S,1]
@@ -83,7 +93,7 @@ def _tiles(head_dim, block_m, block_n):
     return tiles._replace(block_m=block_m or tiles.block_m, block_n=block_n or tiles.block_n)
 
 
-def launch_rows(attn_weights, grad_attn, k, v, scale, block_m=None, block_n=None):
+def launch_rows(probs, grad_attn, q, k, v, scale, block_m=None, block_n=None):
     """Run the rows kernel on any tensors Triton can reach; returns the operator's
     outputs."""
     from .kernels.softmax_bwd import softmax_bwd_rows_kernel
@@ -94,15 +104,14 @@ def launch_rows(attn_weights, grad_attn, k, v, scale, block_m=None, block_n=None
     delta = k.new_empty(B, H, S)
     grid = (-(-S // tiles.block_m), B * H)
     softmax_bwd_rows_kernel[grid](
-        attn_weights.contiguous(), *split_bf16_truncated(grad_attn.contiguous()),
-        *split_bf16_truncated(k.contiguous()), *split_bf16_truncated(v.contiguous()),
-        grad_q16, grad_q_halves, delta, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
+        probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), grad_q16, grad_q_halves,
+        delta, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, RECOMPUTE_P=probs.dim() == 3, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return grad_q16, grad_q_halves, delta
 
 
-def launch_cols(attn_weights, grad_attn, q, v, delta, scale, block_m=None, block_n=None):
+def launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m=None, block_n=None):
     """Run the cols kernel (see launch_rows)."""
     from .kernels.softmax_bwd import softmax_bwd_cols_kernel
     B, H, S, D = q.shape
@@ -111,53 +120,52 @@ def launch_cols(attn_weights, grad_attn, q, v, delta, scale, block_m=None, block
     grad_kv_halves = q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16)
     grid = (-(-S // tiles.block_n), B * H)
     softmax_bwd_cols_kernel[grid](
-        attn_weights.contiguous(), *split_bf16_truncated(grad_attn.contiguous()),
-        *split_bf16_truncated(q.contiguous()), *split_bf16_truncated(v.contiguous()),
-        delta.contiguous(),
+        probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), delta.contiguous(),
         grad_kv16, grad_kv_halves, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, RECOMPUTE_P=probs.dim() == 3,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return grad_kv16, grad_kv_halves
 
 
-def _math_in_float64(attn_weights, grad_attn, q, k, v, scale):
-    return attention_backward_math(*(t.double() for t in (attn_weights, grad_attn, q, k, v)),
-                                   scale)
+def _kernel_operands(grad_attn, q, k, v):
+    """The bf16 (hi, lo) pairs the kernels read, in their argument order."""
+    return [part for t in (grad_attn, q, k, v) for part in split_bf16_truncated(t.contiguous())]
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())
-def softmax_bwd_rows(attn_weights: torch.Tensor, grad_attn: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, scale: float
+def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(k):
-        return launch_rows(attn_weights, grad_attn, k, v, scale)
-    # k stands in for q: dQ does not depend on q; the math wants a tensor of its shape
-    grad_q, _, _ = _math_in_float64(attn_weights, grad_attn, k, k, v, scale)
-    grad_p = split_heads(grad_attn.double(), k.shape[1]) @ v.double().transpose(-1, -2)
-    delta = (attn_weights.double() * grad_p).sum(-1)                       # [B,H,S]
+        return launch_rows(probs, grad_attn, q, k, v, scale)
+    probs, grad_attn, q, k, v = (t.double() for t in (probs, grad_attn, q, k, v))
+    grad_q, _, _ = attention_backward_math(probs, grad_attn, q, k, v, scale)
+    grad_p = split_heads(grad_attn, k.shape[1]) @ v.transpose(-1, -2)     # [B,H,S,S]
+    delta = (probabilities(probs, q, k, scale) * grad_p).sum(-1)          # [B,H,S]
     return grad_q.half(), _halves([grad_q]), delta.float()
 
 
 @softmax_bwd_rows.register_fake
-def _(attn_weights, grad_attn, k, v, scale):
+def _(probs, grad_attn, q, k, v, scale):
     B, H, S, D = k.shape
     return (k.new_empty(B, S, H * D, dtype=torch.float16),
             k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16), k.new_empty(B, H, S))
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_cols", mutates_args=())
-def softmax_bwd_cols(attn_weights: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
-                     v: torch.Tensor, delta: torch.Tensor, scale: float
+def softmax_bwd_cols(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
+                     k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, scale: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     if _use_triton(q):
-        return launch_cols(attn_weights, grad_attn, q, v, delta, scale)
+        return launch_cols(probs, grad_attn, q, k, v, delta, scale)
     # dK and dV need delta, which the math recomputes from P and dP itself
-    _, grad_k, grad_v = _math_in_float64(attn_weights, grad_attn, q, q, v, scale)
+    _, grad_k, grad_v = attention_backward_math(
+        *(t.double() for t in (probs, grad_attn, q, k, v)), scale)
     return torch.cat([grad_k, grad_v], dim=-1).half(), _halves([grad_k, grad_v])
 
 
 @softmax_bwd_cols.register_fake
-def _(attn_weights, grad_attn, q, v, delta, scale):
+def _(probs, grad_attn, q, k, v, delta, scale):
     B, H, S, D = q.shape
     return (q.new_empty(B, S, 2 * H * D, dtype=torch.float16),
             q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16))
@@ -169,17 +177,17 @@ def float32_from_halves(halves):
     return hi + lo
 
 
-def attention_backward(attn_weights, grad_attn, q, k, v, scale, *, block_m=None,
-                       block_n=None):
+def attention_backward(probs, grad_attn, q, k, v, scale, *, block_m=None, block_n=None):
     """Both operators eagerly (the Triton kernels where they apply, with optional tile
-    sizes), as float32 grad_q, grad_k, grad_v [B,S,E] rebuilt from the bf16 halves."""
+    sizes), as float32 grad_q, grad_k, grad_v [B,S,E] rebuilt from the bf16 halves.
+    probs: P [B,H,S,S] or its log-sum-exp [B,H,S]."""
     if _use_triton(q):
-        _, grad_q_halves, delta = launch_rows(attn_weights, grad_attn, k, v, scale,
-                                              block_m, block_n)
-        _, grad_kv_halves = launch_cols(attn_weights, grad_attn, q, v, delta, scale,
-                                        block_m, block_n)
+        _, grad_q_halves, delta = launch_rows(probs, grad_attn, q, k, v, scale, block_m,
+                                              block_n)
+        _, grad_kv_halves = launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m,
+                                        block_n)
     else:
-        _, grad_q_halves, delta = softmax_bwd_rows(attn_weights, grad_attn, k, v, scale)
-        _, grad_kv_halves = softmax_bwd_cols(attn_weights, grad_attn, q, v, delta, scale)
+        _, grad_q_halves, delta = softmax_bwd_rows(probs, grad_attn, q, k, v, scale)
+        _, grad_kv_halves = softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale)
     grad_k, grad_v = float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
     return float32_from_halves(grad_q_halves), grad_k, grad_v

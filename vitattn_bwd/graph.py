@@ -35,23 +35,24 @@ BATCH_BUCKETS = ((2, 15), (16, float("inf")))
 # Buckets whose batches (at most this large) run as CUDA graphs from the main thread.
 CUDA_GRAPH_MAX_BATCH = 15
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v",
-                  "attn_weights", "attn_output")
+                  "attn_weights", "attn_output")   # those present are marked dynamic
 
 
 def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
                               attn_weights, q, k, v, scale):
     """Out projection, attention core and QKV projection from split operands (CUDA):
     returns grad_out_weight, grad_x_norm [B*S,E], grad_qkv_weight, grad_qkv_bias."""
-    B, S, E = attn_weights.shape[0], attn_weights.shape[2], out_weight.shape[0]
+    B, H, S, D = q.shape
+    E = H * D
     rows = B * S
     grad_rows_halves = bf16_halves(grad_rows)                                  # [B*S,2E]
     grad_out_weight = matmul_halves_transposed(grad_rows_halves, bf16_halves(attn_rows))
     grad_attn = matmul_halves_by_weight(grad_rows_halves, out_weight).view(B, S, E)
 
     grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(
-        attn_weights, grad_attn, k, v, scale)               # [B,S,E], [B,S,2E], [B,H,S]
+        attn_weights, grad_attn, q, k, v, scale)            # [B,S,E], [B,S,2E], [B,H,S]
     grad_kv16, grad_kv_halves = attention_core.softmax_bwd_cols(
-        attn_weights, grad_attn, q, v, delta, scale)        # [B,S,2E], [B,S,4E]
+        attn_weights, grad_attn, q, k, v, delta, scale)     # [B,S,2E], [B,S,4E]
     grad_q_halves = grad_q_halves.view(rows, 2 * E)
     grad_kv_halves = grad_kv_halves.view(rows, 4 * E)
 
@@ -69,7 +70,8 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
 def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
                     attn_weights, q, k, v, scale):
     """The same products in the inputs' own precision (CPU, float64)."""
-    B, S, E = attn_weights.shape[0], attn_weights.shape[2], out_weight.shape[0]
+    B, H, S, D = q.shape
+    E = H * D
     grad_out_weight = grad_rows.t() @ attn_rows
     grad_attn = (grad_rows @ out_weight).view(B, S, E)
     grad_qkv = torch.cat(attention_core.attention_backward_math(                 # [B*S,3E]
@@ -95,11 +97,17 @@ def layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, n
     return grad_x, (grad_x_norm * xhat).sum((0, 1)), grad_x_norm.sum((0, 1))
 
 
-def block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
+def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, q, k, v,
                    attn_weights, attn_output, out_weight, *, scale, norm_eps, ln_grad,
-                   split_precision):
-    """The seven gradients (the math of reference.attention_block_backward)."""
+                   split_precision, x_norm=None, ln_bias=None):
+    """The seven gradients (the math of reference.attention_block_backward).
+
+    attn_weights is P [B,H,S,S], or its row log-sum-exp [B,H,S] (VisionAttentionBlock
+    saves only that; the attention core recomputes P). x_norm may be left out (None)
+    with ln_bias given: it is recomputed from x and the LayerNorm statistics."""
     B, S, E = x.shape
+    if x_norm is None:
+        x_norm = (x - x_mean) * torch.rsqrt(x_var + norm_eps) * ln_weight + ln_bias
     grad_rows = grad_output.reshape(B * S, E)                                  # [B*S,E]
     products = _split_precision_products if split_precision else _plain_products
     grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias = products(
@@ -133,9 +141,10 @@ def _max_autotune(device_type):
 
 @functools.cache
 def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
-             batch_bucket, cuda_graph):
-    """One torch.compile'd graph; the arguments are the cache key."""
-    del dtype, seq_len, embed_dim, num_heads                  # they key the cache only
+             batch_bucket, cuda_graph, input_names):
+    """One torch.compile'd graph; the arguments are the cache key (input_names: the
+    contract's inputs, or the module's, without x_norm and with ln_bias)."""
+    del dtype, seq_len, embed_dim, num_heads, input_names     # they key the cache only
     cache.load_env_cache_once()
     fn = _entry_point(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
                       split_precision=device_type == "cuda")
@@ -154,10 +163,8 @@ def _entry_point(**constants):
     configuration and batch bucket keeps each to a graph or two, and keeps the dynamic
     graph of one bucket from serving the other, tuned for the wrong sizes. (A
     functools.partial would not do: dynamo traces all partials through one wrapper.)"""
-    def backward_graph(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k,
-                       v, attn_weights, attn_output, out_weight):
-        return block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight,
-                              q, k, v, attn_weights, attn_output, out_weight, **constants)
+    def backward_graph(**tensors):
+        return block_backward(**tensors, **constants)
     return types.FunctionType(backward_graph.__code__.replace(), backward_graph.__globals__,
                               backward_graph.__name__, None, backward_graph.__closure__)
 
@@ -179,10 +186,11 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
     bucket = batch_bucket(B)
     cuda_graph = uses_cuda_graph(x.device.type, bucket)
     fn = _compile(x.device.type, x.dtype, S, E, inputs["q"].shape[1], scale, norm_eps,
-                  ln_grad, bucket, cuda_graph)
+                  ln_grad, bucket, cuda_graph, tuple(inputs))
     if bucket is not None:
         for name in BATCHED_INPUTS:
-            torch._dynamo.mark_dynamic(inputs[name], 0)
+            if name in inputs:
+                torch._dynamo.mark_dynamic(inputs[name], 0)
     grads = fn(**inputs)
     if cuda_graph:
         # a CUDA graph's outputs live in its memory pool and a later replay overwrites

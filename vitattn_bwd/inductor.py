@@ -11,8 +11,9 @@ torch version: the package never falls back silently to slower code.
 The templates reuse the device code of kernels/softmax_bwd.py verbatim: each template is
 a thin entry point (program ids, output stores) followed by the source of every
 non-kernel function of that file, so the kernels tested under TRITON_INTERPRET=1 are
-the kernels compiled here. The lowerings hand the templates grad_attn, q, k and v as
-bf16 (hi, lo) pairs, made by one pointwise pass each from the float32 tensors of the
+the kernels compiled here; one template per pass serves both the given P and P
+recomputed from its log-sum-exp (RECOMPUTE_P). The lowerings hand the templates
+grad_attn, q, k and v as bf16 (hi, lo) pairs, made by one pointwise pass each from the float32 tensors of the
 graph (grad_attn and v once for both passes).
 """
 import functools
@@ -80,15 +81,17 @@ def compile_options(tag, *, max_autotune, cuda_graphs):
 
 # ---- the attention-core templates ----------------------------------------------------
 
-# Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, SCALE.
+# Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, SCALE, RECOMPUTE_P
+# (PROBS is P, or its log-sum-exp when True).
 _ROWS_ENTRY = r'''
-{{def_kernel("P", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_Q_HALVES")}}
+{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_Q_HALVES")}}
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
-    grad_q, delta = softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI,
-                                          V_LO, batch, head, m_start, SCALE, SEQ_LEN,
-                                          NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
+    grad_q, delta = softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
+                                          K_HI, K_LO, V_HI, V_LO, batch, head, m_start,
+                                          SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
+                                          BLOCK_N, RECOMPUTE_P)
     store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
@@ -101,13 +104,14 @@ _ROWS_ENTRY = r'''
 '''
 
 _COLS_ENTRY = r'''
-{{def_kernel("P", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES")}}
+{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES")}}
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
-    grad_k, grad_v = softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI,
-                                           V_LO, DELTA, batch, head, n_start, SCALE,
-                                           SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
+    grad_k, grad_v = softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
+                                           K_HI, K_LO, V_HI, V_LO, DELTA, batch, head,
+                                           n_start, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM,
+                                           BLOCK_M, BLOCK_N, RECOMPUTE_P)
     KV_WIDTH: tl.constexpr = 2 * HEAD_DIM
     grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)
     store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
@@ -234,21 +238,31 @@ _ROWS_OP = torch.ops.vitattn_bwd.softmax_bwd_rows.default
 _COLS_OP = torch.ops.vitattn_bwd.softmax_bwd_cols.default
 
 
+def _operands(probs, grad_attn, q, k, v):
+    """Template inputs PROBS .. V_LO: probs contiguous, the rest as bf16 (hi, lo) pairs."""
+    return [_contiguous(probs), *_split_bf16(grad_attn), *_split_bf16(q), *_split_bf16(k),
+            *_split_bf16(v)]
+
+
+def _constexprs(probs, num_heads, seq_len, head_dim, scale):
+    return dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale,
+                RECOMPUTE_P=len(probs.get_size()) == 3)
+
+
 @register_lowering(_ROWS_OP, type_promotion_kind=None)
-def _lower_rows(attn_weights, grad_attn, k, v, scale):
+def _lower_rows(probs, grad_attn, q, k, v, scale):
     batch, (num_heads, seq_len, head_dim) = _static_sizes(k)
     if not _template_applies(k, head_dim):
         return fallback_handler(_ROWS_OP, add_to_fallback_set=False)(
-            attn_weights, grad_attn, k, v, scale)
+            probs, grad_attn, q, k, v, scale)
     device, embed_dim = k.get_device(), num_heads * head_dim
     delta = empty_strided([batch, num_heads, seq_len], None, dtype=torch.float32,
                           device=device)                                  # [B,H,S]
     grad_q_halves = empty_strided([batch, seq_len, 2 * embed_dim], None,
                                   dtype=torch.bfloat16, device=device)    # [B,S,2E]
     layout = ir.FixedLayout(device, torch.float16, [batch, seq_len, embed_dim])  # [B,S,E]
-    inputs = [_contiguous(attn_weights), *_split_bf16(grad_attn), *_split_bf16(k),
-              *_split_bf16(v), delta, grad_q_halves]
-    constexprs = dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale)
+    inputs = [*_operands(probs, grad_attn, q, k, v), delta, grad_q_halves]
+    constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     rows_template, _ = _templates()
     choices = _tile_choices(rows_template, inputs, layout, [delta, grad_q_halves],
                             [batch, num_heads, seq_len], constexprs)
@@ -257,19 +271,19 @@ def _lower_rows(attn_weights, grad_attn, k, v, scale):
 
 
 @register_lowering(_COLS_OP, type_promotion_kind=None)
-def _lower_cols(attn_weights, grad_attn, q, v, delta, scale):
+def _lower_cols(probs, grad_attn, q, k, v, delta, scale):
     batch, (num_heads, seq_len, head_dim) = _static_sizes(q)
     if not _template_applies(q, head_dim):
         return fallback_handler(_COLS_OP, add_to_fallback_set=False)(
-            attn_weights, grad_attn, q, v, delta, scale)
+            probs, grad_attn, q, k, v, delta, scale)
     device, embed_dim = q.get_device(), num_heads * head_dim
     grad_kv_halves = empty_strided([batch, seq_len, 4 * embed_dim], None,
                                    dtype=torch.bfloat16, device=device)   # [B,S,4E]
     layout = ir.FixedLayout(device, torch.float16,
                             [batch, seq_len, 2 * embed_dim])              # [B,S,2E]
-    inputs = [_contiguous(attn_weights), *_split_bf16(grad_attn), *_split_bf16(q),
-              *_split_bf16(v), ir.ExternKernel.require_contiguous(delta), grad_kv_halves]
-    constexprs = dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale)
+    inputs = [*_operands(probs, grad_attn, q, k, v),
+              ir.ExternKernel.require_contiguous(delta), grad_kv_halves]
+    constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     _, cols_template = _templates()
     choices = _tile_choices(cols_template, inputs, layout, [grad_kv_halves],
                             [batch, num_heads, seq_len], constexprs)

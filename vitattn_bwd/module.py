@@ -2,10 +2,13 @@
     y = x + out_proj(attention(qkv(LayerNorm(x)))),
 whose backward is vitattn_bwd's fused backward (ln_grad="exact").
 
-The forward is explicit eager PyTorch math (`attention_block_forward`, the one place to
-swap for a fused forward) that saves what the backward needs; the largest saved tensor is
-the attention matrix P, B*H*S*S*4 bytes (21.3 MB per image at 577 tokens and 16 heads).
-Wrap the model in torch.compile to compile the forward too.
+The forward (`attention_block_forward`) is PyTorch math around one fused attention
+operator (attention_fwd.py: a FlashAttention-style Triton kernel on CUDA, float32-grade,
+no S x S tensor) that returns the attention output and the softmax's row log-sum-exp. It
+saves x, its LayerNorm statistics, q, k, v, the log-sum-exp and the attention output:
+about 11.8 MB per image at 577 tokens, 1024 wide, 16 heads (P alone would be 21.3 MB).
+The backward recomputes x_norm from x and the statistics, and every P tile from q, k and
+the log-sum-exp inside the attention-core templates.
 
 `vision_attention` is the functional entry point that VisionAttentionBlock and the
 Hugging Face integration (vitattn_bwd.integrations.hf) call: it applies the dtype policy
@@ -31,8 +34,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .api import attention_block_backward
-from .layout import merge_heads, split_heads
+from . import graph
+from .attention_fwd import attention_fwd
+from .layout import split_heads
 
 DOUBLE_BACKWARD_MESSAGE = (
     "VisionAttentionBlock does not support double backward (create_graph=True): its "
@@ -59,7 +63,8 @@ def check_config(embed_dim, num_heads, eps):
 
 def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
                             out_bias, num_heads, eps):
-    """Forward math. Returns y, the tensors the backward needs, and the softmax scale."""
+    """Forward math. Returns y, the tensors the backward needs (no x_norm, no P), and the
+    softmax scale."""
     x_mean = x.mean(-1, keepdim=True)                                          # [B,S,1]
     x_centered = x - x_mean
     x_var = (x_centered * x_centered).mean(-1, keepdim=True)      # [B,S,1], biased
@@ -67,12 +72,9 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
     q, k, v = (split_heads(t, num_heads)                                       # [B,H,S,D]
                for t in F.linear(x_norm, qkv_weight, qkv_bias).chunk(3, dim=-1))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    softmax_dtype = torch.promote_types(q.dtype, torch.float32)   # at least float32
-    attn_weights = torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1,
-                                 dtype=softmax_dtype).to(q.dtype)              # [B,H,S,S]
-    attn_output = merge_heads(attn_weights @ v)                                # [B,S,E]
+    attn_output, attn_lse = attention_fwd(q, k, v, scale)            # [B,S,E], [B,H,S]
     y = x + F.linear(attn_output, out_weight, out_bias)
-    saved = (x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v, attn_weights,
+    saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, q, k, v, attn_lse,
              attn_output, out_weight)
     return y, saved, scale
 
@@ -140,30 +142,24 @@ class VisionAttentionFunction(torch.autograd.Function):
         # Autograd runs a backward with grad mode on only for create_graph=True.
         if torch.is_grad_enabled():
             raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
-        (x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v, attn_weights,
-         attn_output, out_weight) = ctx.saved_tensors
-        # A backward called inside an autocast region (on the CPU it runs on the caller's
-        # thread) must not turn our float32 math into bf16 either.
-        with torch.autocast(x.device.type, enabled=False):
-            return VisionAttentionFunction._backward(ctx, grad_y, x, x_mean, x_var, x_norm,
-                                                     ln_weight, qkv_weight, q, k, v,
-                                                     attn_weights, attn_output, out_weight)
-
-    @staticmethod
-    def _backward(ctx, grad_y, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
-                  attn_weights, attn_output, out_weight):
+        names = ("x", "x_mean", "x_var", "ln_weight", "ln_bias", "qkv_weight", "q", "k",
+                 "v", "attn_weights", "attn_output", "out_weight")   # attn_weights: lse
+        saved = dict(zip(names, ctx.saved_tensors))
+        x = saved["x"]
         if x.numel() == 0:             # empty batch or no tokens: nothing to sum
             E = x.shape[-1]
             zeros = [x.new_zeros(shape) for shape in
                      ((E,), (E,), (3 * E, E), (3 * E,), (E, E), (E,))]
             return (torch.zeros_like(x), *zeros, None, None)
-        grads = attention_block_backward(
-            grad_y.contiguous(), x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
-            attn_weights, attn_output, out_weight, ctx.scale, ctx.eps,
-            num_heads=ctx.num_heads, ln_grad="exact")
-        return (grads.grad_x, grads.grad_ln_weight, grads.grad_ln_bias,
-                grads.grad_qkv_weight, grads.grad_qkv_bias, grads.grad_out_weight,
-                grads.grad_out_bias, None, None)
+        # A backward called inside an autocast region (on the CPU it runs on the caller's
+        # thread) must not turn our float32 math into bf16 either.
+        with torch.autocast(x.device.type, enabled=False):
+            (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
+             grad_ln_weight, grad_ln_bias) = graph.compiled_backward(
+                dict(grad_output=grad_y.contiguous(), **saved), scale=ctx.scale,
+                norm_eps=ctx.eps, ln_grad="exact")
+        return (grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
+                grad_out_weight, grad_out_bias, None, None)
 
 
 def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,

@@ -1,7 +1,10 @@
 """Triton device code for the attention core of the backward.
 
 Inputs per (batch, head): P = attn_weights [S,S] (float32), dO = grad_attn [S,D] (read
-with head strides from the [B,S,E] out-projection gradient), q, k, v [S,D]. Outputs:
+with head strides from the [B,S,E] out-projection gradient), q, k, v [S,D]. With
+RECOMPUTE_P the kernels read P's row log-sum-exp lse [S] instead and recompute each P tile
+as exp(scale * q k^T - lse), from the same bf16x3 product as the forward
+(kernels/attention_fwd.py): no [S,S] tensor is read at all. Outputs:
 
     dP    = dO @ v^T                         (never stored)
     delta = rowsum(P * dP)                   [S]
@@ -82,11 +85,22 @@ def head_rows(batch, head, offs, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
 
 
 @triton.jit
-def softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO, batch,
-                          head, m_start, scale, SEQ_LEN: tl.constexpr,
+def recomputed_probabilities(a_hi, a_lo, b_hi, b_lo, lse_log2, scale, valid, zeros):
+    """exp(scale * a @ b^T - lse) from split operands, 0 where not `valid`; lse_log2 is
+    lse * log2(e), shaped to broadcast over the tile."""
+    logits = dot_bf16x3(a_hi, a_lo, tl.trans(b_hi), tl.trans(b_lo), zeros)
+    probabilities = tl.exp2(logits * (scale * 1.4426950408889634) - lse_log2)
+    return tl.where(valid, probabilities, 0.0)
+
+
+@triton.jit
+def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI,
+                          V_LO, batch, head, m_start, scale, SEQ_LEN: tl.constexpr,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Rows pass for query rows [m_start, m_start + BLOCK_M) of one (batch, head).
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          RECOMPUTE_P: tl.constexpr):
+    """Rows pass for query rows [m_start, m_start + BLOCK_M) of one (batch, head); PROBS
+    is P, or lse with RECOMPUTE_P (then q is read; otherwise Q_HI/Q_LO are unused).
     Returns grad_q [BLOCK_M, HEAD_DIM] and delta [BLOCK_M] (rows past SEQ_LEN are 0)."""
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -97,8 +111,13 @@ def softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO,
                                               HEAD_DIM, NUM_HEADS * HEAD_DIM),
         row_ok[:, None])                                                  # [BM,D]
 
-    p_rows = P + batch_head * SEQ_LEN * SEQ_LEN + offs_m[:, None] * SEQ_LEN
+    p_rows = PROBS + batch_head * SEQ_LEN * SEQ_LEN + offs_m[:, None] * SEQ_LEN
     head_start = batch_head * SEQ_LEN * HEAD_DIM
+    if RECOMPUTE_P:
+        q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
+                               + offs_d[None, :], row_ok[:, None])        # [BM,D]
+        lse_log2 = tl.load(PROBS + batch_head * SEQ_LEN + offs_m, mask=row_ok,
+                           other=0.0) * 1.4426950408889634                # [BM]
 
     delta = tl.zeros((BLOCK_M,), dtype=tl.float32)
     p_grad_p_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)          # sum (P*dP) @ k
@@ -106,11 +125,17 @@ def softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO,
     for n_start in range(0, SEQ_LEN, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < SEQ_LEN
-        p = tl.load(p_rows + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                    other=0.0)                                            # [BM,BN]
         kv_offsets = head_start + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
         k_hi, k_lo = load_pair(K_HI, K_LO, kv_offsets, col_ok[:, None])   # [BN,D]
         v_hi, v_lo = load_pair(V_HI, V_LO, kv_offsets, col_ok[:, None])   # [BN,D]
+        if RECOMPUTE_P:
+            p = recomputed_probabilities(
+                q_hi, q_lo, k_hi, k_lo, lse_log2[:, None], scale,
+                row_ok[:, None] & col_ok[None, :],
+                tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))           # [BM,BN]
+        else:
+            p = tl.load(p_rows + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0)                                        # [BM,BN]
         grad_p = dot_bf16x3(grad_attn_hi, grad_attn_lo, tl.trans(v_hi), tl.trans(v_lo),
                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # [BM,BN]
         p_grad_p = p * grad_p
@@ -124,12 +149,14 @@ def softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO,
 
 
 @triton.jit
-def softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI, V_LO, DELTA,
-                          batch, head, n_start, scale, SEQ_LEN: tl.constexpr,
+def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI,
+                          V_LO, DELTA, batch, head, n_start, scale, SEQ_LEN: tl.constexpr,
                           NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          RECOMPUTE_P: tl.constexpr):
     """Cols pass for key rows [n_start, n_start + BLOCK_N) of one (batch, head), with
-    delta from the rows pass. Returns grad_k, grad_v [BLOCK_N, HEAD_DIM]."""
+    delta from the rows pass; PROBS is P, or lse with RECOMPUTE_P (then k is read;
+    otherwise K_HI/K_LO are unused). Returns grad_k, grad_v [BLOCK_N, HEAD_DIM]."""
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -138,7 +165,10 @@ def softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI, V_LO,
     v_hi, v_lo = load_pair(V_HI, V_LO, head_start + offs_n[:, None] * HEAD_DIM
                            + offs_d[None, :], col_ok[:, None])            # [BN,D]
 
-    p_t_cols = P + batch_head * SEQ_LEN * SEQ_LEN + offs_n[:, None]       # P^T rows
+    p_t_cols = PROBS + batch_head * SEQ_LEN * SEQ_LEN + offs_n[:, None]   # P^T rows
+    if RECOMPUTE_P:
+        k_hi, k_lo = load_pair(K_HI, K_LO, head_start + offs_n[:, None] * HEAD_DIM
+                               + offs_d[None, :], col_ok[:, None])        # [BN,D]
     delta_head = DELTA + batch_head * SEQ_LEN
 
     grad_k = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
@@ -146,8 +176,6 @@ def softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI, V_LO,
     for m_start in range(0, SEQ_LEN, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < SEQ_LEN
-        p_t = tl.load(p_t_cols + offs_m[None, :] * SEQ_LEN,
-                      mask=col_ok[:, None] & row_ok[None, :], other=0.0)  # [BN,BM]
         grad_attn_hi, grad_attn_lo = load_pair(
             GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS,
                                                   HEAD_DIM, NUM_HEADS * HEAD_DIM),
@@ -155,6 +183,16 @@ def softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI, V_LO,
         q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
                                + offs_d[None, :], row_ok[:, None])        # [BM,D]
         delta = tl.load(delta_head + offs_m, mask=row_ok, other=0.0)      # [BM]
+        if RECOMPUTE_P:
+            lse_log2 = tl.load(PROBS + batch_head * SEQ_LEN + offs_m, mask=row_ok,
+                               other=0.0) * 1.4426950408889634            # [BM]
+            p_t = recomputed_probabilities(
+                k_hi, k_lo, q_hi, q_lo, lse_log2[None, :], scale,
+                col_ok[:, None] & row_ok[None, :],
+                tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))           # [BN,BM]
+        else:
+            p_t = tl.load(p_t_cols + offs_m[None, :] * SEQ_LEN,
+                          mask=col_ok[:, None] & row_ok[None, :], other=0.0)  # [BN,BM]
 
         p_t_hi, p_t_lo = split_bf16_rounded(p_t)
         grad_v = dot_bf16x3(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v)
@@ -215,16 +253,18 @@ def store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start,
 # ---- raw kernels: one program per (row or column block, batch * head) ----------------
 
 @triton.jit
-def softmax_bwd_rows_kernel(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_LO,
-                            GRAD_Q16, GRAD_Q_HALVES, DELTA, scale, SEQ_LEN: tl.constexpr,
-                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
+                            V_HI, V_LO, GRAD_Q16, GRAD_Q_HALVES, DELTA, scale,
+                            SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
-    grad_q, delta = softmax_bwd_rows_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI,
-                                          V_LO, batch, head, m_start, scale, SEQ_LEN,
-                                          NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
+    grad_q, delta = softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
+                                          K_HI, K_LO, V_HI, V_LO, batch, head, m_start,
+                                          scale, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
+                                          BLOCK_N, RECOMPUTE_P)
     store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
@@ -235,16 +275,18 @@ def softmax_bwd_rows_kernel(P, GRAD_ATTN_HI, GRAD_ATTN_LO, K_HI, K_LO, V_HI, V_L
 
 
 @triton.jit
-def softmax_bwd_cols_kernel(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI, V_LO, DELTA,
-                            GRAD_KV16, GRAD_KV_HALVES, scale, SEQ_LEN: tl.constexpr,
-                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
+                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, scale,
+                            SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
-    grad_k, grad_v = softmax_bwd_cols_tile(P, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, V_HI,
-                                           V_LO, DELTA, batch, head, n_start, scale,
-                                           SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N)
+    grad_k, grad_v = softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
+                                           K_HI, K_LO, V_HI, V_LO, DELTA, batch, head,
+                                           n_start, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM,
+                                           BLOCK_M, BLOCK_N, RECOMPUTE_P)
     grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)                  # [BN,2D]
     store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
                          NUM_HEADS, HEAD_DIM, BLOCK_N)
