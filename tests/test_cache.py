@@ -57,6 +57,23 @@ def test_warmup_script_reports_cold_and_warm(warmed_cache):
     assert (path / cache.FINGERPRINT_FILE).is_file()
     assert "| batch 3, exact |" in stdout
     assert re.search(r"fresh process: 0 Inductor compiles, [1-9]\d* cache hits", stdout)
+    # the warm first calls' breakdown: dynamo's phase timers, real numbers, consistent
+    phase = {name.strip(): float(value) for name, value in
+             re.findall(r"^\| ( *[a-zA-Z][^|]*?) \| ([\d.]+) \|$", stdout, re.M)}
+    total = float(re.search(r"warm first calls \(default\): ([\d.]+) s in all", stdout).group(1))
+    assert phase["dynamo compile, all of it"] > 0 and phase["dynamo bytecode tracing"] > 0
+    assert phase["dynamo bytecode tracing"] <= phase["dynamo compile, all of it"] <= total + 0.01
+    assert phase["AOTAutograd cache: Inductor load"] > 0         # loaded, not compiled
+
+
+def test_own_tag_is_read_once_per_process(monkeypatch):
+    """The tag of the running package is computed once: a source edited on disk later
+    cannot make later compiles (or the fingerprint) disagree with earlier ones."""
+    first = cache.cache_key_tag()
+    monkeypatch.setattr(cache, "_tag_of", lambda *a: "vitattn_bwd-edited")
+    assert cache.cache_key_tag() == first
+    assert cache.fingerprint()["vitattn_bwd"] == first
+    assert cache.cache_key_tag(Path(cache.__file__).parent) == "vitattn_bwd-edited"
 
 
 def test_fresh_process_on_the_cache_compiles_nothing_and_starts_faster(warmed_cache):

@@ -12,6 +12,7 @@ VITATTN_BWD_CACHE is read at the first compile (graph._compile calls
 load_env_cache_once), not at import: importing the package changes nothing.
 """
 import ast
+import functools
 import hashlib
 import json
 import os
@@ -97,12 +98,21 @@ _TEMPLATE_SOURCES = template_sources()
 
 def cache_key_tag(package_dir=None):
     """A tag that changes whenever our templates, lowering or graph (or anything of ours
-    they import) change; compiles run under torch.compiler.config.cache_key_tag = this."""
+    they import) change; every compile's FX-cache key carries it (inductor.CacheKeyTag).
+    For this package it is read once per process: the sources that run are the ones
+    imported, and a file edited on disk mid-process must not give the process's later
+    compiles (or the fingerprint) a tag that the earlier ones did not have."""
     if package_dir is None:
-        package_dir, sources = _PACKAGE, _TEMPLATE_SOURCES
-    else:
-        package_dir = pathlib.Path(package_dir)
-        sources = template_sources(package_dir)
+        return _own_tag()
+    return _tag_of(pathlib.Path(package_dir), template_sources(package_dir))
+
+
+@functools.cache
+def _own_tag():
+    return _tag_of(_PACKAGE, _TEMPLATE_SOURCES)
+
+
+def _tag_of(package_dir, sources):
     digest = hashlib.sha256()
     for name in sources:
         digest.update((package_dir / name).read_bytes())
