@@ -98,7 +98,7 @@ def sweep(batch, head_dims):
         results = []
         for block_m, block_n, num_warps, num_stages in itertools.product(
                 (64, 128), (32, 64, 128), (4, 8), (2, 3)):
-            tiles = fwd.FwdTileConfig(block_m, block_n, num_warps, num_stages)
+            tiles = fwd.TileConfig(block_m, block_n, num_warps, num_stages)
             try:
                 got = fwd.launch_attention_fwd_presplit(*halves, scale, tiles)[0]
                 error = ((got.double() - want).norm() / want.norm()).item()

@@ -146,7 +146,7 @@ def _check_kernel(q, k, v, scale, tiles=None, bound=INTERPRETER_BOUND):
 
 
 def _tiles(block_m, block_n):
-    return fwd.FwdTileConfig(block_m, block_n, num_warps=4, num_stages=2)
+    return fwd.TileConfig(block_m, block_n, num_warps=4, num_stages=2)
 
 
 # S across tile edges (one row, one short of / exactly / one past a tile, several tiles

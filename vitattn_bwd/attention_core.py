@@ -34,8 +34,9 @@ from .precision import split_bf16_rounded, split_bf16_truncated
 
 
 class TileConfig(NamedTuple):
-    """One launch configuration of the two kernels (rows pass: BLOCK_M query rows per
-    program, swept BLOCK_N keys at a time; cols pass the other way round)."""
+    """One launch configuration of an attention kernel: BLOCK_M query rows and BLOCK_N
+    keys per tile (the backward's rows pass and the forward sweep keys BLOCK_N at a time
+    for BLOCK_M rows per program; the cols pass the other way round)."""
     block_m: int
     block_n: int
     num_warps: int

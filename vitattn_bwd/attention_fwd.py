@@ -14,33 +14,19 @@ Elsewhere it runs `attention_math`: the same outputs from PyTorch ops in the inp
 dtype, materializing S x S (float32 products as torch is set: no TF32 unless enabled).
 """
 import math
-from typing import NamedTuple
 
 import torch
 
-from .attention_core import triton_supports
-
-try:
-    from .precision import split_bf16_truncated as split_bf16
-except ImportError:      # precision.py before its split_bf16 -> split_bf16_truncated rename
-    from .precision import split_bf16
-
-
-class FwdTileConfig(NamedTuple):
-    """One launch configuration: BLOCK_M query rows per program, keys swept BLOCK_N at a
-    time."""
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
+from .attention_core import TileConfig, triton_supports
+from .precision import split_bf16_truncated
 
 
 # Defaults per head_dim, sized for the 227 KB of shared memory of an H100/H200: a program
 # keeps its q hi/lo tiles (2 * BLOCK_M * D * 2 bytes) and pipelines num_stages k and v
 # hi/lo tiles (4 * BLOCK_N * D * 2 bytes each stage). D=64: 32 KB + 3 * 32 KB; D=128:
 # 32 KB + 2 * 64 KB. scripts/time_attention_fwd.py --sweep times alternatives.
-FWD_TILES = {16: FwdTileConfig(128, 64, 4, 3), 32: FwdTileConfig(128, 64, 4, 3),
-             64: FwdTileConfig(128, 64, 8, 3), 128: FwdTileConfig(64, 64, 4, 2)}
+FWD_TILES = {16: TileConfig(128, 64, 4, 3), 32: TileConfig(128, 64, 4, 3),
+             64: TileConfig(128, 64, 8, 3), 128: TileConfig(64, 64, 4, 2)}
 
 
 def _check_inputs(q, k, v, scale):
@@ -72,15 +58,15 @@ def split_for_kernel(t):
     """bf16 (hi, lo) of float32 t with one set of strides and a contiguous last dim, as
     the kernel reads them. Strided views (the module's heads of the QKV output) are
     split without a copy first."""
-    hi, lo = split_bf16(t)
+    hi, lo = split_bf16_truncated(t)
     if hi.stride() != lo.stride() or hi.stride(-1) != 1:
-        hi, lo = split_bf16(t.contiguous())
+        hi, lo = split_bf16_truncated(t.contiguous())
     return hi, lo
 
 
 def launch_attention_fwd(q, k, v, scale, tiles=None):
     """Run the Triton kernel on any tensors Triton can reach (CUDA, or CPU when
-    TRITON_INTERPRET=1). `tiles`: a FwdTileConfig, default FWD_TILES[head_dim]."""
+    TRITON_INTERPRET=1). `tiles`: a TileConfig, default FWD_TILES[head_dim]."""
     _check_inputs(q, k, v, scale)
     if q.numel() == 0:
         B, H, S, D = q.shape
