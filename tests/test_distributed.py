@@ -1,0 +1,135 @@
+"""VisionAttentionBlock under DistributedDataParallel (gloo, 2 processes) against one
+process, with workers that shut down by normal interpreter exit within a deadline (no
+os._exit; docs/distributed.md), and scripts/multi_gpu_check.py's CPU mode."""
+import datetime
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from vitattn_bwd import VisionAttentionBlock
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+
+
+def _tower(dtype=torch.float64):
+    torch.manual_seed(0)
+    return nn.Sequential(VisionAttentionBlock(16, 2, dtype=dtype),
+                         VisionAttentionBlock(16, 2, dtype=dtype))
+
+
+def _ddp_worker(rank, world, init_file, x, grad_y, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=120))
+    model = nn.parallel.DistributedDataParallel(_tower())
+    model(x.chunk(world)[rank]).backward(grad_y.chunk(world)[rank])
+    torch.save([p.grad for p in model.parameters()], os.path.join(out_dir, f"grads{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+    Path(out_dir, f"done{rank}").touch()
+    # Teardown in the order most scripts have it: the process group destroyed while the
+    # DDP model (and its Reducer) is still alive, the model freed when this function
+    # returns, everything else at normal interpreter shutdown.
+
+
+def _stacks(pids):
+    """py-spy stacks (Python and native) of the given processes, if py-spy is installed."""
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        return "(install py-spy to see the hung workers' stacks)"
+    dumps = []
+    for pid in pids:
+        run = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)],
+                             capture_output=True, text=True, timeout=60)
+        dumps.append(f"--- pid {pid}\n{run.stdout}{run.stderr}")
+    return "\n".join(dumps)
+
+
+def join_or_fail(context, out_dir, deadline_s, exit_grace_s=60):
+    """Join mp.spawn(join=False)'s workers. A worker that raised fails the test with its
+    traceback (ProcessRaisedException); workers still alive after `deadline_s`, or more
+    than `exit_grace_s` after every one of them finished its work (a hang at exit), are
+    killed and fail it with their stacks."""
+    start = time.monotonic()
+    all_done_at = None
+    while not context.join(timeout=1):
+        now = time.monotonic()
+        done = sorted(p.name for p in Path(out_dir).glob("done*"))
+        if all_done_at is None and len(done) == len(context.processes):
+            all_done_at = now
+        hung_at_exit = all_done_at is not None and now - all_done_at > exit_grace_s
+        if now - start > deadline_s or hung_at_exit:
+            alive = [p.pid for p in context.processes if p.is_alive()]
+            stacks = _stacks(alive)
+            for process in context.processes:
+                process.kill()
+            what = (f"did not exit within {exit_grace_s} s of finishing their work"
+                    if hung_at_exit else f"did not finish within {deadline_s} s")
+            pytest.fail(f"workers {alive} {what} (finished: {done})\n{stacks}")
+    return time.monotonic() - start
+
+
+def test_ddp_gloo_two_processes_match_one_process_and_exit_cleanly():
+    x, grad_y = torch.randn(4, 7, 16, dtype=torch.float64), torch.randn(4, 7, 16,
+                                                                        dtype=torch.float64)
+    single = _tower()
+    single(x).backward(grad_y / WORLD)      # DDP averages the two shards' gradients
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.spawn(_ddp_worker, args=(WORLD, os.path.join(tmp, "init"), x, grad_y,
+                                              tmp), nprocs=WORLD, join=False)
+        join_or_fail(context, tmp, deadline_s=240)
+        assert [p.exitcode for p in context.processes] == [0] * WORLD
+        per_rank = [torch.load(os.path.join(tmp, f"grads{r}.pt")) for r in range(WORLD)]
+    for grads in per_rank:
+        for (name, p), got in zip(single.named_parameters(), grads):
+            torch.testing.assert_close(got, p.grad, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def _load_check_script():
+    spec = importlib.util.spec_from_file_location("multi_gpu_check",
+                                                  ROOT / "scripts" / "multi_gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_multi_gpu_check_comparison_catches_a_wrong_gradient():
+    check = _load_check_script()
+    want = {"a.weight": torch.randn(8, 4), "a.bias": torch.randn(8)}
+    good = {k: v * (1 + 1e-7) for k, v in want.items()}
+    assert check.failures(check.relative_errors(good, want), bound=1e-5) == []
+    bad = dict(good, **{"a.bias": want["a.bias"] * 1.01})
+    assert check.failures(check.relative_errors(bad, want), bound=1e-5) == ["a.bias"]
+    assert check.failures(check.relative_errors({"a.weight": good["a.weight"]}, want),
+                          bound=1e-5) == ["a.bias"]                   # a missing gradient
+    nan = dict(good, **{"a.weight": torch.full((8, 4), float("nan"))})
+    assert check.failures(check.relative_errors(nan, want), bound=1e-5) == ["a.weight"]
+
+
+def test_multi_gpu_check_cpu_mode_passes_and_exits_cleanly():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "multi_gpu_check.py"),
+                          "--cpu", "--timeout", "150"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - start
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = run.stdout
+    for name in ("0.norm.weight", "1.qkv.weight", "1.out_proj.bias"):
+        rows = [line for line in out.splitlines() if line.startswith(name + " ")]
+        assert len(rows) == 1, out
+        ddp_err, fsdp_err = (float(v) for v in rows[0].split()[1:3])
+        assert ddp_err < 1e-5 and fsdp_err < 1e-5, rows[0]
+    assert "PASS" in out, out
+    print(f"multi_gpu_check --cpu: {elapsed:.1f} s")
