@@ -96,6 +96,44 @@ def test_ddp_gloo_two_processes_match_one_process_and_exit_cleanly():
             torch.testing.assert_close(got, p.grad, rtol=1e-10, atol=1e-12, msg=name)
 
 
+def _plain_gloo_group(store_path, rank):
+    """A gloo process group that only the caller and what it is passed to reference (what
+    init_process_group builds, minus the registry): plain torch, no vitattn_bwd."""
+    store = dist.FileStore(store_path, WORLD)
+    backend = dist.ProcessGroupGloo(store, rank, WORLD, datetime.timedelta(seconds=60))
+    group = dist.ProcessGroup(store, rank, WORLD)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return group
+
+
+def _teardown_order_worker(rank, store_path, out_dir):
+    """The upstream deadlock's setup (docs/distributed.md): a gloo thread still holds an
+    all-reduce of a tensor Python has dropped (rank 1 joins it late), so freeing that
+    work needs the GIL. Freeing the DDP model while the group is alive, then the group,
+    exits; the other order (group reference dropped first, then the model: ~Reducer joins
+    gloo's threads holding the GIL) hangs on torch 2.13."""
+    group = _plain_gloo_group(store_path, rank)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4), process_group=group)
+    model(torch.randn(2, 4)).sum().backward()
+    t = torch.ones(1000)
+    if rank == 1:
+        time.sleep(2)
+    work = group.allreduce([t])
+    del t, work
+    Path(out_dir, f"done{rank}").touch()
+    del model                       # the documented order: the model first,
+    del group                       # then the group (pybind frees it without the GIL)
+
+
+def test_documented_teardown_order_exits_with_a_collective_in_flight():
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.spawn(_teardown_order_worker, args=(os.path.join(tmp, "store"), tmp),
+                           nprocs=WORLD, join=False)
+        join_or_fail(context, tmp, deadline_s=120, exit_grace_s=20)
+        assert [p.exitcode for p in context.processes] == [0] * WORLD
+
+
 def _load_check_script():
     spec = importlib.util.spec_from_file_location("multi_gpu_check",
                                                   ROOT / "scripts" / "multi_gpu_check.py")
