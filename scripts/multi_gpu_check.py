@@ -99,8 +99,10 @@ def worker(rank, cpu, shape, init_file, x, grad_y, out_dir):
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
         backend, device_id = "nccl", device
+    # a generous collective timeout: rank 1 waits in the final barrier while rank 0
+    # compiles and runs the single-process batch; the parent's --timeout bounds the run
     dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD, timeout=datetime.timedelta(seconds=120),
+                            world_size=WORLD, timeout=datetime.timedelta(seconds=600),
                             device_id=device_id)
     x_shard = x.chunk(WORLD)[rank].to(device)
     grad_shard = grad_y.chunk(WORLD)[rank].to(device)
