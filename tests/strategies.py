@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, Phase, example, given, reject, settings
 from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 
+import vitattn_bwd
 from vitattn_bwd import reference
 from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs
 
@@ -250,6 +251,19 @@ def block_cases(draw, *, seqs, max_heads, head_dims, max_batch, layouts=LAYOUTS,
         layouts=tuple(draw(st.sampled_from(layouts)) for _ in BLOCK_TENSORS),
         offset=draw(st.sampled_from([1, 3, 5])),
         dtype=draw(st.sampled_from(dtypes)))
+
+
+# One layout per BLOCK_TENSORS entry, every kind of LAYOUTS among them: the layouts of
+# the properties' explicit examples.
+MIXED_BLOCK_LAYOUTS = ("offset", "contiguous", "strided", "padded", "transposed", "offset",
+                       "transposed", "transposed", "strided", "offset", "transposed",
+                       "padded", "transposed")
+
+
+def public_block_backward(*args, **kwargs):
+    """vitattn_bwd.attention_block_backward, looked up at each call (so that a plant that
+    replaces it is the one called)."""
+    return vitattn_bwd.attention_block_backward(*args, **kwargs)
 
 
 def block_inputs(case, device):

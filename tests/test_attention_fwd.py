@@ -134,15 +134,21 @@ def triton_interpreter():
     patch_bf16_dot()
 
 
-def _check_kernel(q, k, v, scale, tiles=None, bound=INTERPRETER_BOUND):
-    attn_output, lse = fwd.launch_attention_fwd(q, k, v, scale, tiles)
+def assert_accurate(q, k, v, scale, attn_output, lse, bound):
+    """Every error of the forward's outputs under `bound`, and attn_output 10x better than
+    one bf16 product per matmul (the split must carry the low bits). Returns the errors."""
     errors = _errors(q, k, v, scale, attn_output, lse)
     for name, err in errors.items():
         assert err < bound, (name, err, errors)
-    # one bf16 product per matmul: the split must carry the low bits
     want_output = _float64_reference(q, k, v, scale)[0]
     bf16_output = _float64_reference(*(t.bfloat16().float() for t in (q, k, v)), scale)[0]
     assert errors["attn_output"] * 10 < _rel(bf16_output, want_output), errors
+    return errors
+
+
+def _check_kernel(q, k, v, scale, tiles=None, bound=INTERPRETER_BOUND):
+    attn_output, lse = fwd.launch_attention_fwd(q, k, v, scale, tiles)
+    assert_accurate(q, k, v, scale, attn_output, lse, bound)
 
 
 def _tiles(block_m, block_n):

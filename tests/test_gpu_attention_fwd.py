@@ -18,7 +18,7 @@ import torch
 
 from vitattn_bwd import attention_fwd as fwd
 
-from .test_attention_fwd import _errors, _float64_reference, _rel
+from .test_attention_fwd import assert_accurate
 
 pytestmark = pytest.mark.gpu
 
@@ -35,13 +35,7 @@ def _module_qkv(B, S, H, D, seed=0, std=1.0):
 def _check(q, k, v, scale, bound=GPU_BOUND):
     attn_output, lse = fwd.attention_fwd(q, k, v, scale)
     assert attn_output.dtype == lse.dtype == torch.float32
-    errors = _errors(q, k, v, scale, attn_output, lse)
-    for name, err in errors.items():
-        assert err < bound, (name, err, errors)
-    want_output = _float64_reference(q, k, v, scale)[0]
-    bf16_output = _float64_reference(*(t.bfloat16().float() for t in (q, k, v)), scale)[0]
-    assert errors["attn_output"] * 10 < _rel(bf16_output, want_output), errors
-    return errors
+    return assert_accurate(q, k, v, scale, attn_output, lse, bound)
 
 
 def test_vit_size_matches_float64():

@@ -20,7 +20,6 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-import vitattn_bwd
 from vitattn_bwd import attention_core, contract
 from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs
 
@@ -76,20 +75,12 @@ GPU_COMPILED = S.block_cases(seqs=S.seq_lens(300), max_heads=8, head_dims=(32, 6
                              max_batch=8)
 BLOCK_EXAMPLE = S.BlockCase(batch=3, seq_len=65, heads=4, head_dim=64, ln_grad="exact",
                             seed=11, scale=0.125, norm_eps=1e-5,
-                            layouts=("offset", "contiguous", "strided", "padded",
-                                     "transposed", "offset", "transposed", "transposed",
-                                     "strided", "offset", "transposed", "padded",
-                                     "transposed"),
-                            offset=3)
-
-
-def _block_backward(*args, **kwargs):
-    return vitattn_bwd.attention_block_backward(*args, **kwargs)
+                            layouts=S.MIXED_BLOCK_LAYOUTS, offset=3)
 
 
 def _check_compiled(case):
     with plants.planted(plants.from_env()):
-        return S.check_block(case, DEVICE, S.BLOCK_BOUNDS_GPU, _block_backward)
+        return S.check_block(case, DEVICE, S.BLOCK_BOUNDS_GPU, S.public_block_backward)
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-import vitattn_bwd
 from vitattn_bwd import attention_core
 
 from . import plants
@@ -86,21 +85,13 @@ COMPILED_CPU = S.block_cases(seqs=S.seq_lens(24), max_heads=2, head_dims=(8, 16)
                              batches=st.one_of(st.integers(1, 4), st.sampled_from([16, 17])))
 BLOCK_EXAMPLE = S.BlockCase(batch=2, seq_len=17, heads=2, head_dim=8, ln_grad="contract",
                             seed=3, scale=1 / math.sqrt(8), norm_eps=1e-5,
-                            layouts=("offset", "contiguous", "strided", "padded",
-                                     "transposed", "offset", "transposed", "transposed",
-                                     "strided", "offset", "transposed", "padded",
-                                     "transposed"),
-                            offset=3)
-
-
-def _block_backward(*args, **kwargs):
-    return vitattn_bwd.attention_block_backward(*args, **kwargs)
+                            layouts=S.MIXED_BLOCK_LAYOUTS, offset=3)
 
 
 def _check_compiled_cpu(case):
     bounds = {name: S.BLOCK_BOUNDS_CPU[case.dtype] for name in S.BLOCK_BOUNDS_GPU}
     with plants.planted(plants.from_env()):
-        return S.check_block(case, "cpu", bounds, _block_backward)
+        return S.check_block(case, "cpu", bounds, S.public_block_backward)
 
 
 def test_compiled_cpu_path_matches_float64():
