@@ -85,6 +85,30 @@ def head_rows(batch, head, offs, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
 
 
 @triton.jit
+def load_vector(base, start, SEQ_LEN: tl.constexpr, BLOCK: tl.constexpr):
+    """base[start : start + BLOCK], 0 past SEQ_LEN."""
+    offs = start + tl.arange(0, BLOCK)
+    return tl.load(base + offs, mask=offs < SEQ_LEN, other=0.0)
+
+
+@triton.jit
+def load_probs_tile(rows, row_ok, col_start, col_stride, SEQ_LEN: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """A [len(rows), BLOCK] tile of P (or of P^T): element (i, j) at rows[i] +
+    (col_start + j) * col_stride, 0 outside the SEQ_LEN x SEQ_LEN matrix.
+
+    The cols pass loads the NEXT iteration's P^T tile (and its delta) one iteration
+    ahead, before working on the current one: Triton's loop pipeliner prefetches only
+    tl.dot operands, and a plain load used in the same iteration stalls the program for a
+    memory round trip (H200, batch 32: cols 0.82 -> 0.74 ms). The rows pass loads in
+    place: there the prefetch's extra registers cost more than it hid (its best tiles
+    0.63 -> 0.69 ms; docs/performance.md, v9)."""
+    offs = col_start + tl.arange(0, BLOCK)
+    return tl.load(rows + offs[None, :] * col_stride,
+                   mask=row_ok[:, None] & (offs < SEQ_LEN)[None, :], other=0.0)
+
+
+@triton.jit
 def recomputed_probabilities(a_hi, a_lo, b_hi, b_lo, lse_log2, scale, valid, zeros):
     """exp(scale * a @ b^T - lse) from split operands, 0 where not `valid`; lse_log2 is
     lse * log2(e), shaped to broadcast over the tile."""
@@ -134,8 +158,7 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
                 row_ok[:, None] & col_ok[None, :],
                 tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))           # [BM,BN]
         else:
-            p = tl.load(p_rows + offs_n[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0)                                        # [BM,BN]
+            p = load_probs_tile(p_rows, row_ok, n_start, 1, SEQ_LEN, BLOCK_N)  # [BM,BN]
         grad_p = dot_bf16x3(grad_attn_hi, grad_attn_lo, tl.trans(v_hi), tl.trans(v_lo),
                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # [BM,BN]
         p_grad_p = p * grad_p
@@ -169,7 +192,12 @@ def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
     if RECOMPUTE_P:
         k_hi, k_lo = load_pair(K_HI, K_LO, head_start + offs_n[:, None] * HEAD_DIM
                                + offs_d[None, :], col_ok[:, None])        # [BN,D]
+        lse_next = load_vector(PROBS + batch_head * SEQ_LEN, 0, SEQ_LEN, BLOCK_M)
+    else:
+        p_t_next = load_probs_tile(p_t_cols, col_ok, 0, SEQ_LEN, SEQ_LEN,
+                                   BLOCK_M)                               # [BN,BM]
     delta_head = DELTA + batch_head * SEQ_LEN
+    delta_next = load_vector(delta_head, 0, SEQ_LEN, BLOCK_M)             # [BM]
 
     grad_k = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     grad_v = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
@@ -182,17 +210,20 @@ def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
             row_ok[:, None])                                              # [BM,D]
         q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
                                + offs_d[None, :], row_ok[:, None])        # [BM,D]
-        delta = tl.load(delta_head + offs_m, mask=row_ok, other=0.0)      # [BM]
+        delta = delta_next
+        delta_next = load_vector(delta_head, m_start + BLOCK_M, SEQ_LEN, BLOCK_M)
         if RECOMPUTE_P:
-            lse_log2 = tl.load(PROBS + batch_head * SEQ_LEN + offs_m, mask=row_ok,
-                               other=0.0) * 1.4426950408889634            # [BM]
+            lse = lse_next
+            lse_next = load_vector(PROBS + batch_head * SEQ_LEN, m_start + BLOCK_M,
+                                   SEQ_LEN, BLOCK_M)
             p_t = recomputed_probabilities(
-                k_hi, k_lo, q_hi, q_lo, lse_log2[None, :], scale,
+                k_hi, k_lo, q_hi, q_lo, lse[None, :] * 1.4426950408889634, scale,
                 col_ok[:, None] & row_ok[None, :],
                 tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32))           # [BN,BM]
         else:
-            p_t = tl.load(p_t_cols + offs_m[None, :] * SEQ_LEN,
-                          mask=col_ok[:, None] & row_ok[None, :], other=0.0)  # [BN,BM]
+            p_t = p_t_next
+            p_t_next = load_probs_tile(p_t_cols, col_ok, m_start + BLOCK_M,
+                                       SEQ_LEN, SEQ_LEN, BLOCK_M)
 
         p_t_hi, p_t_lo = split_bf16_rounded(p_t)
         grad_v = dot_bf16x3(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v)

@@ -1,0 +1,141 @@
+"""Registers, spills, shared memory and tensor-core instructions of our Triton kernels as
+compiled for an H100/H200 (sm_90), without a GPU: Triton's front end and the ptxas and
+cuobjdump bundled with its CUDA backend do the work on the CPU.
+
+    PYTHONPATH=. python3 scripts/kernel_resources.py              # the configured tiles
+    PYTHONPATH=. python3 scripts/kernel_resources.py --sweep      # candidate tiles too
+
+A kernel that spills (spill stores > 0) keeps part of its tiles in local memory and
+runs far below the tensor cores' rate; HGMMA counts Hopper's warpgroup matrix
+instructions, HMMA the older per-warp ones (tiles under 64 rows). Each kernel is
+compiled as a real launch specializes it: pointers and integer arguments divisible by 16.
+"""
+import argparse
+import itertools
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vitattn_bwd.attention_core import TileConfig  # noqa: E402
+
+SEQ_LEN, NUM_HEADS, HEAD_DIM = 577, 16, 64
+
+
+class Resources(NamedTuple):
+    registers: int
+    spill_stores: int
+    shared_bytes: int
+    hgmma: int          # warpgroup MMA instructions in the SASS
+    hmma: int           # per-warp MMA instructions in the SASS
+
+
+def _signature(kernel, constexprs):
+    """Triton signature of `kernel`: bf16 pointers for the *_HI/*_LO/*_HALVES operands,
+    fp16 for *16 outputs, fp32 for other pointers (upper case), fp32 `scale`, i32
+    strides; the given constexprs."""
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name == "scale":
+            signature[name] = "fp32"
+        elif not name.isupper():
+            signature[name] = "i32"
+        elif name.endswith(("_HI", "_LO", "_HALVES")):
+            signature[name] = "*bf16"
+        elif name.endswith("16"):
+            signature[name] = "*fp16"
+        else:
+            signature[name] = "*fp32"
+    return signature
+
+
+def sm90_resources(kernel, constexprs, tiles):
+    """Compile `kernel` with `constexprs` and `tiles` (a TileConfig) for sm_90a."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    constexprs = dict(constexprs, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+    signature = _signature(kernel, constexprs)
+    names = kernel.arg_names
+    attrs = {(names.index(name),): [["tt.divisibility", 16]]
+             for name, kind in signature.items() if kind not in ("fp32", "constexpr")}
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        cubin.write_bytes(compiled.asm["cubin"])
+        report = subprocess.run([str(tools / "ptxas"), "-v", "-arch=sm_90a", str(ptx),
+                                 "-o", str(Path(tmp) / "ptxas.cubin")],
+                                capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+    return Resources(registers=int(re.search(r"Used (\d+) registers", report)[1]),
+                     spill_stores=int(re.search(r"(\d+) bytes spill stores", report)[1]),
+                     shared_bytes=compiled.metadata.shared,
+                     hgmma=len(re.findall(r"\bHGMMA\b", sass)),
+                     hmma=len(re.findall(r"\bHMMA\b", sass)))
+
+
+def kernels():
+    """(name, kernel, constexprs without the block sizes, configured tiles) of each
+    kernel variant we launch."""
+    from vitattn_bwd import attention_fwd, inductor
+    from vitattn_bwd.kernels.attention_fwd import attention_fwd_kernel
+    from vitattn_bwd.kernels.softmax_bwd import (softmax_bwd_cols_kernel,
+                                                 softmax_bwd_rows_kernel)
+    shape = dict(SEQ_LEN=SEQ_LEN, NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM)
+    variants = [("forward", attention_fwd_kernel, shape,
+                 (attention_fwd.FWD_TILES[HEAD_DIM],))]
+    for recompute in (False, True):
+        for name, kernel, tiles in (("rows", softmax_bwd_rows_kernel, inductor.TILE_CONFIGS),
+                                    ("cols", softmax_bwd_cols_kernel, inductor.TILE_CONFIGS)):
+            variants.append((f"{name}{' recompute P' if recompute else ''}", kernel,
+                             dict(shape, RECOMPUTE_P=recompute), tiles))
+    return variants
+
+
+SWEEP = [TileConfig(m, n, w, s) for (m, n), w, s in itertools.product(
+    [(64, 16), (64, 32), (64, 64), (32, 64), (128, 32), (128, 64)], (4, 8), (2, 3))]
+
+
+def report(sweep=False):
+    """(kernel name, tiles, configured?, Resources) of every configured tile (and of
+    SWEEP's candidates too with sweep=True)."""
+    for name, kernel, constexprs, configured in kernels():
+        for tiles in dict.fromkeys(configured + (tuple(SWEEP) if sweep else ())):
+            yield name, tiles, tiles in configured, sm90_resources(kernel, constexprs, tiles)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also compile the candidate tiles in SWEEP")
+    parser.add_argument("--json", action="store_true", help="one JSON list, no table")
+    args = parser.parse_args()
+    if args.json:
+        print(json.dumps([[name, list(tiles), configured, resources._asdict()]
+                          for name, tiles, configured, resources in report(args.sweep)]))
+        return
+    print(f"{'kernel':18} {'tiles (m, n, warps, stages)':28} {'regs':>5} {'spill B':>8} "
+          f"{'smem KB':>8} {'HGMMA':>6} {'HMMA':>5}   (* = configured)")
+    for name, tiles, configured, r in report(args.sweep):
+        print(f"{name:18} {'*' if configured else ' '}{tuple(tiles)!s:27} {r.registers:5} "
+              f"{r.spill_stores:8} {r.shared_bytes / 1024:8.1f} {r.hgmma:6} {r.hmma:5}",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

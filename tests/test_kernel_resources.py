@@ -1,0 +1,48 @@
+"""Every Triton kernel, with every tile configuration we launch or let max-autotune
+choose, compiled for the H100/H200 (sm_90) here on the CPU (Triton's front end and the
+ptxas bundled with it; no GPU): it fits the 227 KB of shared memory a block may use and
+spills no registers. A spilling tile runs at a fraction of the tensor cores' rate
+(docs/performance.md, v9), and nothing else would notice."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+H200_SHARED_MEMORY = 227 * 1024          # bytes a block may use on sm_90
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def resources():
+    pytest.importorskip("triton")
+    # in a subprocess: the interpreter (set by conftest) would replace the compiler
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--json"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if result.returncode and "No module named 'triton.backends.nvidia" in result.stderr:
+        pytest.skip("this triton has no CUDA backend")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_every_configured_tile_is_compiled(resources):
+    names = {name for name, *_ in resources}
+    assert names == {"forward", "rows", "cols", "rows recompute P", "cols recompute P"}
+    assert all(configured for *_, configured, _ in resources)
+
+
+def test_configured_tiles_fit_sm90_without_spills(resources):
+    for name, tiles, _, r in resources:
+        assert r["shared_bytes"] <= H200_SHARED_MEMORY, (name, tiles, r)
+        assert r["spill_stores"] == 0, (name, tiles, r)
+
+
+def test_tiles_of_64_rows_use_warpgroup_mma(resources):
+    """Tiles whose MMAs have 64+ rows per warpgroup run on Hopper's wgmma (HGMMA)."""
+    for name, (block_m, block_n, num_warps, _), _, r in resources:
+        mma_rows = block_n if name.startswith("cols") else block_m
+        if mma_rows // (num_warps // 4) >= 64:
+            assert r["hgmma"] > 0, (name, block_m, block_n, r)
