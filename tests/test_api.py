@@ -82,17 +82,37 @@ def test_batch_sizes_share_one_compiled_graph_per_bucket():
     assert counters["unique_graphs"] == compiled_before
 
 
-def test_cuda_graphs_only_for_small_batches_on_the_main_thread():
+def _in_a_thread(fn):
     import threading
+    result = []
+    worker = threading.Thread(target=lambda: result.append(fn()))
+    worker.start()
+    worker.join()
+    return result[0]
+
+
+@pytest.mark.parametrize("thread_safe_torch", [False, True])
+def test_cuda_graphs_for_small_batches_and_threads_only_where_torch_is_safe(
+        monkeypatch, thread_safe_torch):
+    from vitattn_bwd import inductor
     from vitattn_bwd.graph import batch_bucket, uses_cuda_graph
+    monkeypatch.setattr(inductor, "cudagraph_trees_thread_safe", lambda: thread_safe_torch)
     assert not uses_cuda_graph("cpu", None)
     assert uses_cuda_graph("cuda", None) and uses_cuda_graph("cuda", batch_bucket(15))
     assert not uses_cuda_graph("cuda", batch_bucket(16))
-    in_thread = []                       # where autograd runs a CUDA backward
-    worker = threading.Thread(target=lambda: in_thread.append(uses_cuda_graph("cuda", None)))
-    worker.start()
-    worker.join()
-    assert in_thread == [False]
+    # where autograd runs a CUDA backward: a thread other than the main one
+    assert _in_a_thread(lambda: uses_cuda_graph("cuda", None)) is thread_safe_torch
+    assert not _in_a_thread(lambda: uses_cuda_graph("cuda", batch_bucket(16)))
+
+
+def test_thread_safety_is_read_from_the_installed_torch():
+    import threading
+
+    from torch._inductor import cudagraph_trees
+
+    from vitattn_bwd import inductor
+    lock = getattr(cudagraph_trees, "graph_capture_lock", None)
+    assert inductor.cudagraph_trees_thread_safe() is isinstance(lock, type(threading.Lock()))
 
 
 def test_batch_buckets_cover_every_batch_size_once():

@@ -121,15 +121,20 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, q, k, v
 
 
 def uses_cuda_graph(device_type, bucket):
-    """Small batches run as CUDA graphs, when called from the main thread: there their
-    GPU work (0.3-1.5 ms) is smaller than the cost of launching ~30 kernels one by one,
-    and copying their inputs into the graphs' static buffers is cheap. Not from other
-    threads: CUDA graph trees keep per-thread state, and the autograd engine runs
-    VisionAttentionBlock's backward on a thread of its own. Large batches run without:
-    their input copies (P is 21 MB per image) would cost more than the launch gaps."""
+    """Small batches run as CUDA graphs: their GPU work (0.3-1.5 ms) is smaller than the
+    cost of launching ~40 kernels one by one, and copying their inputs into the graphs'
+    static buffers is cheap. Large batches run without: their input copies (P is 21 MB
+    per image) would cost more than the launch gaps. On the main thread always; on
+    other threads (autograd runs VisionAttentionBlock's backward on a worker thread of
+    its own) only where torch serializes CUDA graph capture across threads
+    (inductor.cudagraph_trees_thread_safe; torch 2.11 does not)."""
     small = bucket is None or bucket[1] <= CUDA_GRAPH_MAX_BATCH
-    return (device_type == "cuda" and small
-            and threading.current_thread() is threading.main_thread())
+    if device_type != "cuda" or not small:
+        return False
+    if threading.current_thread() is threading.main_thread():
+        return True
+    from .inductor import cudagraph_trees_thread_safe
+    return cudagraph_trees_thread_safe()
 
 
 def _max_autotune(device_type):

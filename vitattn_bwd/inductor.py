@@ -4,7 +4,9 @@ and their lowerings (so max-autotune weighs their configs).
 
 Checked against torch 2.11 (the GPU machine) and 2.13 (CPU development). Differences
 between versions are handled here and nowhere else:
-  - autotune_select_algorithm returns a node in 2.11 and (node, choice) from 2.12 on.
+  - autotune_select_algorithm returns a node in 2.11 and (node, choice) from 2.12 on;
+  - CUDA graph trees are safe on threads other than the main one only where torch
+    serializes their capture (cudagraph_trees_thread_safe).
 If an API this module needs is missing, importing it raises an ImportError naming the
 torch version: the package never falls back silently to slower code.
 
@@ -18,6 +20,7 @@ graph (grad_attn and v once for both passes).
 """
 import functools
 import inspect
+import threading
 import weakref
 
 import torch
@@ -49,6 +52,18 @@ TILE_CONFIGS = (
     TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=3),
     TileConfig(block_m=32, block_n=64, num_warps=4, num_stages=3),
 )
+
+
+def cudagraph_trees_thread_safe():
+    """Whether this torch's CUDA graph trees may run on autograd's worker threads while
+    the main thread (or another) uses them too. Their tree manager and its memory pool
+    are shared with autograd's threads, and before pytorch PR 184357 (issues 113809,
+    123177; in torch from mid-2026 on) nothing serialized their warm-up and capture
+    across threads: a synchronize or pool switch in one thread could invalidate a
+    capture in another. That PR added the module-level lock this looks for."""
+    from torch._inductor import cudagraph_trees
+    return isinstance(getattr(cudagraph_trees, "graph_capture_lock", None),
+                      type(threading.Lock()))
 
 
 class CacheKeyTag(CustomGraphPass):
