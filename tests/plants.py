@@ -3,9 +3,14 @@
 A plant replaces one entry point, by monkeypatching the module attribute the property
 tests call at run time, with a wrapper that damages what goes in or comes out:
 
-    attention_core.attention_backward    ("core": the eager launchers)
+    attention_core.attention_backward    ("core": the eager launchers, P or lse given)
+    attention_fwd.launch_attention_fwd   ("fwd": the forward's launcher, which the
+                                          operator calls on CUDA)
     vitattn_bwd.attention_block_backward ("block": the compiled path, the stateful test)
     vitattn_bwd.contract.run             ("contract": the benchmark entry point)
+    module.attention_fwd                 ("module_fwd": the forward operator as
+                                          VisionAttentionBlock calls it)
+    module.VisionAttentionFunction.backward ("module_bwd": the module's backward)
 
 Nothing inside vitattn_bwd changes: the plants sit at the boundary that stays stable
 while the kernels are rewritten. The tests named *_catches_* apply a plant and assert that
@@ -15,6 +20,8 @@ ordinary property run as well, which then must fail: e.g.
     VITATTN_PLANT=drop_lo python3 -m pytest -q tests/test_properties.py   # expect failures
 """
 import contextlib
+import inspect
+import math
 import os
 import threading
 
@@ -22,7 +29,7 @@ import pytest
 import torch
 
 import vitattn_bwd
-from vitattn_bwd import attention_core, contract
+from vitattn_bwd import attention_core, attention_fwd, contract, module
 
 ENV = "VITATTN_PLANT"
 
@@ -50,13 +57,17 @@ def _like(original, values):
 
 
 def _with_outputs(change):
-    """Wrapper factory: call the original, then `change(list_of_outputs)` in place."""
+    """Wrapper factory: call the original, then `change(list_of_outputs)` in place on
+    copies of its tensors (entries that are not tensors, e.g. the None gradients of an
+    autograd Function's non-tensor arguments, are left out of the list)."""
     def wrap(fn):
         def wrapper(*args, **kwargs):
             out = fn(*args, **kwargs)
-            values = [t.clone() for t in out]
-            change(values)
-            return _like(out, values)
+            values = [t.clone() if torch.is_tensor(t) else t for t in out]
+            tensors = [t for t in values if torch.is_tensor(t)]
+            change(tensors)
+            it = iter(tensors)
+            return _like(out, [next(it) if torch.is_tensor(t) else t for t in values])
         return wrapper
     return wrap
 
@@ -75,8 +86,27 @@ def _round_all(values):
     values[:] = [round_bf16(v) for v in values]
 
 
-def _zero_last_token(values):      # grad_q / grad_x [B,S,E]
+def _zero_last_token(values):      # grad_q / grad_x / attn_output [B,S,E]
     values[0][:, -1] = 0
+
+
+LSE_SHIFT = 0.01
+
+
+def _shift_lse_out(values):        # the forward's (attn_output, lse): lse + 0.01
+    values[1] += LSE_SHIFT
+
+
+def _shift_probs(fn):
+    """The probabilities the core reads scaled by exp(-0.01): its lse argument + 0.01
+    (module mode), or P * exp(-0.01) (P given)."""
+    def wrapper(probs, *args, **kwargs):
+        if probs.dim() == 3:
+            probs = probs + LSE_SHIFT
+        else:
+            probs = probs * math.exp(-LSE_SHIFT)
+        return fn(probs, *args, **kwargs)
+    return wrapper
 
 
 def _vector_misses(values):        # 4 of grad_ln_weight's elements 10x outside tolerance
@@ -153,17 +183,30 @@ def _recompile(fn):
 # plant name -> (what it models, {target: wrapper factory})
 PLANTS = {
     "drop_lo": ("every float argument truncated to bf16 (its lo part zero): the kernels' "
-                "operands without their lo halves",
-                {"core": _drop_lo, "block": _drop_lo, "contract": _drop_lo}),
+                "operands without their lo halves (fwd, module_fwd: q, k, v)",
+                {"core": _drop_lo, "block": _drop_lo, "contract": _drop_lo,
+                 "fwd": _drop_lo, "module_fwd": _drop_lo}),
     "round_out": ("outputs rounded to bf16 (core: grad_q and grad_v, the bf16x3 outputs; "
-                  "block and contract: all seven)",
+                  "block, contract, module_bwd: all seven gradients; fwd, module_fwd: "
+                  "attn_output and lse)",
                   {"core": _with_outputs(_round_core), "block": _with_outputs(_round_all),
-                   "contract": _with_outputs(_round_all)}),
-    "drop_last_token": ("the last token of grad_q (core) / grad_x (block, contract) zeroed: "
-                        "a masked store lost at the sequence's tile edge",
+                   "contract": _with_outputs(_round_all), "fwd": _with_outputs(_round_all),
+                   "module_fwd": _with_outputs(_round_all),
+                   "module_bwd": _with_outputs(_round_all)}),
+    "drop_last_token": ("the last token of grad_q (core) / grad_x (block, contract, "
+                        "module_bwd) / attn_output (fwd, module_fwd) zeroed: a masked "
+                        "store lost at the sequence's tile edge",
                         {"core": _with_outputs(_zero_last_token),
                          "block": _with_outputs(_zero_last_token),
-                         "contract": _with_outputs(_zero_last_token)}),
+                         "contract": _with_outputs(_zero_last_token),
+                         "fwd": _with_outputs(_zero_last_token),
+                         "module_fwd": _with_outputs(_zero_last_token),
+                         "module_bwd": _with_outputs(_zero_last_token)}),
+    "lse_off": ("the probabilities the backward uses scaled by exp(-0.01): lse + 0.01 out "
+                "of the forward (fwd, module_fwd: y unchanged, the gradients off) or into "
+                "the core (core: P * exp(-0.01) where P is given)",
+                {"core": _shift_probs, "fwd": _with_outputs(_shift_lse_out),
+                 "module_fwd": _with_outputs(_shift_lse_out)}),
     "exact_ln": ("the other LayerNorm formula (block: exact <-> contract; contract.run "
                  "answered in the exact mode)",
                  {"block": _swap_ln_block, "contract": _exact_ln_contract}),
@@ -182,12 +225,17 @@ PLANTS = {
 }
 
 TARGETS = {"core": (attention_core, "attention_backward"),
+           "fwd": (attention_fwd, "launch_attention_fwd"),
            "block": (vitattn_bwd, "attention_block_backward"),
-           "contract": (contract, "run")}
+           "contract": (contract, "run"),
+           "module_fwd": (module, "attention_fwd"),
+           "module_bwd": (module.VisionAttentionFunction, "backward")}
 
 
-def plants_for(target):
-    return sorted(name for name, (_, wrappers) in PLANTS.items() if target in wrappers)
+def plants_for(*targets):
+    """The plants that apply to any of `targets`."""
+    return sorted(name for name, (_, wrappers) in PLANTS.items()
+                  if any(target in wrappers for target in targets))
 
 
 def _process_settings():
@@ -200,22 +248,34 @@ def _restore_process_settings(saved):
     torch.set_float32_matmul_precision(saved[2])
 
 
+def plant_targets(*targets):
+    """(plant, target) pairs: every plant of each of `targets`, applied to that target
+    alone (see planted's `only`)."""
+    return [(name, target) for target in targets for name in plants_for(target)]
+
+
 @contextlib.contextmanager
-def planted(name):
-    """Apply plant `name` to every target it has (None: nothing) while the block runs;
-    afterwards the entry points and the process-wide settings a plant touches are
-    restored."""
+def planted(name, only=None):
+    """Apply plant `name` to every target it has (None: nothing), or to target `only`
+    alone, while the block runs; afterwards the entry points and the process-wide
+    settings a plant touches are restored."""
     if not name:
         yield
         return
     if name not in PLANTS:
         raise ValueError(f"{ENV}={name!r}: known plants are {sorted(PLANTS)}")
+    wrappers = PLANTS[name][1]
+    if only is not None:
+        wrappers = {only: wrappers[only]}
     saved = _process_settings()
     try:
         with pytest.MonkeyPatch.context() as mp:
-            for target, factory in PLANTS[name][1].items():
-                module, attr = TARGETS[target]
-                mp.setattr(module, attr, factory(getattr(module, attr)))
+            for target, factory in wrappers.items():
+                owner, attr = TARGETS[target]
+                wrapper = factory(getattr(owner, attr))
+                if isinstance(inspect.getattr_static(owner, attr), staticmethod):
+                    wrapper = staticmethod(wrapper)      # an autograd Function's method
+                mp.setattr(owner, attr, wrapper)
             yield
     finally:
         _restore_process_settings(saved)
