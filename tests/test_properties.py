@@ -4,12 +4,20 @@ at small sizes:
 - the raw Triton kernels of the attention core (attention_core.attention_backward) under
   Triton's interpreter, against float64, over seq_len 1-80 with the tile edges, heads,
   head dims 16-128, scale, tile sizes, and inputs that are views at odd offsets,
-  transposed, strided or padded;
+  transposed, strided or padded; with P given, and in module mode (the log-sum-exp given,
+  P recomputed from q and k);
+- the fused attention forward's kernel (attention_fwd.launch_attention_fwd) under the
+  interpreter, against float64 softmax attention, over the same shapes, scales, tiles and
+  layouts;
 - the compiled CPU path (vitattn_bwd.attention_block_backward) against float64 over
   shapes, batch buckets, both LayerNorm modes, float32/float64 and the same layouts;
+- VisionAttentionBlock's forward and backward on the CPU against float64 autograd through
+  the stock block, over small configurations, eps, logit sizes, float32/float64 and
+  layouts of x and of the output gradient;
 - each property once more with every planted error that applies (tests/plants.py), each
   run expected to fail.
 """
+import dataclasses
 import math
 import os
 
@@ -64,6 +72,56 @@ def test_attention_core_property_catches(triton_interpreter, plant):
                        INTERPRETER_CORE, explicit=[CORE_EXAMPLE], **S.PLANT_SETTINGS)
 
 
+# Module mode: the core gets lse [B,H,S] and recomputes P (bounds: CORE_BOUNDS_INTERPRETER
+# + LOGIT_SLOPE * Lambda, dQ and dK measured against the terms that cancel into them;
+# tests/strategies.py). Lambda here reaches 23 (scale 2, head_dim 128).
+INTERPRETER_CORE_LSE = S.core_cases(max_seq=80, max_heads=2, max_batch=2,
+                                    max_batch_heads=4, tiles=(None, 16, 32, 64),
+                                    p_sources=("lse",))
+CORE_LSE_EXAMPLE = dataclasses.replace(CORE_EXAMPLE, p_source="lse", seed=2, scale=0.5)
+
+
+def test_attention_core_module_mode_under_interpreter(triton_interpreter):
+    S.run_property("interpreter: attention core, module mode (lse)", _check_core,
+                   INTERPRETER_CORE_LSE, explicit=[CORE_LSE_EXAMPLE],
+                   max_examples=S.profile_examples(10))
+
+
+@pytest.mark.parametrize("plant", plants.plants_for("core"))
+def test_attention_core_module_mode_property_catches(triton_interpreter, plant):
+    with plants.planted(plant), pytest.raises(AssertionError):
+        S.run_property(f"interpreter: attention core, module mode + {plant}", _check_core,
+                       INTERPRETER_CORE_LSE, explicit=[CORE_LSE_EXAMPLE],
+                       **S.PLANT_SETTINGS)
+
+
+# --- the attention forward kernel under the interpreter -------------------------------
+
+# bound: FWD_BOUND_INTERPRETER + LOGIT_SLOPE * Lambda (tests/strategies.py)
+INTERPRETER_FWD = S.fwd_cases(max_seq=80, max_heads=2, max_batch=2, max_batch_heads=4,
+                              tiles=(None, (16, 16), (32, 16), (16, 32)))
+FWD_EXAMPLE = S.FwdCase(batch=2, heads=2, seq_len=33, head_dim=16, scale=0.25, seed=1,
+                        layouts=("offset", "transposed", "padded"), offset=3,
+                        tiles=(16, 32))
+
+
+def _check_fwd(case):
+    with plants.planted(plants.from_env()):
+        return S.check_fwd(case, "cpu", S.FWD_BOUND_INTERPRETER, S.public_attention_fwd)
+
+
+def test_attention_fwd_kernel_under_interpreter(triton_interpreter):
+    S.run_property("interpreter: attention forward", _check_fwd, INTERPRETER_FWD,
+                   explicit=[FWD_EXAMPLE], max_examples=S.profile_examples(10))
+
+
+@pytest.mark.parametrize("plant", plants.plants_for("fwd"))
+def test_attention_fwd_property_catches(triton_interpreter, plant):
+    with plants.planted(plant), pytest.raises(AssertionError):
+        S.run_property(f"interpreter: attention forward + {plant}", _check_fwd,
+                       INTERPRETER_FWD, explicit=[FWD_EXAMPLE], **S.PLANT_SETTINGS)
+
+
 def test_interpreter_core_bounds_separate_bf16x3_from_one_bf16_product(triton_interpreter):
     """The bounds are tight enough to matter: one plain bf16 product per matmul (what a
     dropped lo term gives) lands above every bound."""
@@ -108,3 +166,32 @@ def test_compiled_cpu_property_catches(plant):
     with plants.planted(plant), pytest.raises(AssertionError):
         S.run_property(f"compiled CPU path + {plant}", _check_compiled_cpu, COMPILED_CPU,
                        explicit=[BLOCK_EXAMPLE], **S.PLANT_SETTINGS)
+
+
+# --- VisionAttentionBlock on the CPU ----------------------------------------------------
+
+# bounds: BLOCK_BOUNDS_CPU by dtype (plain float32 / float64 math, forward and backward).
+# Each new (shape, eps, dtype, batch bucket) compiles the backward (~3 s): few examples.
+MODULE_CPU = S.module_cases(seqs=S.seq_lens(24), max_heads=2, head_dims=(8, 16),
+                            batches=st.integers(1, 3),
+                            dtypes=(torch.float32, torch.float64))
+MODULE_EXAMPLE = S.ModuleCase(batch=2, seq_len=17, heads=2, head_dim=8, eps=1e-5, seed=4,
+                              qkv_gain=2.0, layouts=("offset", "transposed"), offset=3)
+
+
+def _check_module_cpu(case):
+    with plants.planted(plants.from_env()):
+        return S.check_module(case, "cpu", S.module_bounds_cpu(case.dtype))
+
+
+def test_module_cpu_matches_float64():
+    S.run_property("module on the CPU", _check_module_cpu, MODULE_CPU,
+                   explicit=[MODULE_EXAMPLE], max_examples=S.profile_examples(3, 20))
+
+
+# each plant at the module's forward (the attention operator it calls) and at its backward
+@pytest.mark.parametrize("plant,target", plants.plant_targets("module_fwd", "module_bwd"))
+def test_module_cpu_property_catches(plant, target):
+    with plants.planted(plant, only=target), pytest.raises(AssertionError):
+        S.run_property(f"module on the CPU + {plant} ({target})", _check_module_cpu,
+                       MODULE_CPU, explicit=[MODULE_EXAMPLE], **S.PLANT_SETTINGS)
