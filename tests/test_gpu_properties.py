@@ -1,5 +1,6 @@
-"""GPU hypothesis properties (H200), bounded in examples and in time: about 3 minutes for
-the whole file, compiles included. Run with the gpu profile:
+"""GPU hypothesis properties (H200), bounded in examples and in time: about 4.5 minutes for
+the whole file, compiles included (about 3 for the first three below, about 1.5 for the
+forward, module-mode core and module properties). Run with the gpu profile:
 
     HYPOTHESIS_PROFILE=gpu PYTHONPATH=. python3 -m pytest -q -m gpu tests/test_gpu_properties.py
 
@@ -13,6 +14,16 @@ the whole file, compiles included. Run with the gpu profile:
   every output of contract.run against the float64 reference on the GPU, at most 3 misses
   of |out - ref| <= 1e-2 + 1e-2 |ref| per 1,024-element vector, matched >= 0.999
   elsewhere;
+- the fused attention forward (the operator vitattn_bwd::attention_fwd with its default
+  tiles, the launcher with tile overrides) against float64 softmax attention (attn_output,
+  lse, P recomputed from lse) over the core's draw of shapes, scales and layouts
+  (25 examples or 20 s);
+- the attention core in module mode (the log-sum-exp given, P recomputed from q and k)
+  over the same draw (25 examples or 20 s);
+- VisionAttentionBlock's forward and backward against float64 autograd through the stock
+  block over small configurations (embed 32-512, 1-8 heads, seq_len 1-300, batch 1-8,
+  eps, logit sizes, layouts of x and of the output gradient), default compile mode, TF32
+  off (the explicit example and one drawn: ~40 s);
 - each property again with planted errors (tests/plants.py), each expected to fail.
 The terminal summary lists examples, seconds and the largest errors per property.
 """
@@ -147,3 +158,106 @@ def test_contract_margin_property_catches(plant):
         S.run_property(f"gpu: contract margin + {plant}", _check_contract_seed,
                        st.integers(0, 2 ** 31 - 1), explicit=[0],
                        **S.PLANT_SETTINGS_EXPLICIT)
+
+
+# --- the fused attention forward ----------------------------------------------------------
+
+# bound: FWD_BOUND_GPU + LOGIT_SLOPE * Lambda (tests/strategies.py); tiles None: the
+# operator as the module calls it, else the launcher with those tiles
+GPU_FWD = S.fwd_cases(max_seq=1100, max_heads=16, max_batch=8,
+                      tiles=(None, None, None, (32, 32), (16, 64)))
+FWD_EXAMPLES = [
+    # the module's layout (heads of one QKV output: sequence-major), ViT-L/14 size
+    S.FwdCase(batch=2, heads=16, seq_len=577, head_dim=64, scale=0.125, seed=51,
+              layouts=("transposed",) * 3, offset=1),
+    S.FwdCase(batch=1, heads=3, seq_len=129, head_dim=128, scale=2.0, seed=52,
+              layouts=("offset", "padded", "strided"), offset=3, tiles=(32, 32)),
+    S.FwdCase(batch=8, heads=1, seq_len=1, head_dim=16, scale=1.3, seed=53,
+              layouts=("contiguous",) * 3, offset=1),
+    S.FwdCase(batch=3, heads=2, seq_len=1100, head_dim=32, scale=0.01, seed=54,
+              layouts=("padded", "transposed", "offset"), offset=7, tiles=(16, 64)),
+]
+
+
+def _check_fwd(case):
+    with plants.planted(plants.from_env()):
+        return S.check_fwd(case, DEVICE, S.FWD_BOUND_GPU, S.public_attention_fwd)
+
+
+def test_attention_fwd_matches_float64():
+    S.run_property("gpu: attention forward", _check_fwd, GPU_FWD, explicit=FWD_EXAMPLES,
+                   max_examples=25, budget_s=20)
+
+
+@pytest.mark.parametrize("plant", plants.plants_for("fwd"))
+def test_attention_fwd_property_catches(plant):
+    with plants.planted(plant), pytest.raises(AssertionError):
+        S.run_property(f"gpu: attention forward + {plant}", _check_fwd, GPU_FWD,
+                       explicit=FWD_EXAMPLES[:1], **S.PLANT_SETTINGS_EXPLICIT)
+
+
+# --- the attention core in module mode (lse given, P recomputed) -----------------------
+
+# bounds: CORE_BOUNDS_GPU + LOGIT_SLOPE * Lambda, dQ and dK against the larger of their
+# norm and the terms that cancel into them (tests/strategies.py)
+GPU_CORE_LSE = S.core_cases(max_seq=1100, max_heads=16, max_batch=8,
+                            tiles=(None, None, None, 16, 32), p_sources=("lse",))
+CORE_LSE_EXAMPLES = [
+    S.CoreCase(batch=2, heads=16, seq_len=577, head_dim=64, scale=0.125, seed=41,
+               p_source="lse", layouts=("offset", "transposed", "transposed",
+                                        "transposed", "padded"), offset=3),
+    S.CoreCase(batch=1, heads=2, seq_len=1025, head_dim=128, scale=2.0, seed=42,
+               p_source="lse", layouts=("transposed", "padded", "offset", "strided",
+                                        "contiguous"), offset=1, block_m=32, block_n=16),
+    S.CoreCase(batch=8, heads=1, seq_len=1, head_dim=16, scale=1.3, seed=43,
+               p_source="lse", layouts=("contiguous",) * 5, offset=1),
+]
+
+
+def test_attention_core_module_mode_matches_float64():
+    S.run_property("gpu: attention core, module mode (lse)", _check_core, GPU_CORE_LSE,
+                   explicit=CORE_LSE_EXAMPLES, max_examples=25, budget_s=20)
+
+
+@pytest.mark.parametrize("plant", plants.plants_for("core"))
+def test_attention_core_module_mode_property_catches(plant):
+    with plants.planted(plant), pytest.raises(AssertionError):
+        S.run_property(f"gpu: attention core, module mode + {plant}", _check_core,
+                       GPU_CORE_LSE, explicit=CORE_LSE_EXAMPLES[:1],
+                       **S.PLANT_SETTINGS_EXPLICIT)
+
+
+# --- VisionAttentionBlock, default compile mode ----------------------------------------
+
+# bounds: S.module_bounds_gpu(Lambda): BLOCK_BOUNDS_GPU by gradient + FWD_BOUND_GPU +
+# LOGIT_SLOPE * Lambda; y FWD_BOUND_GPU + LOGIT_SLOPE * Lambda. Each drawn example
+# compiles a backward graph (~20 s in the default mode): the explicit one and one drawn.
+GPU_MODULE = S.module_cases(seqs=S.seq_lens(300), max_heads=8, head_dims=(32, 64),
+                            batches=st.integers(1, 8))
+MODULE_EXAMPLE = S.ModuleCase(batch=3, seq_len=65, heads=4, head_dim=64, eps=1e-5, seed=61,
+                              qkv_gain=1.0, layouts=("transposed", "offset"), offset=3)
+
+
+@pytest.fixture
+def no_tf32(monkeypatch):
+    """float32 matmuls in full float32 for torch's own Linears of the forward."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
+def _check_module(case):
+    with plants.planted(plants.from_env()):
+        return S.check_module(case, DEVICE, S.module_bounds_gpu)
+
+
+def test_module_matches_float64(default_compile_mode, no_tf32):
+    S.run_property("gpu: VisionAttentionBlock (default mode)", _check_module, GPU_MODULE,
+                   explicit=[MODULE_EXAMPLE], max_examples=1, budget_s=25)
+
+
+# each plant at the module's forward (the attention operator it calls) and its backward
+@pytest.mark.parametrize("plant,target", plants.plant_targets("module_fwd", "module_bwd"))
+def test_module_property_catches(default_compile_mode, no_tf32, plant, target):
+    with plants.planted(plant, only=target), pytest.raises(AssertionError):
+        S.run_property(f"gpu: VisionAttentionBlock + {plant} ({target})", _check_module,
+                       GPU_MODULE, explicit=[MODULE_EXAMPLE], **S.PLANT_SETTINGS_EXPLICIT)
