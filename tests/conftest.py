@@ -19,7 +19,7 @@ settings.register_profile("thorough", max_examples=60, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 # On the H200 (tests/test_gpu_properties.py): fresh random draws each run, failures printed
 # with a reproduce blob; each property there sets its own example count and time budget,
-# and the whole file stays around 3 minutes.
+# and the whole file stays around 4.5 minutes.
 settings.register_profile("gpu", max_examples=20, deadline=None, print_blob=True,
                           suppress_health_check=list(HealthCheck))
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
