@@ -4,10 +4,7 @@ whose backward is vitattn_bwd's fused backward (ln_grad="exact").
 
 The forward (`attention_block_forward`) is PyTorch math around one fused attention
 operator (attention_fwd.py: a FlashAttention-style Triton kernel on CUDA, float32-grade,
-no S x S tensor) that returns the attention output and the softmax's row log-sum-exp.
-Its two Linear layers are float32-grade too: bf16x3 GEMMs on CUDA
-(precision.float32_grade_linear; cuBLAS float32 GEMMs without TF32 run at a fifteenth
-of the bf16 rate), plain float32 elsewhere. It
+no S x S tensor) that returns the attention output and the softmax's row log-sum-exp. It
 saves x, its LayerNorm statistics, q, k, v, the log-sum-exp and the attention output:
 about 11.8 MB per image at 577 tokens, 1024 wide, 16 heads (P alone would be 21.3 MB).
 The backward recomputes x_norm from x and the statistics, and every P tile from q, k and
@@ -35,11 +32,11 @@ import numbers
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from . import graph
 from .attention_fwd import attention_fwd
 from .layout import split_heads
-from .precision import float32_grade_linear
 
 DOUBLE_BACKWARD_MESSAGE = (
     "VisionAttentionBlock does not support double backward (create_graph=True): its "
@@ -73,10 +70,10 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
     x_var = (x_centered * x_centered).mean(-1, keepdim=True)      # [B,S,1], biased
     x_norm = x_centered * torch.rsqrt(x_var + eps) * ln_weight + ln_bias       # [B,S,E]
     q, k, v = (split_heads(t, num_heads)                                       # [B,H,S,D]
-               for t in float32_grade_linear(x_norm, qkv_weight, qkv_bias).chunk(3, dim=-1))
+               for t in F.linear(x_norm, qkv_weight, qkv_bias).chunk(3, dim=-1))
     scale = 1.0 / math.sqrt(q.shape[-1])
     attn_output, attn_lse = attention_fwd(q, k, v, scale)            # [B,S,E], [B,H,S]
-    y = x + float32_grade_linear(attn_output, out_weight, out_bias)
+    y = x + F.linear(attn_output, out_weight, out_bias)
     saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, q, k, v, attn_lse,
              attn_output, out_weight)
     return y, saved, scale

@@ -27,7 +27,6 @@ products run as float32 matmuls of the upcast parts, which is exact for products
 bf16 or fp16 values: the CPU reproduces the GPU's arithmetic up to summation order.
 """
 import torch
-from torch.nn import functional as F
 
 # float32 bits of the bf16 part of a value: sign, exponent and the top 7 mantissa bits
 BF16_HI_MASK = -65536            # 0xFFFF0000 as an int32
@@ -80,24 +79,3 @@ def matmul_halves_transposed(a_halves, c_halves):
 def matmul_fp16_transposed(a16, c16):
     """a^T @ c for fp16 a [K,M], c [K,N] -> float32 [M,N], one product."""
     return mm_float32(a16.t(), c16)
-
-
-def linear_bf16x3(a, weight, bias):
-    """F.linear(a, weight, bias) for float32 a [.., K], weight [N,K], bias [N] as bf16x3
-    from round-to-nearest splits (no Inductor here to fold the casts; half the error of
-    the truncated split): [a_hi | a_lo] @ [w_hi ; w_hi] + a_hi @ w_lo, two GEMMs."""
-    rows = a.reshape(-1, a.shape[-1])                                          # [M,K]
-    a_hi, a_lo = split_bf16_rounded(rows)
-    w_hi, w_lo = split_bf16_rounded(weight.t())                                # [K,N]
-    out = (mm_float32(a_hi, w_lo)
-           + mm_float32(torch.cat([a_hi, a_lo], dim=1), torch.cat([w_hi, w_hi], dim=0))
-           + bias)                                                             # [M,N]
-    return out.view(*a.shape[:-1], weight.shape[0])
-
-
-def float32_grade_linear(a, weight, bias):
-    """F.linear at float32 grade, fast: bf16x3 on CUDA float32 (cuBLAS float32 GEMMs
-    without TF32 run at about a fifteenth of the bf16 rate), plain F.linear elsewhere."""
-    if a.is_cuda and a.dtype == torch.float32:
-        return linear_bf16x3(a, weight, bias)
-    return F.linear(a, weight, bias)
