@@ -105,14 +105,22 @@ def test_cuda_graphs_for_small_batches_and_threads_only_where_torch_is_safe(
     assert not _in_a_thread(lambda: uses_cuda_graph("cuda", batch_bucket(16)))
 
 
-def test_thread_safety_is_read_from_the_installed_torch():
-    import threading
-
-    from torch._inductor import cudagraph_trees
-
-    from vitattn_bwd import inductor
-    lock = getattr(cudagraph_trees, "graph_capture_lock", None)
-    assert inductor.cudagraph_trees_thread_safe() is isinstance(lock, type(threading.Lock()))
+def test_thread_safety_is_read_from_the_installed_torch_without_importing_it():
+    """In a fresh process (nothing imported CUDA graph trees yet): the check leaves them
+    unimported, and agrees with the lock that importing them afterwards shows."""
+    import subprocess
+    import sys
+    code = ("import sys, threading; from vitattn_bwd import inductor; "
+            "safe = inductor.cudagraph_trees_thread_safe(); "
+            "imported = 'torch._inductor.cudagraph_trees' in sys.modules; "
+            "from torch._inductor import cudagraph_trees as c; "
+            "lock = isinstance(getattr(c, 'graph_capture_lock', None), type(threading.Lock())); "
+            "print(safe, imported, lock)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    safe, imported, lock = result.stdout.split()[-3:]
+    assert imported == "False" and safe == lock
 
 
 def test_batch_buckets_cover_every_batch_size_once():

@@ -19,9 +19,10 @@ grad_attn, q, k and v as bf16 (hi, lo) pairs, made by one pointwise pass each fr
 graph (grad_attn and v once for both passes).
 """
 import functools
+import importlib.util
 import inspect
-import threading
 import weakref
+from pathlib import Path
 
 import torch
 
@@ -54,16 +55,21 @@ TILE_CONFIGS = (
 )
 
 
+@functools.cache
 def cudagraph_trees_thread_safe():
     """Whether this torch's CUDA graph trees may run on autograd's worker threads while
     the main thread (or another) uses them too. Their tree manager and its memory pool
     are shared with autograd's threads, and before pytorch PR 184357 (issues 113809,
     123177; in torch from mid-2026 on) nothing serialized their warm-up and capture
-    across threads: a synchronize or pool switch in one thread could invalidate a
-    capture in another. That PR added the module-level lock this looks for."""
-    from torch._inductor import cudagraph_trees
-    return isinstance(getattr(cudagraph_trees, "graph_capture_lock", None),
-                      type(threading.Lock()))
+    across threads, and their thread-local state existed only in the thread that first
+    imported them. That PR added a module-level `graph_capture_lock`; this looks for it
+    in the module's source instead of importing the module: on a torch without the fix,
+    importing it first from autograd's thread leaves the main thread without that state
+    (seen on the H200: the main thread's next CUDA graph failed an assertion)."""
+    spec = importlib.util.find_spec("torch._inductor.cudagraph_trees")
+    if spec is None or spec.origin is None:
+        return False
+    return "graph_capture_lock = threading.Lock()" in Path(spec.origin).read_text()
 
 
 class CacheKeyTag(CustomGraphPass):
