@@ -32,7 +32,8 @@ from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_we
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
 BATCH_BUCKETS = ((2, 15), (16, float("inf")))
-# Buckets whose batches (at most this large) run as CUDA graphs from the main thread.
+# Buckets whose batches (at most this large) run as CUDA graphs (on which threads:
+# uses_cuda_graph).
 CUDA_GRAPH_MAX_BATCH = 15
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v",
                   "attn_weights", "attn_output")   # those present are marked dynamic
