@@ -83,12 +83,10 @@ def test_batch_sizes_share_one_compiled_graph_per_bucket():
 
 
 def _in_a_thread(fn):
-    import threading
-    result = []
-    worker = threading.Thread(target=lambda: result.append(fn()))
-    worker.start()
-    worker.join()
-    return result[0]
+    """fn() on a fresh thread; its result, or its exception raised here."""
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(fn).result()
 
 
 @pytest.mark.parametrize("thread_safe_torch", [False, True])
