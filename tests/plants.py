@@ -8,8 +8,8 @@ tests call at run time, with a wrapper that damages what goes in or comes out:
                                           operator calls on CUDA)
     vitattn_bwd.attention_block_backward ("block": the compiled path, the stateful test)
     vitattn_bwd.contract.run             ("contract": the benchmark entry point)
-    module.attention_fwd                 ("module_fwd": the forward operator as
-                                          VisionAttentionBlock calls it)
+    forward_graph.attention_fwd          ("module_fwd": the forward operator as
+                                          VisionAttentionBlock's forward calls it)
     module.VisionAttentionFunction.backward ("module_bwd": the module's backward)
 
 Nothing inside vitattn_bwd changes: the plants sit at the boundary that stays stable
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import vitattn_bwd
-from vitattn_bwd import attention_core, attention_fwd, contract, module
+from vitattn_bwd import attention_core, attention_fwd, contract, forward_graph, module
 
 ENV = "VITATTN_PLANT"
 
@@ -228,7 +228,7 @@ TARGETS = {"core": (attention_core, "attention_backward"),
            "fwd": (attention_fwd, "launch_attention_fwd"),
            "block": (vitattn_bwd, "attention_block_backward"),
            "contract": (contract, "run"),
-           "module_fwd": (module, "attention_fwd"),
+           "module_fwd": (forward_graph, "attention_fwd"),
            "module_bwd": (module.VisionAttentionFunction, "backward")}
 
 

@@ -261,3 +261,33 @@ def test_function_refuses_other_dtypes_in_the_forward():
     with pytest.raises(TypeError, match="x must be a floating-point tensor"):
         vision_attention(torch.ones(2, 5, 16, dtype=torch.int64),
                          *[p.detach() for p in block.parameters()], 2, 1e-5)
+
+
+def test_cuda_forward_graph_compiled_for_the_cpu_is_float32_grade():
+    """The forward graph VisionAttentionBlock compiles on CUDA (bf16x3 projections, the
+    activations split by the kernels Inductor fuses them into), compiled here for the
+    CPU, where each split GEMM runs as a float32 matmul of the bf16 parts (exact
+    products, as on the tensor cores): every output within ~4e-6 of float64 (rounded
+    splits; truncated ones measured ~1.1e-5), where one bf16 product per projection, or
+    a split whose lo part Inductor folded away, would be ~1e-3 off."""
+    from vitattn_bwd import forward_graph, graph
+    block = _randomize(VisionAttentionBlock(64, 4))
+    params = dict(ln_weight=block.norm.weight, ln_bias=block.norm.bias,
+                  qkv_weight=block.qkv.weight, qkv_bias=block.qkv.bias,
+                  out_weight=block.out_proj.weight, out_bias=block.out_proj.bias)
+    params = {name: p.detach() for name, p in params.items()}
+    x = torch.randn(2, 17, 64)
+
+    def split_forward(**tensors):
+        return forward_graph.block_forward(**tensors, num_heads=4, eps=1e-5,
+                                           split_precision=True)
+    compiled = graph.compile_graph(graph.with_own_code(split_forward), "cpu", "test",
+                                   cuda_graph=False)
+    got = compiled(x=x, **params)
+    want = forward_graph.block_forward(x=x.double(), **{n: p.double() for n, p in params.items()},
+                                       num_heads=4, eps=1e-5, split_precision=False)
+    names = ("y", "x_mean", "x_var", "q", "k", "v", "lse", "attn_output")
+    errors = dict(zip(names, relative_errors(list(got), list(want))))
+    assert all(err < 8e-6 for err in errors.values()), errors
+    # the projections are not plain float32 matmuls: their outputs carry bf16x3's error
+    assert errors["q"] > 1e-7, errors

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from vitattn_bwd import reference
-from vitattn_bwd.module import attention_block_forward
+from vitattn_bwd.forward_graph import attention_block_forward
 from vitattn_bwd.workloads import OUTPUT_NAMES
 
 

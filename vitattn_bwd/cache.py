@@ -24,10 +24,10 @@ import torch
 FINGERPRINT_FILE = "vitattn_bwd_cache.json"
 CACHE_ENV = "VITATTN_BWD_CACHE"
 _PACKAGE = pathlib.Path(__file__).parent
-# The modules whose code is compiled (graph.py: the traced math) or lowers it (inductor.py:
-# templates and lowerings). Inductor's FX graph cache hashes torch and its config, not our
+# The modules whose code is compiled (graph.py, forward_graph.py: the traced math) or
+# lowers it (inductor.py: templates and lowerings). Inductor's FX graph cache hashes torch and its config, not our
 # sources, so the tag below hashes these and every module of ours they import.
-_COMPILED_ROOTS = ("graph.py", "inductor.py")
+_COMPILED_ROOTS = ("forward_graph.py", "graph.py", "inductor.py")
 
 
 def _module_file(package_dir, parts):
@@ -81,7 +81,7 @@ def _imported_files(package_dir, rel):
 
 def template_sources(package_dir=None):
     """The package's source files (relative paths, sorted) whose change must change the
-    cache-key tag: graph.py and inductor.py and, transitively, every module of the
+    cache-key tag: forward_graph.py, graph.py and inductor.py and, transitively, every module of the
     package they import (attention_core.py, precision.py, the kernels, ...)."""
     package_dir = pathlib.Path(package_dir or _PACKAGE)
     seen, todo = set(), [r for r in _COMPILED_ROOTS if (package_dir / r).is_file()]

@@ -145,34 +145,49 @@ def _max_autotune(device_type):
             and os.environ.get("VITATTN_BWD_COMPILE_MODE", "max-autotune") != "default")
 
 
-@functools.cache
-def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
-             batch_bucket, cuda_graph, input_names):
-    """One torch.compile'd graph; the arguments are the cache key (input_names: the
-    contract's inputs, or the module's, without x_norm and with ln_bias)."""
-    del dtype, seq_len, embed_dim, num_heads, input_names     # they key the cache only
+def compile_graph(fn, device_type, tag, cuda_graph):
+    """torch.compile one of our graphs with its own options (tag: what distinguishes
+    this graph in Inductor's cache key besides our sources). `fn` must have a code
+    object of its own (with_own_code): dynamo keeps its compiled graphs, and counts them
+    against its recompile limit (8), per code object, and reuses any whose guards pass.
+    fullgraph=True: exceeding the limit raises instead of silently running eager code."""
     cache.load_env_cache_once()
-    fn = _entry_point(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
-                      split_precision=device_type == "cuda")
     from .inductor import compile_options                    # registers the lowerings
-    smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
-    options = compile_options(f"{cache.cache_key_tag()}-batch{smallest_batch}",
+    options = compile_options(f"{cache.cache_key_tag()}-{tag}",
                               max_autotune=_max_autotune(device_type),
                               cuda_graphs=cuda_graph)
     return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
 
 
-def _entry_point(**constants):
-    """block_backward with `constants` bound, as a function with a code object of its
-    own. Dynamo keeps its compiled graphs, and counts them against its recompile limit
-    (8), per code object, and reuses any whose guards pass: one code object per
-    configuration and batch bucket keeps each to a graph or two, and keeps the dynamic
-    graph of one bucket from serving the other, tuned for the wrong sizes. (A
-    functools.partial would not do: dynamo traces all partials through one wrapper.)"""
+def with_own_code(fn):
+    """A copy of function `fn` with a code object of its own (a functools.partial would
+    not do: dynamo traces all partials through one wrapper)."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, None,
+                              fn.__closure__)
+
+
+@functools.cache
+def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
+             batch_bucket, cuda_graph, input_names):
+    """One compiled backward; the arguments are the cache key (input_names: the
+    contract's inputs, or the module's, without x_norm and with ln_bias). One code object
+    per configuration and batch bucket keeps each to a graph or two, and keeps the
+    dynamic graph of one bucket from serving the other, tuned for the wrong sizes."""
+    del dtype, seq_len, embed_dim, num_heads, input_names     # they key the cache only
+    constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
+                     split_precision=device_type == "cuda")
+
     def backward_graph(**tensors):
         return block_backward(**tensors, **constants)
-    return types.FunctionType(backward_graph.__code__.replace(), backward_graph.__globals__,
-                              backward_graph.__name__, None, backward_graph.__closure__)
+    smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
+    return compile_graph(with_own_code(backward_graph), device_type,
+                         f"batch{smallest_batch}", cuda_graph)
+
+
+def mark_batch_dynamic(tensors):
+    """Dimension 0 of each tensor is the (dynamic) batch of a bucket's graph."""
+    for t in tensors:
+        torch._dynamo.mark_dynamic(t, 0)
 
 
 def batch_bucket(batch):
@@ -194,9 +209,7 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
     fn = _compile(x.device.type, x.dtype, S, E, inputs["q"].shape[1], scale, norm_eps,
                   ln_grad, bucket, cuda_graph, tuple(inputs))
     if bucket is not None:
-        for name in BATCHED_INPUTS:
-            if name in inputs:
-                torch._dynamo.mark_dynamic(inputs[name], 0)
+        mark_batch_dynamic(inputs[name] for name in BATCHED_INPUTS if name in inputs)
     grads = fn(**inputs)
     if cuda_graph:
         # a CUDA graph's outputs live in its memory pool and a later replay overwrites

@@ -2,10 +2,10 @@
     y = x + out_proj(attention(qkv(LayerNorm(x)))),
 whose backward is vitattn_bwd's fused backward (ln_grad="exact").
 
-The forward (`attention_block_forward`) is PyTorch math around one fused attention
-operator (attention_fwd.py: a FlashAttention-style Triton kernel on CUDA, float32-grade,
-no S x S tensor) that returns the attention output and the softmax's row log-sum-exp. It
-saves x, its LayerNorm statistics, q, k, v, the log-sum-exp and the attention output:
+The forward (forward_graph.py) is PyTorch math around one fused attention operator
+(attention_fwd.py: a FlashAttention-style Triton kernel on CUDA, float32-grade, no S x S
+tensor) that returns the attention output and the softmax's row log-sum-exp; on CUDA it
+is compiled, with bf16x3 projections. It saves x, its LayerNorm statistics, q, k, v, the log-sum-exp and the attention output:
 about 11.8 MB per image at 577 tokens, 1024 wide, 16 heads (P alone would be 21.3 MB).
 The backward recomputes x_norm from x and the statistics, and every P tile from q, k and
 the log-sum-exp inside the attention-core templates.
@@ -32,11 +32,9 @@ import numbers
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from . import graph
-from .attention_fwd import attention_fwd
-from .layout import split_heads
+from .forward_graph import attention_block_forward
 
 DOUBLE_BACKWARD_MESSAGE = (
     "VisionAttentionBlock does not support double backward (create_graph=True): its "
@@ -59,24 +57,6 @@ def check_config(embed_dim, num_heads, eps):
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return int(embed_dim), int(num_heads), float(eps)
-
-
-def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
-                            out_bias, num_heads, eps):
-    """Forward math. Returns y, the tensors the backward needs (no x_norm, no P), and the
-    softmax scale."""
-    x_mean = x.mean(-1, keepdim=True)                                          # [B,S,1]
-    x_centered = x - x_mean
-    x_var = (x_centered * x_centered).mean(-1, keepdim=True)      # [B,S,1], biased
-    x_norm = x_centered * torch.rsqrt(x_var + eps) * ln_weight + ln_bias       # [B,S,E]
-    q, k, v = (split_heads(t, num_heads)                                       # [B,H,S,D]
-               for t in F.linear(x_norm, qkv_weight, qkv_bias).chunk(3, dim=-1))
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    attn_output, attn_lse = attention_fwd(q, k, v, scale)            # [B,S,E], [B,H,S]
-    y = x + F.linear(attn_output, out_weight, out_bias)
-    saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, q, k, v, attn_lse,
-             attn_output, out_weight)
-    return y, saved, scale
 
 
 def _supported_dtypes(device):

@@ -1,0 +1,87 @@
+"""VisionAttentionBlock's forward as explicit PyTorch math, compiled by Inductor on CUDA.
+
+    block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
+                  num_heads=, eps=, split_precision=)
+        -> y [B,S,E], x_mean, x_var [B,S,1], q, k, v [B,H,S,D] (views of one [B,S,3E]
+           tensor), lse [B,H,S], attn_output [B,S,E]
+
+LayerNorm, the QKV projection, the fused attention operator (attention_fwd.py: no S x S
+tensor, saves the log-sum-exp) and the out projection with the residual. With
+split_precision (CUDA, float32) both projections are bf16x3 GEMMs (precision.py): the
+activation is split into its bf16 halves by the kernel that makes it (Inductor fuses the
+split into the LayerNorm kernel), the weights once per call. cuBLAS float32 GEMMs
+without TF32, what F.linear runs, take about fifteen times as long per FLOP (at batch 32
+the two projections are ~2.4 ms of float32 GEMM). Without split_precision (the CPU,
+float64) the projections are F.linear in the inputs' dtype.
+
+`attention_block_forward` is what VisionAttentionFunction calls: on CUDA the compiled
+graph, per configuration and batch bucket as the backward's (graph.py), without CUDA
+graphs (its outputs are saved for the backward, and a graph's next replay would overwrite
+them); elsewhere, or for an empty batch, the same math eagerly.
+"""
+import functools
+import math
+
+import torch
+from torch.nn import functional as F
+
+from . import graph
+from .attention_fwd import attention_fwd
+from .layout import split_heads
+from .precision import linear_bf16x3
+
+
+def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias, *,
+                  num_heads, eps, split_precision):
+    """y and the tensors the backward needs (no x_norm, no P)."""
+    x_mean = x.mean(-1, keepdim=True)                                          # [B,S,1]
+    x_centered = x - x_mean
+    x_var = (x_centered * x_centered).mean(-1, keepdim=True)      # [B,S,1], biased
+    x_norm = x_centered * torch.rsqrt(x_var + eps) * ln_weight + ln_bias       # [B,S,E]
+    linear = linear_bf16x3 if split_precision else F.linear
+    qkv = linear(x_norm, qkv_weight, qkv_bias)                                 # [B,S,3E]
+    q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))       # [B,H,S,D]
+    attn_output, lse = attention_fwd(q, k, v, 1.0 / math.sqrt(q.shape[-1]))  # [B,S,E], [B,H,S]
+    y = x + linear(attn_output, out_weight, out_bias)
+    return y, x_mean, x_var, q, k, v, lse, attn_output
+
+
+@functools.cache
+def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket):
+    """One compiled forward (CUDA); the arguments are the cache key."""
+    del dtype, seq_len, embed_dim                              # they key the cache only
+
+    def forward_graph(**tensors):
+        return block_forward(**tensors, num_heads=num_heads, eps=eps, split_precision=True)
+    smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
+    return graph.compile_graph(graph.with_own_code(forward_graph), "cuda",
+                               f"forward-batch{smallest_batch}", cuda_graph=False)
+
+
+def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
+                            out_bias, num_heads, eps):
+    """y, the tensors saved for the backward (in VisionAttentionFunction.backward's
+    order) and the softmax scale, for validated tensors of one device and dtype."""
+    tensors = dict(x=x, ln_weight=ln_weight, ln_bias=ln_bias, qkv_weight=qkv_weight,
+                   qkv_bias=qkv_bias, out_weight=out_weight, out_bias=out_bias)
+    B, S, E = x.shape
+    if x.is_cuda and x.dtype == torch.float32 and x.numel() > 0:
+        bucket = graph.batch_bucket(B)
+        fn = _compile(x.dtype, S, E, num_heads, eps, bucket)
+        if bucket is not None:
+            graph.mark_batch_dynamic([x])
+        outputs = _run_compiled(fn, tensors)
+    else:
+        outputs = block_forward(**tensors, num_heads=num_heads, eps=eps,
+                                split_precision=False)
+    y, x_mean, x_var, q, k, v, lse, attn_output = outputs
+    saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, q, k, v, lse, attn_output,
+             out_weight)
+    return y, saved, 1.0 / math.sqrt(E // num_heads)
+
+
+@torch.compiler.disable
+def _run_compiled(fn, tensors):
+    """Opaque to an enclosing torch.compile (of a model using VisionAttentionBlock): our
+    graph is compiled on its own, with its own options."""
+    return fn(**tensors)
