@@ -119,6 +119,16 @@ def test_half_precision_block_computes_in_float32(dtype):
     assert all(p.grad.dtype == dtype for p in block.parameters())
 
 
+def test_large_batch_compiled_forward_without_cuda_graphs(monkeypatch):
+    """Batch 16 and up: the compiled forward and backward of the large bucket, run
+    directly (no CUDA graph), float32-grade against float64."""
+    monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
+    block = _block()
+    torch.manual_seed(4)
+    x = torch.randn(16, SEQ, EMBED, device=DEVICE)
+    _check(block, x, torch.randn_like(x))
+
+
 def test_float64_is_refused_in_the_forward():
     block = _block().double()
     x = torch.randn(1, 9, EMBED, device=DEVICE, dtype=torch.float64, requires_grad=True)
@@ -141,12 +151,21 @@ def test_empty_batch_and_double_backward():
 
 # --- the Hugging Face swap at ViT-L/14-336 size ------------------------------------
 
-def test_batch_one_on_autograd_thread_interleaved_with_main_thread_graphs():
-    """Batch 1 is the backward's static graph. On autograd's thread it runs as a CUDA
-    graph where this torch serializes graph capture across threads (graph.
-    uses_cuda_graph), else without one; either way, ten steps interleaved with
-    contract.run at batch 1 on the main thread (a CUDA graph there) give bitwise-equal
-    gradients, within the float32-grade bounds against float64."""
+def test_batch_one_on_autograd_thread_interleaved_with_main_thread_graphs(monkeypatch):
+    """Batch 1 runs as CUDA graphs (cuda_graphs.py): the module's forward on the main
+    thread and its backward on autograd's thread, contract.run's backward on the main
+    thread. Ten steps interleaved with contract.run at batch 1 give bitwise-equal
+    gradients, within the float32-grade bounds against float64, and graphs were replayed
+    on both threads."""
+    import threading
+    from vitattn_bwd import cuda_graphs
+    replays = []
+    original = cuda_graphs._Captured.replay
+
+    def counted(self, inputs):
+        replays.append(threading.current_thread() is threading.main_thread())
+        return original(self, inputs)
+    monkeypatch.setattr(cuda_graphs._Captured, "replay", counted)
     from vitattn_bwd import contract
     from vitattn_bwd.workloads import make_inputs
     block = _block()
@@ -164,6 +183,9 @@ def test_batch_one_on_autograd_thread_interleaved_with_main_thread_graphs():
     names = ["y", "x"] + [n for n, _ in block.named_parameters()]
     for name, err in zip(names, relative_errors(first, _truth(block, x, grad_y))):
         assert err < _float32_grade_bound(name), (name, err)
+    # 9 replays each: the module's forward and contract.run (main thread), the module's
+    # backward (autograd's thread)
+    assert replays.count(True) == 18 and replays.count(False) == 9, replays
 
 
 def _towers():

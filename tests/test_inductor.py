@@ -29,7 +29,7 @@ def test_templates_carry_the_tested_device_code_verbatim():
 
 def test_compile_options_carry_the_cache_tag_and_change_nothing_global():
     before = (torch._inductor.config.epilogue_fusion, torch._inductor.config.max_autotune)
-    options = inductor.compile_options("tag-1", max_autotune=True, cuda_graphs=False)
+    options = inductor.compile_options("tag-1", max_autotune=True)
     assert options["post_grad_custom_post_pass"].uuid() == "tag-1"
     assert options["max_autotune"] and not options["epilogue_fusion"]
     assert "triton.cudagraphs" not in options

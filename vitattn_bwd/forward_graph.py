@@ -2,8 +2,8 @@
 
     block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
                   num_heads=, eps=, split_precision=)
-        -> y [B,S,E], x_mean, x_var [B,S,1], q, k, v [B,H,S,D] (views of one [B,S,3E]
-           tensor), lse [B,H,S], attn_output [B,S,E]
+        -> y [B,S,E], x_mean, x_var [B,S,1], qkv [B,S,3E], lse [B,H,S],
+           attn_output [B,S,E]
 
 LayerNorm, the QKV projection, the fused attention operator (attention_fwd.py: no S x S
 tensor, saves the log-sum-exp) and the out projection with the residual. With
@@ -14,10 +14,11 @@ without TF32, what F.linear runs, take about fifteen times as long per FLOP (at 
 the two projections are ~2.4 ms of float32 GEMM). Without split_precision (the CPU,
 float64) the projections are F.linear in the inputs' dtype.
 
-`attention_block_forward` is what VisionAttentionFunction calls: on CUDA the compiled
-graph, per configuration and batch bucket as the backward's (graph.py), without CUDA
-graphs (its outputs are saved for the backward, and a graph's next replay would overwrite
-them); elsewhere, or for an empty batch, the same math eagerly.
+`attention_block_forward` is what VisionAttentionFunction calls: on CUDA (float32) the
+compiled graph, per configuration and batch bucket as the backward's (graph.py), with
+batches up to graph.CUDA_GRAPH_MAX_BATCH replayed as CUDA graphs (cuda_graphs.py; their
+outputs are copied out, so the tensors saved for the backward stay valid); elsewhere, or
+for an empty batch, the same math eagerly with F.linear.
 """
 import functools
 import math
@@ -26,6 +27,7 @@ import torch
 from torch.nn import functional as F
 
 from . import graph
+from .cuda_graphs import GraphedCall
 from .attention_fwd import attention_fwd
 from .layout import split_heads
 from .precision import linear_bf16x3
@@ -43,19 +45,22 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))       # [B,H,S,D]
     attn_output, lse = attention_fwd(q, k, v, 1.0 / math.sqrt(q.shape[-1]))  # [B,S,E], [B,H,S]
     y = x + linear(attn_output, out_weight, out_bias)
-    return y, x_mean, x_var, q, k, v, lse, attn_output
+    return y, x_mean, x_var, qkv, lse, attn_output
 
 
 @functools.cache
-def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket):
-    """One compiled forward (CUDA); the arguments are the cache key."""
+def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph):
+    """The compiled forward of one configuration and batch bucket (CUDA); the arguments
+    are the cache key."""
     del dtype, seq_len, embed_dim                              # they key the cache only
 
     def forward_graph(**tensors):
         return block_forward(**tensors, num_heads=num_heads, eps=eps, split_precision=True)
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
-    return graph.compile_graph(graph.with_own_code(forward_graph), "cuda",
-                               f"forward-batch{smallest_batch}", cuda_graph=False)
+    run = graph.compile_graph(graph.with_own_code(forward_graph), "cuda",
+                              f"forward-batch{smallest_batch}",
+                              () if batch_bucket is None else ("x",))
+    return GraphedCall(run) if cuda_graph else run
 
 
 def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
@@ -66,15 +71,14 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
                    qkv_bias=qkv_bias, out_weight=out_weight, out_bias=out_bias)
     B, S, E = x.shape
     if x.is_cuda and x.dtype == torch.float32 and x.numel() > 0:
-        bucket = graph.batch_bucket(B)
-        fn = _compile(x.dtype, S, E, num_heads, eps, bucket)
-        if bucket is not None:
-            graph.mark_batch_dynamic([x])
+        fn = _compile(x.dtype, S, E, num_heads, eps, graph.batch_bucket(B),
+                      graph.uses_cuda_graph("cuda", B))
         outputs = _run_compiled(fn, tensors)
     else:
         outputs = block_forward(**tensors, num_heads=num_heads, eps=eps,
                                 split_precision=False)
-    y, x_mean, x_var, q, k, v, lse, attn_output = outputs
+    y, x_mean, x_var, qkv, lse, attn_output = outputs
+    q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))       # [B,H,S,D]
     saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, q, k, v, lse, attn_output,
              out_weight)
     return y, saved, 1.0 / math.sqrt(E // num_heads)

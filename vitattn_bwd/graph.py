@@ -20,20 +20,19 @@ compile.
 """
 import functools
 import os
-import threading
 import types
 
 import torch
 
 from . import attention_core, cache
+from .cuda_graphs import GraphedCall
 from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
                         matmul_halves_transposed)
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
 BATCH_BUCKETS = ((2, 15), (16, float("inf")))
-# Buckets whose batches (at most this large) run as CUDA graphs (on which threads:
-# uses_cuda_graph).
+# Batches up to this size run as CUDA graphs (uses_cuda_graph).
 CUDA_GRAPH_MAX_BATCH = 15
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v",
                   "attn_weights", "attn_output")   # those present are marked dynamic
@@ -121,21 +120,12 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, q, k, v
             grad_ln_weight, grad_ln_bias)
 
 
-def uses_cuda_graph(device_type, bucket):
-    """Small batches run as CUDA graphs: their GPU work (0.3-1.5 ms) is smaller than the
-    cost of launching ~40 kernels one by one, and copying their inputs into the graphs'
-    static buffers is cheap. Large batches run without: their input copies (P is 21 MB
-    per image) would cost more than the launch gaps. On the main thread always; on
-    other threads (autograd runs VisionAttentionBlock's backward on a worker thread of
-    its own) only where torch serializes CUDA graph capture across threads
-    (inductor.cudagraph_trees_thread_safe; torch 2.11 does not)."""
-    small = bucket is None or bucket[1] <= CUDA_GRAPH_MAX_BATCH
-    if device_type != "cuda" or not small:
-        return False
-    if threading.current_thread() is threading.main_thread():
-        return True
-    from .inductor import cudagraph_trees_thread_safe
-    return cudagraph_trees_thread_safe()
+def uses_cuda_graph(device_type, batch):
+    """Small batches run as CUDA graphs (cuda_graphs.py), on any thread: their GPU work
+    (0.1-1.5 ms) is shorter than launching their ~40 kernels one by one, and copying
+    their inputs into the graphs' static buffers is cheap. Large batches run without:
+    their input copies (P is 21 MB per image) would cost more than the launch gaps."""
+    return device_type == "cuda" and batch <= CUDA_GRAPH_MAX_BATCH
 
 
 def _max_autotune(device_type):
@@ -145,18 +135,27 @@ def _max_autotune(device_type):
             and os.environ.get("VITATTN_BWD_COMPILE_MODE", "max-autotune") != "default")
 
 
-def compile_graph(fn, device_type, tag, cuda_graph):
+def compile_graph(fn, device_type, tag, batched_inputs):
     """torch.compile one of our graphs with its own options (tag: what distinguishes
-    this graph in Inductor's cache key besides our sources). `fn` must have a code
-    object of its own (with_own_code): dynamo keeps its compiled graphs, and counts them
-    against its recompile limit (8), per code object, and reuses any whose guards pass.
-    fullgraph=True: exceeding the limit raises instead of silently running eager code."""
+    this graph in Inductor's cache key besides our sources), for one batch bucket: with
+    `batched_inputs` (names of fn's keyword arguments) dimension 0 of those is the
+    dynamic batch, else (batch 1) shapes are static. `fn` must have a code object of its
+    own (with_own_code): dynamo keeps its compiled graphs, and counts them against its
+    recompile limit (8), per code object, and reuses any whose guards pass.
+    fullgraph=True: exceeding the limit raises instead of silently running eager code.
+    Returns fn(**tensors) compiled."""
     cache.load_env_cache_once()
     from .inductor import compile_options                    # registers the lowerings
     options = compile_options(f"{cache.cache_key_tag()}-{tag}",
-                              max_autotune=_max_autotune(device_type),
-                              cuda_graphs=cuda_graph)
-    return torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+                              max_autotune=_max_autotune(device_type))
+    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+
+    def run(**tensors):
+        for name in batched_inputs:
+            if name in tensors:
+                torch._dynamo.mark_dynamic(tensors[name], 0)
+        return compiled(**tensors)
+    return run
 
 
 def with_own_code(fn):
@@ -172,7 +171,8 @@ def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps,
     """One compiled backward; the arguments are the cache key (input_names: the
     contract's inputs, or the module's, without x_norm and with ln_bias). One code object
     per configuration and batch bucket keeps each to a graph or two, and keeps the
-    dynamic graph of one bucket from serving the other, tuned for the wrong sizes."""
+    dynamic graph of one bucket from serving the other, tuned for the wrong sizes. With
+    cuda_graph, each batch size is replayed as a CUDA graph."""
     del dtype, seq_len, embed_dim, num_heads, input_names     # they key the cache only
     constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
                      split_precision=device_type == "cuda")
@@ -180,14 +180,9 @@ def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps,
     def backward_graph(**tensors):
         return block_backward(**tensors, **constants)
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
-    return compile_graph(with_own_code(backward_graph), device_type,
-                         f"batch{smallest_batch}", cuda_graph)
-
-
-def mark_batch_dynamic(tensors):
-    """Dimension 0 of each tensor is the (dynamic) batch of a bucket's graph."""
-    for t in tensors:
-        torch._dynamo.mark_dynamic(t, 0)
+    run = compile_graph(with_own_code(backward_graph), device_type,
+                        f"batch{smallest_batch}", () if batch_bucket is None else BATCHED_INPUTS)
+    return GraphedCall(run) if cuda_graph else run
 
 
 def batch_bucket(batch):
@@ -204,15 +199,7 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
     own, with its own options, and called from there."""
     x = inputs["x"]
     B, S, E = x.shape
-    bucket = batch_bucket(B)
-    cuda_graph = uses_cuda_graph(x.device.type, bucket)
     fn = _compile(x.device.type, x.dtype, S, E, inputs["q"].shape[1], scale, norm_eps,
-                  ln_grad, bucket, cuda_graph, tuple(inputs))
-    if bucket is not None:
-        mark_batch_dynamic(inputs[name] for name in BATCHED_INPUTS if name in inputs)
-    grads = fn(**inputs)
-    if cuda_graph:
-        # a CUDA graph's outputs live in its memory pool and a later replay overwrites
-        # them: hand out copies
-        grads = tuple(g.clone() for g in grads)
-    return grads
+                  ln_grad, batch_bucket(B), uses_cuda_graph(x.device.type, B),
+                  tuple(inputs))
+    return fn(**inputs)

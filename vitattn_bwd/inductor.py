@@ -4,9 +4,7 @@ and their lowerings (so max-autotune weighs their configs).
 
 Checked against torch 2.11 (the GPU machine) and 2.13 (CPU development). Differences
 between versions are handled here and nowhere else:
-  - autotune_select_algorithm returns a node in 2.11 and (node, choice) from 2.12 on;
-  - CUDA graph trees are safe on threads other than the main one only where torch
-    serializes their capture (cudagraph_trees_thread_safe).
+  - autotune_select_algorithm returns a node in 2.11 and (node, choice) from 2.12 on.
 If an API this module needs is missing, importing it raises an ImportError naming the
 torch version: the package never falls back silently to slower code.
 
@@ -19,10 +17,8 @@ grad_attn, q, k and v as bf16 (hi, lo) pairs, made by one pointwise pass each fr
 graph (grad_attn and v once for both passes).
 """
 import functools
-import importlib.util
 import inspect
 import weakref
-from pathlib import Path
 
 import torch
 
@@ -55,23 +51,6 @@ TILE_CONFIGS = (
 )
 
 
-@functools.cache
-def cudagraph_trees_thread_safe():
-    """Whether this torch's CUDA graph trees may run on autograd's worker threads while
-    the main thread (or another) uses them too. Their tree manager and its memory pool
-    are shared with autograd's threads, and before pytorch PR 184357 (issues 113809,
-    123177; in torch from mid-2026 on) nothing serialized their warm-up and capture
-    across threads, and their thread-local state existed only in the thread that first
-    imported them. That PR added a module-level `graph_capture_lock`; this looks for it
-    in the module's source instead of importing the module: on a torch without the fix,
-    importing it first from autograd's thread leaves the main thread without that state
-    (seen on the H200: the main thread's next CUDA graph failed an assertion)."""
-    spec = importlib.util.find_spec("torch._inductor.cudagraph_trees")
-    if spec is None or spec.origin is None:
-        return False
-    return "graph_capture_lock = threading.Lock()" in Path(spec.origin).read_text()
-
-
 class CacheKeyTag(CustomGraphPass):
     """A pass that does nothing; Inductor hashes its uuid into the FX graph cache key,
     so compiled graphs are keyed by our sources too (Inductor hashes torch's own only).
@@ -87,19 +66,18 @@ class CacheKeyTag(CustomGraphPass):
         return self.tag
 
 
-def compile_options(tag, *, max_autotune, cuda_graphs):
+def compile_options(tag, *, max_autotune):
     """torch.compile options of one of our graphs. No epilogue or prologue fusion: our
     templates store their outputs themselves and read their inputs through raw pointers
     (a pointwise node fused into them would read buffers that are never written, or read
     back the halves before every thread of the program has stored them). No
     coordinate-descent tuning: in torch 2.11 it re-runs on warm cache loads (pytorch
-    issue 172819)."""
+    issue 172819). No CUDA graph trees: small batches are captured by cuda_graphs.py,
+    which works on autograd's threads too."""
     options = {"post_grad_custom_post_pass": CacheKeyTag(tag), "epilogue_fusion": False,
                "prologue_fusion": False}
     if max_autotune:
         options["max_autotune"] = True
-    if cuda_graphs:
-        options["triton.cudagraphs"] = True
     return options
 
 

@@ -1,0 +1,88 @@
+"""Our compiled graphs replayed as CUDA graphs, on any thread.
+
+Small batches are launch-bound: their GPU work (0.1-1.5 ms) is shorter than launching
+their 25-45 kernels one by one from Python. `GraphedCall` wraps a compiled function:
+the first call with a new input signature (shapes, strides, dtypes, device) runs it
+normally (compiling and autotuning if need be) and then captures one CUDA graph of it on
+static copies of those inputs; later calls copy their inputs into the static buffers
+(one multi-tensor copy), replay the graph and copy its outputs out (another). Nothing is
+compiled or allocated by the graph after capture, so every replay launches the same
+kernels.
+
+Why not Inductor's CUDA graph trees (the `triton.cudagraphs` option): their tree manager
+and memory pool are per device and shared by every thread, and before pytorch PR 184357
+(issues 113809, 123177) nothing serialized their capture across threads and their state
+lived in the thread that first imported them. Autograd runs VisionAttentionBlock's
+backward on a worker thread of its own, so on torch 2.11 the backward could not use them
+there. A plain torch.cuda.CUDAGraph has no such state: it is captured in thread-local
+mode (other threads' CUDA work goes on), with a private memory pool, and its replays are
+serialized by a lock and ordered on the GPU by an event, so two threads (or streams) never
+share the static buffers at once.
+"""
+import threading
+
+import torch
+
+
+class _Captured:
+    """One CUDA graph with its static inputs and outputs."""
+
+    def __init__(self, fn, inputs):
+        self.inputs = {name: _empty_like_strided(t).copy_(t) for name, t in inputs.items()}
+        self.graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            # one run on the static buffers first, on the capture's stream: whatever
+            # their differences from the caller's tensors (no aliasing, other addresses)
+            # or the new stream would make fn compile or initialize is done here, not
+            # during the capture
+            fn(**self.inputs)
+            side.synchronize()
+            self.graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                self.outputs = fn(**self.inputs)
+            finally:
+                self.graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        self.done = None                               # event after the last replay
+
+    def replay(self, inputs):
+        stream = torch.cuda.current_stream()
+        if self.done is not None:
+            stream.wait_event(self.done)               # an earlier replay, any stream
+        torch._foreach_copy_([self.inputs[name] for name in inputs], list(inputs.values()))
+        self.graph.replay()
+        outputs = [_empty_like_strided(t) for t in self.outputs]
+        torch._foreach_copy_(outputs, list(self.outputs))
+        self.done = stream.record_event()
+        return tuple(outputs)
+
+
+def _empty_like_strided(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
+def _signature(inputs):
+    return tuple((name, t.shape, t.stride(), t.dtype, t.device) for name, t in inputs.items())
+
+
+class GraphedCall:
+    """fn(**tensors) -> tuple of tensors, replayed as one CUDA graph per input signature.
+    fn must be deterministic in which kernels it launches for a signature (our compiled
+    graphs are) and must not keep references to its inputs or outputs."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._graphs = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, **inputs):
+        key = _signature(inputs)
+        with self._lock:
+            captured = self._graphs.get(key)
+            if captured is None:
+                outputs = self.fn(**inputs)            # compiles, autotunes
+                self._graphs[key] = _Captured(self.fn, inputs)
+                return tuple(outputs)
+            return captured.replay(inputs)
