@@ -140,8 +140,8 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
     if RECOMPUTE_P:
         q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
                                + offs_d[None, :], row_ok[:, None])        # [BM,D]
-        lse_log2 = tl.load(PROBS + batch_head * SEQ_LEN + offs_m, mask=row_ok,
-                           other=0.0) * 1.4426950408889634                # [BM]
+        lse_log2 = load_vector(PROBS + batch_head * SEQ_LEN, m_start, SEQ_LEN,
+                               BLOCK_M) * 1.4426950408889634              # [BM]
 
     delta = tl.zeros((BLOCK_M,), dtype=tl.float32)
     p_grad_p_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)          # sum (P*dP) @ k
@@ -192,7 +192,8 @@ def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
     if RECOMPUTE_P:
         k_hi, k_lo = load_pair(K_HI, K_LO, head_start + offs_n[:, None] * HEAD_DIM
                                + offs_d[None, :], col_ok[:, None])        # [BN,D]
-        lse_next = load_vector(PROBS + batch_head * SEQ_LEN, 0, SEQ_LEN, BLOCK_M)
+        lse_head = PROBS + batch_head * SEQ_LEN
+        lse_next = load_vector(lse_head, 0, SEQ_LEN, BLOCK_M)
     else:
         p_t_next = load_probs_tile(p_t_cols, col_ok, 0, SEQ_LEN, SEQ_LEN,
                                    BLOCK_M)                               # [BN,BM]
@@ -214,8 +215,7 @@ def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
         delta_next = load_vector(delta_head, m_start + BLOCK_M, SEQ_LEN, BLOCK_M)
         if RECOMPUTE_P:
             lse = lse_next
-            lse_next = load_vector(PROBS + batch_head * SEQ_LEN, m_start + BLOCK_M,
-                                   SEQ_LEN, BLOCK_M)
+            lse_next = load_vector(lse_head, m_start + BLOCK_M, SEQ_LEN, BLOCK_M)
             p_t = recomputed_probabilities(
                 k_hi, k_lo, q_hi, q_lo, lse[None, :] * 1.4426950408889634, scale,
                 col_ok[:, None] & row_ok[None, :],
