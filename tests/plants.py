@@ -43,7 +43,12 @@ def truncate_bf16(t):
 
 
 def round_bf16(t):
-    return t.to(torch.bfloat16).to(t.dtype)
+    """t rounded to the nearest bf16 value (ties to even), by integer masking: a plant
+    traced into a compiled graph must survive Inductor, which folds a float32 -> bf16 ->
+    float32 cast round trip away."""
+    bits = t.float().contiguous().view(torch.int32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return rounded.view(torch.float32).to(t.dtype)
 
 
 def _args_map(fn, args, kwargs):
@@ -232,6 +237,13 @@ TARGETS = {"core": (attention_core, "attention_backward"),
            "module_bwd": (module.VisionAttentionFunction, "backward")}
 
 
+# Targets called inside one of our compiled graphs: dynamo reads them when it traces,
+# and a CUDA graph replay runs no Python at all, so patching them changes nothing once the
+# graph exists. While such a plant is applied, the graph is compiled afresh (with the
+# plant traced into it), and again without it afterwards (an FX-cache hit).
+COMPILED_GRAPHS = {"module_fwd": forward_graph._compile}
+
+
 def plants_for(*targets):
     """The plants that apply to any of `targets`."""
     return sorted(name for name, (_, wrappers) in PLANTS.items()
@@ -268,6 +280,7 @@ def planted(name, only=None):
     if only is not None:
         wrappers = {only: wrappers[only]}
     saved = _process_settings()
+    compiled = [COMPILED_GRAPHS[t] for t in wrappers if t in COMPILED_GRAPHS]
     try:
         with pytest.MonkeyPatch.context() as mp:
             for target, factory in wrappers.items():
@@ -276,8 +289,12 @@ def planted(name, only=None):
                 if isinstance(inspect.getattr_static(owner, attr), staticmethod):
                     wrapper = staticmethod(wrapper)      # an autograd Function's method
                 mp.setattr(owner, attr, wrapper)
+            for cached_compile in compiled:
+                cached_compile.cache_clear()
             yield
     finally:
+        for cached_compile in compiled:
+            cached_compile.cache_clear()
         _restore_process_settings(saved)
 
 
