@@ -25,8 +25,9 @@ FINGERPRINT_FILE = "vitattn_bwd_cache.json"
 CACHE_ENV = "VITATTN_BWD_CACHE"
 _PACKAGE = pathlib.Path(__file__).parent
 # The modules whose code is compiled (graph.py, forward_graph.py: the traced math) or
-# lowers it (inductor.py: templates and lowerings). Inductor's FX graph cache hashes torch and its config, not our
-# sources, so the tag below hashes these and every module of ours they import.
+# lowers it (inductor.py: templates and lowerings). Inductor's FX graph cache hashes torch
+# and its config, not our sources, so the tag below hashes these and every module of ours
+# they import.
 _COMPILED_ROOTS = ("forward_graph.py", "graph.py", "inductor.py")
 
 

@@ -20,15 +20,30 @@ serialized by a lock and ordered on the GPU by an event, so two threads (or stre
 share the static buffers at once.
 """
 import threading
+import warnings
 
 import torch
+
+
+def static_buffers(inputs):
+    """Tensors to capture a graph on: like `inputs` in shape, strides, dtype, device and
+    requires_grad (what dynamo's guards check, so fn runs the graph it compiled for the
+    caller's tensors), holding copies of their values. Always ordinary tensors, even when
+    made inside torch.inference_mode (an inference tensor could not be copied into by a
+    later call outside it)."""
+    with torch.inference_mode(False), torch.no_grad():
+        static = {}
+        for name, t in inputs.items():
+            buffer = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+            static[name] = buffer.copy_(t).requires_grad_(t.requires_grad)
+        return static
 
 
 class _Captured:
     """One CUDA graph with its static inputs and outputs."""
 
     def __init__(self, fn, inputs):
-        self.inputs = {name: _empty_like_strided(t).copy_(t) for name, t in inputs.items()}
+        self.inputs = static_buffers(inputs)
         self.graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -42,8 +57,13 @@ class _Captured:
             self.graph.capture_begin(capture_error_mode="thread_local")
             try:
                 self.outputs = fn(**self.inputs)
-            finally:
-                self.graph.capture_end()
+            except BaseException:
+                try:
+                    self.graph.capture_end()
+                except Exception:                      # the capture is invalid anyway
+                    pass
+                raise
+            self.graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         self.done = None                               # event after the last replay
 
@@ -51,16 +71,15 @@ class _Captured:
         stream = torch.cuda.current_stream()
         if self.done is not None:
             stream.wait_event(self.done)               # an earlier replay, any stream
-        torch._foreach_copy_([self.inputs[name] for name in inputs], list(inputs.values()))
+        with torch.no_grad():                          # static inputs may require grad
+            torch._foreach_copy_([self.inputs[name] for name in inputs],
+                                 list(inputs.values()))
         self.graph.replay()
-        outputs = [_empty_like_strided(t) for t in self.outputs]
+        outputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                   for t in self.outputs]
         torch._foreach_copy_(outputs, list(self.outputs))
         self.done = stream.record_event()
         return tuple(outputs)
-
-
-def _empty_like_strided(t):
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
 
 def _signature(inputs):
@@ -70,19 +89,32 @@ def _signature(inputs):
 class GraphedCall:
     """fn(**tensors) -> tuple of tensors, replayed as one CUDA graph per input signature.
     fn must be deterministic in which kernels it launches for a signature (our compiled
-    graphs are) and must not keep references to its inputs or outputs."""
+    graphs are) and must not keep references to its inputs or outputs; all inputs on one
+    GPU.
+
+    The first call of a signature runs fn directly, then captures. One lock per instance
+    serializes calls, the first (compiling, autotuning) one included. If a capture fails,
+    that signature runs fn directly from then on, with a warning: correct, only slower.
+    Each captured signature keeps its static inputs and its graph's memory pool (about
+    the call's inputs and intermediates) for the life of the instance."""
 
     def __init__(self, fn):
         self.fn = fn
-        self._graphs = {}
+        self._graphs = {}              # signature -> _Captured, or None: runs directly
         self._lock = threading.Lock()
 
     def __call__(self, **inputs):
         key = _signature(inputs)
-        with self._lock:
-            captured = self._graphs.get(key)
-            if captured is None:
-                outputs = self.fn(**inputs)            # compiles, autotunes
+        device = next(iter(inputs.values())).device
+        with self._lock, torch.cuda.device(device):
+            if key in self._graphs:
+                captured = self._graphs[key]
+                return captured.replay(inputs) if captured else tuple(self.fn(**inputs))
+            outputs = tuple(self.fn(**inputs))         # compiles, autotunes
+            try:
                 self._graphs[key] = _Captured(self.fn, inputs)
-                return tuple(outputs)
-            return captured.replay(inputs)
+            except Exception as error:                 # e.g. an op that cannot be captured
+                warnings.warn(f"vitattn_bwd: CUDA graph capture failed ({error!r}); these "
+                              "input shapes run without a CUDA graph", RuntimeWarning)
+                self._graphs[key] = None
+            return outputs

@@ -180,8 +180,9 @@ def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps,
     def backward_graph(**tensors):
         return block_backward(**tensors, **constants)
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
-    run = compile_graph(with_own_code(backward_graph), device_type,
-                        f"batch{smallest_batch}", () if batch_bucket is None else BATCHED_INPUTS)
+    batched_inputs = () if batch_bucket is None else BATCHED_INPUTS
+    run = compile_graph(with_own_code(backward_graph), device_type, f"batch{smallest_batch}",
+                        batched_inputs)
     return GraphedCall(run) if cuda_graph else run
 
 

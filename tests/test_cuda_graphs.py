@@ -1,0 +1,37 @@
+"""cuda_graphs.static_buffers on the CPU: what a CUDA graph is captured on must look to
+dynamo like the caller's tensors, and must stay writable by later calls. (The graphs
+themselves: tests/test_gpu_cuda_graphs.py.)"""
+import torch
+
+from vitattn_bwd.cuda_graphs import static_buffers
+from vitattn_bwd.layout import split_heads
+
+
+def _module_style_inputs():
+    """q, k, v as the module saves them: [B,H,S,D] views of one [B,S,3E] tensor, and a
+    weight that requires grad."""
+    qkv = torch.randn(2, 5, 3 * 8)
+    q, k, v = (split_heads(t, 2) for t in qkv.chunk(3, dim=-1))
+    return dict(q=q, k=k, v=v, weight=torch.randn(8, 8, requires_grad=True))
+
+
+def test_static_buffers_match_shape_strides_dtype_and_requires_grad():
+    inputs = _module_style_inputs()
+    static = static_buffers(inputs)
+    for name, t in inputs.items():
+        s = static[name]
+        assert (s.shape, s.stride(), s.dtype, s.requires_grad) == \
+            (t.shape, t.stride(), t.dtype, t.requires_grad), name
+        assert torch.equal(s.detach(), t.detach()), name
+        assert s.data_ptr() != t.data_ptr(), name
+
+
+def test_static_buffers_made_in_inference_mode_take_later_copies():
+    with torch.inference_mode():
+        inputs = _module_style_inputs()
+        static = static_buffers(inputs)
+    assert not any(s.is_inference() for s in static.values())
+    fresh = _module_style_inputs()
+    with torch.no_grad():
+        torch._foreach_copy_(list(static.values()), list(fresh.values()))
+    assert all(torch.equal(static[n].detach(), fresh[n].detach()) for n in fresh)
