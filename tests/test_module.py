@@ -281,7 +281,7 @@ def test_cuda_forward_graph_compiled_for_the_cpu_is_float32_grade():
     def split_forward(**tensors):
         return forward_graph.block_forward(**tensors, num_heads=4, eps=1e-5,
                                            split_precision=True)
-    compiled = graph.compile_graph(graph.with_own_code(split_forward), "cpu", "test", ())
+    compiled = graph.compile_graph(split_forward, "cpu", "test-", None, (), cuda_graph=False)
     got = compiled(x=x, **params)
     want = forward_graph.block_forward(x=x.double(), **{n: p.double() for n, p in params.items()},
                                        num_heads=4, eps=1e-5, split_precision=False)

@@ -34,8 +34,7 @@ def static_buffers(inputs):
     with torch.inference_mode(False), torch.no_grad():
         static = {}
         for name, t in inputs.items():
-            buffer = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-            static[name] = buffer.copy_(t).requires_grad_(t.requires_grad)
+            static[name] = _empty_like_strided(t).copy_(t).requires_grad_(t.requires_grad)
         return static
 
 
@@ -75,15 +74,19 @@ class _Captured:
             torch._foreach_copy_([self.inputs[name] for name in inputs],
                                  list(inputs.values()))
         self.graph.replay()
-        outputs = [torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                   for t in self.outputs]
+        outputs = [_empty_like_strided(t) for t in self.outputs]
         torch._foreach_copy_(outputs, list(self.outputs))
         self.done = stream.record_event()
         return tuple(outputs)
 
 
+def _empty_like_strided(t):
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+
+
 def _signature(inputs):
-    return tuple((name, t.shape, t.stride(), t.dtype, t.device) for name, t in inputs.items())
+    return tuple((name, t.shape, t.stride(), t.dtype, t.device)
+                 for name, t in inputs.items())
 
 
 class GraphedCall:

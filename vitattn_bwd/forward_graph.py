@@ -27,7 +27,6 @@ import torch
 from torch.nn import functional as F
 
 from . import graph
-from .cuda_graphs import GraphedCall
 from .attention_fwd import attention_fwd
 from .layout import split_heads
 from .precision import linear_bf16x3
@@ -43,7 +42,8 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     linear = linear_bf16x3 if split_precision else F.linear
     qkv = linear(x_norm, qkv_weight, qkv_bias)                                 # [B,S,3E]
     q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))       # [B,H,S,D]
-    attn_output, lse = attention_fwd(q, k, v, 1.0 / math.sqrt(q.shape[-1]))  # [B,S,E], [B,H,S]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    attn_output, lse = attention_fwd(q, k, v, scale)                # [B,S,E], [B,H,S]
     y = x + linear(attn_output, out_weight, out_bias)
     return y, x_mean, x_var, qkv, lse, attn_output
 
@@ -56,11 +56,8 @@ def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph
 
     def forward_graph(**tensors):
         return block_forward(**tensors, num_heads=num_heads, eps=eps, split_precision=True)
-    smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
-    run = graph.compile_graph(graph.with_own_code(forward_graph), "cuda",
-                              f"forward-batch{smallest_batch}",
-                              () if batch_bucket is None else ("x",))
-    return GraphedCall(run) if cuda_graph else run
+    return graph.compile_graph(forward_graph, "cuda", "forward-", batch_bucket, ("x",),
+                               cuda_graph)
 
 
 def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,

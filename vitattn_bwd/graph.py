@@ -135,30 +135,36 @@ def _max_autotune(device_type):
             and os.environ.get("VITATTN_BWD_COMPILE_MODE", "max-autotune") != "default")
 
 
-def compile_graph(fn, device_type, tag, batched_inputs):
-    """torch.compile one of our graphs with its own options (tag: what distinguishes
-    this graph in Inductor's cache key besides our sources), for one batch bucket: with
-    `batched_inputs` (names of fn's keyword arguments) dimension 0 of those is the
-    dynamic batch, else (batch 1) shapes are static. `fn` must have a code object of its
-    own (with_own_code): dynamo keeps its compiled graphs, and counts them against its
-    recompile limit (8), per code object, and reuses any whose guards pass.
-    fullgraph=True: exceeding the limit raises instead of silently running eager code.
-    Returns fn(**tensors) compiled."""
+def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_graph):
+    """fn(**tensors) compiled for one batch bucket, with its own options. batch_bucket
+    None is batch 1 (static shapes); otherwise dimension 0 of the `batched_inputs` (names
+    of fn's keyword arguments) present in a call is the dynamic batch. The tag `name`
+    plus the bucket's smallest batch distinguishes this graph in Inductor's cache key
+    besides our sources. fn is compiled as a copy with a code object of its own: dynamo
+    keeps its compiled graphs, and counts them against its recompile limit (8), per code
+    object, and reuses any whose guards pass, so one code object per configuration and
+    bucket keeps each to a graph or two and keeps one bucket's dynamic graph, tuned for
+    its sizes, from serving another. fullgraph=True: exceeding the limit raises instead
+    of silently running eager code. With cuda_graph, each input signature is replayed as
+    a CUDA graph (cuda_graphs.py)."""
     cache.load_env_cache_once()
     from .inductor import compile_options                    # registers the lowerings
-    options = compile_options(f"{cache.cache_key_tag()}-{tag}",
+    smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
+    options = compile_options(f"{cache.cache_key_tag()}-{name}batch{smallest_batch}",
                               max_autotune=_max_autotune(device_type))
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False, options=options)
+    compiled = torch.compile(_with_own_code(fn), fullgraph=True, dynamic=False,
+                             options=options)
+    dynamic_inputs = () if batch_bucket is None else batched_inputs
 
     def run(**tensors):
-        for name in batched_inputs:
-            if name in tensors:
-                torch._dynamo.mark_dynamic(tensors[name], 0)
+        for input_name in dynamic_inputs:
+            if input_name in tensors:
+                torch._dynamo.mark_dynamic(tensors[input_name], 0)
         return compiled(**tensors)
-    return run
+    return GraphedCall(run) if cuda_graph else run
 
 
-def with_own_code(fn):
+def _with_own_code(fn):
     """A copy of function `fn` with a code object of its own (a functools.partial would
     not do: dynamo traces all partials through one wrapper)."""
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, None,
@@ -169,21 +175,15 @@ def with_own_code(fn):
 def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
              batch_bucket, cuda_graph, input_names):
     """One compiled backward; the arguments are the cache key (input_names: the
-    contract's inputs, or the module's, without x_norm and with ln_bias). One code object
-    per configuration and batch bucket keeps each to a graph or two, and keeps the
-    dynamic graph of one bucket from serving the other, tuned for the wrong sizes. With
-    cuda_graph, each batch size is replayed as a CUDA graph."""
+    contract's inputs, or the module's, without x_norm and with ln_bias)."""
     del dtype, seq_len, embed_dim, num_heads, input_names     # they key the cache only
     constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
                      split_precision=device_type == "cuda")
 
     def backward_graph(**tensors):
         return block_backward(**tensors, **constants)
-    smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
-    batched_inputs = () if batch_bucket is None else BATCHED_INPUTS
-    run = compile_graph(with_own_code(backward_graph), device_type, f"batch{smallest_batch}",
-                        batched_inputs)
-    return GraphedCall(run) if cuda_graph else run
+    return compile_graph(backward_graph, device_type, "", batch_bucket, BATCHED_INPUTS,
+                         cuda_graph)
 
 
 def batch_bucket(batch):

@@ -6,9 +6,10 @@ The forward (forward_graph.py) is PyTorch math around one fused attention operat
 (attention_fwd.py: a FlashAttention-style Triton kernel on CUDA, float32-grade, no S x S
 tensor) that returns the attention output and the softmax's row log-sum-exp; on CUDA it
 is compiled, with bf16x3 projections. It saves x, its LayerNorm statistics, q, k, v, the
-log-sum-exp and the attention output: about 11.8 MB per image at 577 tokens, 1024 wide, 16 heads (P alone would be 21.3 MB).
-The backward recomputes x_norm from x and the statistics, and every P tile from q, k and
-the log-sum-exp inside the attention-core templates.
+log-sum-exp and the attention output: about 11.8 MB per image at 577 tokens, 1024 wide,
+16 heads (P alone would be 21.3 MB). The backward recomputes x_norm from x and the
+statistics, and every P tile from q, k and the log-sum-exp inside the attention-core
+templates.
 
 `vision_attention` is the functional entry point that VisionAttentionBlock and the
 Hugging Face integration (vitattn_bwd.integrations.hf) call: it applies the dtype policy
