@@ -213,7 +213,8 @@ def core_cases(draw, *, max_seq, max_heads, max_batch, max_batch_heads=None,
 def core_inputs(case, device):
     """(logical, placed): the inputs as contiguous float32 tensors, and the same values in
     the case's layouts (what the kernel gets). attn_weights is P [B,H,S,S], or for
-    p_source "lse" the float32 log-sum-exp [B,H,S] of the float64 scale q k^T."""
+    p_source "lse" the float32 log-sum-exp [B,H,S] of the float64 scale q k^T, with the
+    attention output O [B,S,E] that goes with it (as grad_attn is laid out)."""
     g = torch.Generator(device=device).manual_seed(case.seed)
     B, H, S, D = case.batch, case.heads, case.seq_len, case.head_dim
 
@@ -222,17 +223,20 @@ def core_inputs(case, device):
 
     q, k, v = randn(B, H, S, D), randn(B, H, S, D), randn(B, H, S, D)
     grad_attn = randn(B, S, H * D)
+    extra = {}
     if case.p_source == "lse":
         logits = case.scale * (q.double() @ k.double().transpose(-1, -2))
         attn_weights = torch.logsumexp(logits, dim=-1).float()
+        extra["attn_output"] = reference.merge_heads(                  # O [B,S,E]
+            torch.softmax(logits, dim=-1) @ v.double()).float()
     elif case.p_source == "qk":
         logits = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
         attn_weights = torch.softmax(logits, dim=-1).float()
     else:
         attn_weights = torch.softmax(randn(B, H, S, S), dim=-1)
-    logical = dict(attn_weights=attn_weights, grad_attn=grad_attn, q=q, k=k, v=v)
-    placed = {name: place(logical[name], layout, case.offset)
-              for name, layout in zip(CORE_TENSORS, case.layouts)}
+    logical = dict(attn_weights=attn_weights, grad_attn=grad_attn, q=q, k=k, v=v, **extra)
+    layouts = dict(zip(CORE_TENSORS, case.layouts), attn_output=case.layouts[1])
+    placed = {name: place(t, layouts[name], case.offset) for name, t in logical.items()}
     return logical, placed
 
 
@@ -305,10 +309,11 @@ def check_core(case, device, bounds, attention_backward):
     logical, placed = core_inputs(case, device)
     before = {name: t.clone() for name, t in placed.items()}
     got = attention_backward(*(placed[n] for n in CORE_TENSORS), case.scale,
-                             block_m=case.block_m, block_n=case.block_n)
+                             attn_output=placed.get("attn_output"), block_m=case.block_m,
+                             block_n=case.block_n)
     probs = core_probabilities(logical, case.scale)
     want = core_reference(probs, *(logical[n] for n in CORE_TENSORS[1:]), case.scale)
-    for name in CORE_TENSORS:
+    for name in placed:
         assert torch.equal(placed[name], before[name]), f"{name} was modified"
     for name, g, w in zip(CORE_OUTPUTS, got, want):
         assert g.dtype == torch.float32 and g.shape == w.shape, (name, g.dtype, g.shape)

@@ -41,7 +41,7 @@ def test_operators_write_fp16_copies_and_bf16_halves():
     read: fp16 gradients, and [hi | lo] bf16 halves whose sum keeps ~16 mantissa bits."""
     P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 8)
     grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(P, grad_attn, q, k,
-                                                                     v, scale)
+                                                                     v, None, scale)
     grad_kv16, grad_kv_halves = attention_core.softmax_bwd_cols(P, grad_attn, q, k, v,
                                                                 delta, scale)
     assert (grad_q16.dtype, grad_q_halves.dtype, grad_kv16.dtype) == (
@@ -60,10 +60,14 @@ def test_operators_write_fp16_copies_and_bf16_halves():
 
 def test_operators_pass_opcheck():
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, 9, 8)
-    _, _, delta = attention_core.softmax_bwd_rows(P, grad_attn, q, k, v, scale)
-    torch.library.opcheck(attention_core.softmax_bwd_rows, (P, grad_attn, q, k, v, scale))
+    _, _, delta = attention_core.softmax_bwd_rows(P, grad_attn, q, k, v, None, scale)
+    torch.library.opcheck(attention_core.softmax_bwd_rows,
+                          (P, grad_attn, q, k, v, None, scale))
     torch.library.opcheck(attention_core.softmax_bwd_cols,
                           (P, grad_attn, q, k, v, delta, scale))
+    lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
+    torch.library.opcheck(attention_core.softmax_bwd_rows,
+                          (lse, grad_attn, q, k, v, attn_output, scale))
 
 
 @pytest.fixture
@@ -100,7 +104,8 @@ def test_triton_kernels_under_interpreter(triton_interpreter, S, D, block_m, blo
 def test_kernels_fp16_copies_match_their_halves(triton_interpreter):
     """The kernels' two output formats describe the same gradient."""
     P, grad_attn, q, k, v, scale = _core_inputs(1, 2, 21, 16, seed=5)
-    grad_q16, grad_q_halves, delta = attention_core.launch_rows(P, grad_attn, q, k, v, scale)
+    grad_q16, grad_q_halves, delta = attention_core.launch_rows(P, grad_attn, q, k, v, None,
+                                                                scale)
     grad_kv16, grad_kv_halves = attention_core.launch_cols(P, grad_attn, q, k, v, delta,
                                                            scale)
     for copy16, halves in ((grad_q16, grad_q_halves), (grad_kv16, grad_kv_halves)):
@@ -108,30 +113,57 @@ def test_kernels_fp16_copies_match_their_halves(triton_interpreter):
         assert ((copy16.float() - value).abs() <= 2 ** -10 * value.abs() + 1e-6).all()
 
 
+def _log_sum_exp_and_output(q, k, v, scale):
+    """What the module's forward saves for the core: lse [B,H,S] and O [B,S,E], computed
+    in float64 and rounded to q's dtype."""
+    logits = (q.double() @ k.double().transpose(-1, -2)) * scale
+    attn_output = reference.merge_heads(torch.softmax(logits, -1) @ v.double())
+    return torch.logsumexp(logits, -1).to(q.dtype), attn_output.to(q.dtype)
+
+
 def _softmax_inputs(B, H, S, D, seed):
-    """q, k, v and the P they make (so that P can also be given as its log-sum-exp)."""
+    """q, k, v, the P they make and P given the module's way: its log-sum-exp and O."""
     _, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, seed=seed)
     logits = (q @ k.transpose(-1, -2)) * scale
-    return torch.softmax(logits, -1), torch.logsumexp(logits, -1), grad_attn, q, k, v, scale
+    lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
+    return torch.softmax(logits, -1), lse, attn_output, grad_attn, q, k, v, scale
 
 
 def test_math_recomputes_p_from_its_log_sum_exp():
     _, grad_attn, q, k, v, scale = _core_inputs(2, 2, 13, 8, dtype=torch.float64, seed=3)
     logits = (q @ k.transpose(-1, -2)) * scale
+    lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
     given = attention_core.attention_backward_math(torch.softmax(logits, -1), grad_attn,
                                                    q, k, v, scale)
-    recomputed = attention_core.attention_backward_math(torch.logsumexp(logits, -1),
-                                                        grad_attn, q, k, v, scale)
+    recomputed = attention_core.attention_backward_math(lse, grad_attn, q, k, v, scale,
+                                                        attn_output)
     for a, b in zip(given, recomputed):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
+def test_module_mode_delta_comes_from_the_forward_output():
+    """With lse, the rows operator's delta is rowsum(dO * O) of the O it is given (not
+    rowsum(P * dP)): an O off by 1% moves delta by 1% and dQ with it."""
+    _, grad_attn, q, k, v, scale = _core_inputs(2, 2, 13, 8, dtype=torch.float64, seed=4)
+    lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
+    heads = reference.split_heads
+    want = (heads(grad_attn, 2) * heads(attn_output, 2)).sum(-1)          # [B,H,S]
+    _, _, delta = attention_core.softmax_bwd_rows(lse, grad_attn, q, k, v, attn_output,
+                                                  scale)
+    torch.testing.assert_close(delta, want.float(), rtol=1e-6, atol=1e-6)
+    _, _, shifted = attention_core.softmax_bwd_rows(lse, grad_attn, q, k, v,
+                                                    attn_output * 1.01, scale)
+    torch.testing.assert_close(shifted, (want * 1.01).float(), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("S,block_m,block_n", [(37, 16, 32), (1, 16, 16), (64, 32, 16)])
 def test_kernels_recompute_p_under_interpreter(triton_interpreter, S, block_m, block_n):
-    """RECOMPUTE_P: the kernels read lse [B,H,S] instead of P and match the textbook."""
-    P, lse, grad_attn, q, k, v, scale = _softmax_inputs(2, 2, S, 16, seed=S)
+    """RECOMPUTE_P: the kernels read lse [B,H,S] instead of P, and take delta from the
+    attention output, and match the textbook."""
+    P, lse, attn_output, grad_attn, q, k, v, scale = _softmax_inputs(2, 2, S, 16, seed=S)
     got = attention_core.attention_backward(lse, grad_attn, q, k, v, scale,
-                                            block_m=block_m, block_n=block_n)
+                                            attn_output=attn_output, block_m=block_m,
+                                            block_n=block_n)
     want = _textbook(P, grad_attn, q, k, v, scale)
     for name, g, w in zip(("grad_q", "grad_k", "grad_v"), got, want):
         err = (g.double() - w).norm().item()

@@ -97,6 +97,20 @@ def test_operator_runs_the_math_on_cpu_and_passes_opcheck():
     torch.library.opcheck(fwd.attention_fwd, (q, k, v, 0.3))
 
 
+def test_split_operator_equals_the_operator_on_the_split_values():
+    """attention_fwd_split(hi, lo) of a QKV projection computes attention_fwd of the
+    heads of hi + lo (here the CPU math; tests/test_gpu_attention_fwd.py the kernel)."""
+    from vitattn_bwd.precision import split_bf16_truncated
+    qkv = torch.randn(2, 9, 3 * 16, generator=torch.Generator().manual_seed(1))
+    hi, lo = split_bf16_truncated(qkv)
+    attn_output, lse = fwd.attention_fwd_split(hi, lo, 2, 0.3)
+    q, k, v = ((hi.float() + lo.float())[..., i * 16:(i + 1) * 16].view(2, 9, 2, 8)
+               .transpose(1, 2) for i in range(3))
+    want = fwd.attention_fwd(q, k, v, 0.3)
+    assert torch.equal(attn_output, want[0]) and torch.equal(lse, want[1])
+    torch.library.opcheck(fwd.attention_fwd_split, (hi, lo, 2, 0.3))
+
+
 @pytest.mark.parametrize("bad", ["shape", "dtype", "scale_zero", "scale_nan"])
 def test_operator_rejects_bad_arguments(bad):
     q, k, v = _qkv(1, 2, 5, 8)

@@ -96,6 +96,22 @@ def test_opcheck_and_torch_compile():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_split_operator_runs_the_kernel_on_the_same_split():
+    """attention_fwd_split (what the module's compiled forward calls) gives attention_fwd's
+    outputs bitwise: the same kernel on the same truncated bf16 split of q, k, v."""
+    from vitattn_bwd.precision import split_bf16_truncated
+    g = torch.Generator(device="cuda").manual_seed(4)
+    B, S, H, D = 2, 577, 16, 64
+    qkv = torch.randn(B, S, 3 * H * D, device="cuda", generator=g)
+    q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    want = fwd.attention_fwd(q, k, v, 0.125)
+    got = fwd.attention_fwd_split(*split_bf16_truncated(qkv), H, 0.125)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    torch.library.opcheck(fwd.attention_fwd_split, (*split_bf16_truncated(qkv[:, :40]), H,
+                                                    0.125))
+
+
 def test_timing_printout(capsys):
     """Prints scripts/time_attention_fwd.py's table at batch 32 (no assertion on speed:
     the lead reads it)."""

@@ -26,7 +26,8 @@ def test_exact_mode_equals_autograd_of_plain_block(B, S, E, H):
 
     _, saved, scale = attention_block_forward(x.detach(), *[p.detach() for p in params],
                                               num_heads=H, eps=1e-5)
-    (x_, x_mean, x_var, ln_weight, ln_bias, qkv_weight, q, k, v, lse, attn, out_weight) = saved
+    (x_, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse, attn, out_weight) = saved
+    q, k, v = (reference.split_heads(t, H) for t in qkv.chunk(3, dim=-1))
     x_norm = (x_ - x_mean) * torch.rsqrt(x_var + 1e-5) * ln_weight + ln_bias
     P = torch.exp((q @ k.transpose(-1, -2)) * scale - lse.unsqueeze(-1))  # what the backward recomputes
     grads = dict(zip(OUTPUT_NAMES, reference.attention_block_backward(

@@ -1,15 +1,18 @@
 """The attention core of the backward as two custom operators, in the formats their
 consumers read:
 
-    softmax_bwd_rows(probs, grad_attn, q, k, v, scale)
+    softmax_bwd_rows(probs, grad_attn, q, k, v, attn_output, scale)
         -> grad_q16 [B,S,E] fp16, grad_q_halves [B,S,2E] bf16 ([hi | lo]), delta [B,H,S]
     softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale)
         -> grad_kv16 [B,S,2E] fp16 (dK | dV), grad_kv_halves [B,S,4E] bf16
            ([k_hi v_hi | k_lo v_lo])
 
-probs is the attention matrix P [B,H,S,S] (the benchmark contract gives it), or its row
-log-sum-exp lse [B,H,S] (VisionAttentionBlock's forward saves only that): then every P
-tile is recomputed from q and k as exp(scale * q k^T - lse). grad_attn (the
+probs is the attention matrix P [B,H,S,S] (the benchmark contract gives it; attn_output
+None), or its row log-sum-exp lse [B,H,S] (VisionAttentionBlock's forward saves only
+that): then every P tile is recomputed from q and k as exp(scale * q k^T - lse), and
+attn_output, the forward's O = P v [B,S,E], gives delta = rowsum(dO * O) before the rows
+pass sweeps (the contract's attn_output is drawn apart from its P, so there it is not
+used). grad_attn (the
 out-projection gradient) is [B,S,E] with heads merged; q, k, v are [B,H,S,D]. float32. The fp16 copies feed the QKV weight-gradient GEMM,
 the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the gradient to
 about 16 mantissa bits.
@@ -25,7 +28,7 @@ templates that max-autotune tunes.
 and `attention_backward` runs the operators eagerly and returns float32 gradients (tests).
 """
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -58,16 +61,24 @@ def probabilities(probs, q, k, scale):
     return torch.exp((q @ k.transpose(-1, -2)) * scale - probs.unsqueeze(-1))
 
 
-def attention_backward_math(probs, grad_attn, q, k, v, scale):
+def attention_backward_math(probs, grad_attn, q, k, v, scale, attn_output=None):
     """The attention core in PyTorch ops, in the inputs' dtype (materializes S x S):
-    grad_q, grad_k, grad_v [B,S,E]."""
+    grad_q, grad_k, grad_v [B,S,E]. attn_output (with lse only) gives delta."""
     attn_weights = probabilities(probs, q, k, scale)                       # [B,H,S,S]
     grad_attn = split_heads(grad_attn, attn_weights.shape[1])              # [B,H,S,D]
     grad_p = grad_attn @ v.transpose(-1, -2)                               # [B,H,S,S]
-    delta = (attn_weights * grad_p).sum(-1, keepdim=True)                  # [B,H,S,1]
-    grad_s = attn_weights * (grad_p - delta)
+    grad_s = attn_weights * (grad_p - _delta(attn_weights, grad_p, grad_attn, attn_output))
     return (merge_heads(grad_s @ k * scale), merge_heads(grad_s.transpose(-1, -2) @ q * scale),
             merge_heads(attn_weights.transpose(-1, -2) @ grad_attn))
+
+
+def _delta(attn_weights, grad_p, grad_attn, attn_output):
+    """rowsum(P * dP) [B,H,S,1], as the rows pass gets it: from the forward's output
+    (rowsum(dO * O)) where one is given, else from P and dP."""
+    if attn_output is None:
+        return (attn_weights * grad_p).sum(-1, keepdim=True)
+    attn_output = split_heads(attn_output, attn_weights.shape[1])          # [B,H,S,D]
+    return (grad_attn * attn_output).sum(-1, keepdim=True)
 
 
 def _halves(grads):
@@ -94,7 +105,7 @@ def _tiles(head_dim, block_m, block_n):
     return tiles._replace(block_m=block_m or tiles.block_m, block_n=block_n or tiles.block_n)
 
 
-def launch_rows(probs, grad_attn, q, k, v, scale, block_m=None, block_n=None):
+def launch_rows(probs, grad_attn, q, k, v, attn_output, scale, block_m=None, block_n=None):
     """Run the rows kernel on any tensors Triton can reach; returns the operator's
     outputs."""
     from .kernels.softmax_bwd import softmax_bwd_rows_kernel
@@ -104,9 +115,10 @@ def launch_rows(probs, grad_attn, q, k, v, scale, block_m=None, block_n=None):
     grad_q_halves = k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16)
     delta = k.new_empty(B, H, S)
     grid = (-(-S // tiles.block_m), B * H)
+    attn_output = probs if attn_output is None else attn_output.contiguous()  # unread if P
     softmax_bwd_rows_kernel[grid](
-        probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), grad_q16, grad_q_halves,
-        delta, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=tiles.block_m,
+        probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), attn_output, grad_q16,
+        grad_q_halves, delta, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, RECOMPUTE_P=probs.dim() == 3, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return grad_q16, grad_q_halves, delta
@@ -135,19 +147,23 @@ def _kernel_operands(grad_attn, q, k, v):
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())
 def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     k: torch.Tensor, v: torch.Tensor, attn_output: Optional[torch.Tensor],
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(k):
-        return launch_rows(probs, grad_attn, q, k, v, scale)
+        return launch_rows(probs, grad_attn, q, k, v, attn_output, scale)
+    if attn_output is not None:
+        attn_output = attn_output.double()
     probs, grad_attn, q, k, v = (t.double() for t in (probs, grad_attn, q, k, v))
-    grad_q, _, _ = attention_backward_math(probs, grad_attn, q, k, v, scale)
-    grad_p = split_heads(grad_attn, k.shape[1]) @ v.transpose(-1, -2)     # [B,H,S,S]
-    delta = (probabilities(probs, q, k, scale) * grad_p).sum(-1)          # [B,H,S]
-    return grad_q.half(), _halves([grad_q]), delta.float()
+    grad_q, _, _ = attention_backward_math(probs, grad_attn, q, k, v, scale, attn_output)
+    attn_weights = probabilities(probs, q, k, scale)                       # [B,H,S,S]
+    heads_grad_attn = split_heads(grad_attn, k.shape[1])                   # [B,H,S,D]
+    delta = _delta(attn_weights, heads_grad_attn @ v.transpose(-1, -2), heads_grad_attn,
+                   attn_output)                                            # [B,H,S,1]
+    return grad_q.half(), _halves([grad_q]), delta.squeeze(-1).float()
 
 
 @softmax_bwd_rows.register_fake
-def _(probs, grad_attn, q, k, v, scale):
+def _(probs, grad_attn, q, k, v, attn_output, scale):
     B, H, S, D = k.shape
     return (k.new_empty(B, S, H * D, dtype=torch.float16),
             k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16), k.new_empty(B, H, S))
@@ -178,17 +194,19 @@ def float32_from_halves(halves):
     return hi + lo
 
 
-def attention_backward(probs, grad_attn, q, k, v, scale, *, block_m=None, block_n=None):
+def attention_backward(probs, grad_attn, q, k, v, scale, *, attn_output=None,
+                       block_m=None, block_n=None):
     """Both operators eagerly (the Triton kernels where they apply, with optional tile
     sizes), as float32 grad_q, grad_k, grad_v [B,S,E] rebuilt from the bf16 halves.
-    probs: P [B,H,S,S] or its log-sum-exp [B,H,S]."""
+    probs: P [B,H,S,S], or its log-sum-exp [B,H,S] with attn_output, O [B,S,E]."""
     if _use_triton(q):
-        _, grad_q_halves, delta = launch_rows(probs, grad_attn, q, k, v, scale, block_m,
-                                              block_n)
+        _, grad_q_halves, delta = launch_rows(probs, grad_attn, q, k, v, attn_output, scale,
+                                              block_m, block_n)
         _, grad_kv_halves = launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m,
                                         block_n)
     else:
-        _, grad_q_halves, delta = softmax_bwd_rows(probs, grad_attn, q, k, v, scale)
+        _, grad_q_halves, delta = softmax_bwd_rows(probs, grad_attn, q, k, v, attn_output,
+                                                   scale)
         _, grad_kv_halves = softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale)
     grad_k, grad_v = float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
     return float32_from_halves(grad_q_halves), grad_k, grad_v

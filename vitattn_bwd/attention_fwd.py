@@ -1,6 +1,8 @@
 """The attention forward as a custom operator that never writes an S x S tensor:
 
     attention_fwd(q, k, v, scale) -> attn_output [B,S,E], lse [B,H,S]
+    attention_fwd_split(qkv_hi, qkv_lo, num_heads, scale) -> the same
+
 
 q, k, v are [B,H,S,D] (any strides); attn_output = softmax(scale * q k^T) v with heads
 merged (E = H*D, what the out projection reads); lse = logsumexp(scale * q k^T) per row
@@ -10,6 +12,9 @@ P = exp(scale * q k^T - lse) (`attention_probabilities`).
 On CUDA, for float32 and the head dims of the Triton kernels, it runs the FlashAttention-
 style kernel of kernels/attention_fwd.py after splitting q, k and v once into bf16 hi/lo
 pairs (what the kernel reads; float32-grade bf16x3 products, ~1e-5 relative error).
+`attention_fwd_split` takes that split made already, of a whole QKV projection [B,S,3E]
+(q | k | v columns, heads side by side): VisionAttentionBlock's compiled forward makes it
+in the kernel that makes qkv, where the op's own split would cost three strided passes.
 Elsewhere it runs `attention_math`: the same outputs from PyTorch ops in the inputs'
 dtype, materializing S x S (float32 products as torch is set: no TF32 unless enabled).
 """
@@ -18,6 +23,7 @@ import math
 import torch
 
 from .attention_core import TileConfig, triton_supports
+from .layout import split_heads
 from .precision import split_bf16_truncated
 
 
@@ -108,3 +114,25 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _(q, k, v, scale):
     B, H, S, D = q.shape
     return q.new_empty(B, S, H * D), q.new_empty(B, H, S)
+
+
+@torch.library.custom_op("vitattn_bwd::attention_fwd_split", mutates_args=())
+def attention_fwd_split(qkv_hi: torch.Tensor, qkv_lo: torch.Tensor, num_heads: int,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_fwd of the q, k, v of a QKV projection [B,S,3E] given as its bf16
+    (hi, lo) parts (precision.split_bf16_truncated)."""
+    qkv_hi, qkv_lo = qkv_hi.contiguous(), qkv_lo.contiguous()
+    heads = [[split_heads(t, num_heads) for t in part.chunk(3, dim=-1)]     # [B,H,S,D]
+             for part in (qkv_hi, qkv_lo)]
+    if qkv_hi.device.type == "cuda" and triton_supports("cuda", torch.float32,
+                                                         heads[0][0].shape[-1]):
+        return launch_attention_fwd_presplit(*zip(*heads), scale)
+    q, k, v = (hi.float() + lo.float() for hi, lo in zip(*heads))
+    return attention_fwd(q, k, v, scale)
+
+
+@attention_fwd_split.register_fake
+def _(qkv_hi, qkv_lo, num_heads, scale):
+    B, S, E = qkv_hi.shape[0], qkv_hi.shape[1], qkv_hi.shape[2] // 3
+    return qkv_hi.new_empty(B, S, E, dtype=torch.float32), qkv_hi.new_empty(
+        B, num_heads, S, dtype=torch.float32)

@@ -19,6 +19,7 @@ mode (other threads' CUDA work goes on), with a private memory pool, and its rep
 serialized by a lock and ordered on the GPU by an event, so two threads (or streams) never
 share the static buffers at once.
 """
+import contextlib
 import threading
 import warnings
 
@@ -109,7 +110,10 @@ class GraphedCall:
     def __call__(self, **inputs):
         key = _signature(inputs)
         device = next(iter(inputs.values())).device
-        with self._lock, torch.cuda.device(device):
+        # entering torch.cuda.device costs more host time than the check
+        on_device = (contextlib.nullcontext() if device.index == torch.cuda.current_device()
+                     else torch.cuda.device(device))
+        with self._lock, on_device:
             if key in self._graphs:
                 captured = self._graphs[key]
                 return captured.replay(inputs) if captured else tuple(self.fn(**inputs))

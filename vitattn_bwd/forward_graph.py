@@ -9,7 +9,8 @@ LayerNorm, the QKV projection, the fused attention operator (attention_fwd.py: n
 tensor, saves the log-sum-exp) and the out projection with the residual. With
 split_precision (CUDA, float32) both projections are bf16x3 GEMMs (precision.py): the
 activation is split into its bf16 halves by the kernel that makes it (Inductor fuses the
-split into the LayerNorm kernel), the weights once per call. cuBLAS float32 GEMMs
+split into the LayerNorm kernel), the weights once per call; likewise the attention
+operator gets q, k and v split by the kernel that adds up the QKV GEMMs. cuBLAS float32 GEMMs
 without TF32, what F.linear runs, take about fifteen times as long per FLOP (at batch 32
 the two projections are ~2.4 ms of float32 GEMM). Without split_precision (the CPU,
 float64) the projections are F.linear in the inputs' dtype.
@@ -27,9 +28,9 @@ import torch
 from torch.nn import functional as F
 
 from . import graph
-from .attention_fwd import attention_fwd
+from .attention_fwd import attention_fwd, attention_fwd_split
 from .layout import split_heads
-from .precision import linear_bf16x3
+from .precision import linear_bf16x3, split_bf16_truncated
 
 
 def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias, *,
@@ -41,9 +42,13 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     x_norm = x_centered * torch.rsqrt(x_var + eps) * ln_weight + ln_bias       # [B,S,E]
     linear = linear_bf16x3 if split_precision else F.linear
     qkv = linear(x_norm, qkv_weight, qkv_bias)                                 # [B,S,3E]
-    q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))       # [B,H,S,D]
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    attn_output, lse = attention_fwd(q, k, v, scale)                # [B,S,E], [B,H,S]
+    scale = 1.0 / math.sqrt(x.shape[-1] // num_heads)
+    if split_precision:     # the attention kernel's bf16 split, fused where qkv is made
+        attn_output, lse = attention_fwd_split(*split_bf16_truncated(qkv), num_heads,
+                                               scale)               # [B,S,E], [B,H,S]
+    else:
+        q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))   # [B,H,S,D]
+        attn_output, lse = attention_fwd(q, k, v, scale)
     y = x + linear(attn_output, out_weight, out_bias)
     return y, x_mean, x_var, qkv, lse, attn_output
 
@@ -75,8 +80,7 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
         outputs = block_forward(**tensors, num_heads=num_heads, eps=eps,
                                 split_precision=False)
     y, x_mean, x_var, qkv, lse, attn_output = outputs
-    q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))       # [B,H,S,D]
-    saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, q, k, v, lse, attn_output,
+    saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse, attn_output,
              out_weight)
     return y, saved, 1.0 / math.sqrt(E // num_heads)
 

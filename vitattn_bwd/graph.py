@@ -26,6 +26,7 @@ import torch
 
 from . import attention_core, cache
 from .cuda_graphs import GraphedCall
+from .layout import split_heads
 from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
                         matmul_halves_transposed)
 
@@ -34,7 +35,7 @@ from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_we
 BATCH_BUCKETS = ((2, 15), (16, float("inf")))
 # Batches up to this size run as CUDA graphs (uses_cuda_graph).
 CUDA_GRAPH_MAX_BATCH = 15
-BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v",
+BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v", "qkv",
                   "attn_weights", "attn_output")   # those present are marked dynamic
 
 
@@ -49,8 +50,12 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
     grad_out_weight = matmul_halves_transposed(grad_rows_halves, bf16_halves(attn_rows))
     grad_attn = matmul_halves_by_weight(grad_rows_halves, out_weight).view(B, S, E)
 
+    # with lse (module mode) attn_output is the block's own O = P v, whose rowsum with
+    # dO is delta; the contract's attn_output is drawn apart from its P
+    forward_output = attn_rows.view(B, S, E) if attn_weights.dim() == 3 else None
     grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(
-        attn_weights, grad_attn, q, k, v, scale)            # [B,S,E], [B,S,2E], [B,H,S]
+        attn_weights, grad_attn, q, k, v, forward_output,
+        scale)                                              # [B,S,E], [B,S,2E], [B,H,S]
     grad_kv16, grad_kv_halves = attention_core.softmax_bwd_cols(
         attn_weights, grad_attn, q, k, v, delta, scale)     # [B,S,2E], [B,S,4E]
     grad_q_halves = grad_q_halves.view(rows, 2 * E)
@@ -74,8 +79,10 @@ def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     E = H * D
     grad_out_weight = grad_rows.t() @ attn_rows
     grad_attn = (grad_rows @ out_weight).view(B, S, E)
+    forward_output = attn_rows.view(B, S, E) if attn_weights.dim() == 3 else None
     grad_qkv = torch.cat(attention_core.attention_backward_math(                 # [B*S,3E]
-        attn_weights, grad_attn, q, k, v, scale), dim=-1).view(B * S, 3 * E)
+        attn_weights, grad_attn, q, k, v, scale, forward_output),
+        dim=-1).view(B * S, 3 * E)
     return (grad_out_weight, grad_qkv @ qkv_weight, grad_qkv.t() @ x_norm_rows,
             grad_qkv.sum(0))
 
@@ -97,15 +104,21 @@ def layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, n
     return grad_x, (grad_x_norm * xhat).sum((0, 1)), grad_x_norm.sum((0, 1))
 
 
-def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, q, k, v,
-                   attn_weights, attn_output, out_weight, *, scale, norm_eps, ln_grad,
-                   split_precision, x_norm=None, ln_bias=None):
+def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_weights,
+                   attn_output, out_weight, *, scale, norm_eps, ln_grad, split_precision,
+                   q=None, k=None, v=None, qkv=None, x_norm=None, ln_bias=None):
     """The seven gradients (the math of reference.attention_block_backward).
 
     attn_weights is P [B,H,S,S], or its row log-sum-exp [B,H,S] (VisionAttentionBlock
-    saves only that; the attention core recomputes P). x_norm may be left out (None)
-    with ln_bias given: it is recomputed from x and the LayerNorm statistics."""
+    saves only that; the attention core recomputes P). q, k, v [B,H,S,D] may instead come
+    whole as the QKV projection qkv [B,S,3E] (the module saves it so: one contiguous
+    tensor for a CUDA graph's static input, not three strided views). x_norm may be left
+    out (None) with ln_bias given: it is recomputed from x and the LayerNorm
+    statistics."""
     B, S, E = x.shape
+    if qkv is not None:
+        q, k, v = (split_heads(t, attn_weights.shape[1])
+                   for t in qkv.chunk(3, dim=-1))                              # [B,H,S,D]
     if x_norm is None:
         x_norm = (x - x_mean) * torch.rsqrt(x_var + norm_eps) * ln_weight + ln_bias
     grad_rows = grad_output.reshape(B * S, E)                                  # [B*S,E]
@@ -175,7 +188,7 @@ def _with_own_code(fn):
 def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
              batch_bucket, cuda_graph, input_names):
     """One compiled backward; the arguments are the cache key (input_names: the
-    contract's inputs, or the module's, without x_norm and with ln_bias)."""
+    contract's inputs, or the module's: qkv for q, k, v, ln_bias for x_norm)."""
     del dtype, seq_len, embed_dim, num_heads, input_names     # they key the cache only
     constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
                      split_precision=device_type == "cuda")
@@ -200,7 +213,7 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
     own, with its own options, and called from there."""
     x = inputs["x"]
     B, S, E = x.shape
-    fn = _compile(x.device.type, x.dtype, S, E, inputs["q"].shape[1], scale, norm_eps,
-                  ln_grad, batch_bucket(B), uses_cuda_graph(x.device.type, B),
-                  tuple(inputs))
+    num_heads = inputs["attn_weights"].shape[1]
+    fn = _compile(x.device.type, x.dtype, S, E, num_heads, scale, norm_eps, ln_grad,
+                  batch_bucket(B), uses_cuda_graph(x.device.type, B), tuple(inputs))
     return fn(**inputs)

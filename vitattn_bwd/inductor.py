@@ -86,14 +86,14 @@ def compile_options(tag, *, max_autotune):
 # Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, SCALE, RECOMPUTE_P
 # (PROBS is P, or its log-sum-exp when True).
 _ROWS_ENTRY = r'''
-{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_Q_HALVES")}}
+{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "ATTN_OUT", "DELTA", "GRAD_Q_HALVES")}}
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
     grad_q, delta = softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
-                                          K_HI, K_LO, V_HI, V_LO, batch, head, m_start,
-                                          SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
-                                          BLOCK_N, RECOMPUTE_P)
+                                          K_HI, K_LO, V_HI, V_LO, ATTN_OUT, batch, head,
+                                          m_start, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM,
+                                          BLOCK_M, BLOCK_N, RECOMPUTE_P)
     store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
@@ -252,18 +252,21 @@ def _constexprs(probs, num_heads, seq_len, head_dim, scale):
 
 
 @register_lowering(_ROWS_OP, type_promotion_kind=None)
-def _lower_rows(probs, grad_attn, q, k, v, scale):
+def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale):
     batch, (num_heads, seq_len, head_dim) = _static_sizes(k)
     if not _template_applies(k, head_dim):
         return fallback_handler(_ROWS_OP, add_to_fallback_set=False)(
-            probs, grad_attn, q, k, v, scale)
+            probs, grad_attn, q, k, v, attn_output, scale)
     device, embed_dim = k.get_device(), num_heads * head_dim
+    if attn_output is None:          # P given: ATTN_OUT is not read, a placeholder
+        attn_output = empty_strided([1], None, dtype=torch.float32, device=device)
     delta = empty_strided([batch, num_heads, seq_len], None, dtype=torch.float32,
                           device=device)                                  # [B,H,S]
     grad_q_halves = empty_strided([batch, seq_len, 2 * embed_dim], None,
                                   dtype=torch.bfloat16, device=device)    # [B,S,2E]
     layout = ir.FixedLayout(device, torch.float16, [batch, seq_len, embed_dim])  # [B,S,E]
-    inputs = [*_operands(probs, grad_attn, q, k, v), delta, grad_q_halves]
+    inputs = [*_operands(probs, grad_attn, q, k, v), _contiguous(attn_output), delta,
+              grad_q_halves]
     constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     rows_template, _ = _templates()
     choices = _tile_choices(rows_template, inputs, layout, [delta, grad_q_halves],

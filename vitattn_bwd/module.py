@@ -5,9 +5,9 @@ whose backward is vitattn_bwd's fused backward (ln_grad="exact").
 The forward (forward_graph.py) is PyTorch math around one fused attention operator
 (attention_fwd.py: a FlashAttention-style Triton kernel on CUDA, float32-grade, no S x S
 tensor) that returns the attention output and the softmax's row log-sum-exp; on CUDA it
-is compiled, with bf16x3 projections. It saves x, its LayerNorm statistics, q, k, v, the
-log-sum-exp and the attention output: about 11.8 MB per image at 577 tokens, 1024 wide,
-16 heads (P alone would be 21.3 MB). The backward recomputes x_norm from x and the
+is compiled, with bf16x3 projections. It saves x, its LayerNorm statistics, the QKV
+projection (whole: q, k and v are its views), the log-sum-exp and the attention output:
+about 11.8 MB per image at 577 tokens, 1024 wide, 16 heads (P alone would be 21.3 MB). The backward recomputes x_norm from x and the
 statistics, and every P tile from q, k and the log-sum-exp inside the attention-core
 templates.
 
@@ -28,6 +28,7 @@ computes in float32 whatever its parameters and input are:
 y has x's dtype (the residual stream keeps its dtype, as in the stock block). No error
 is left for the backward: everything the backward checks is checked in the forward.
 """
+import contextlib
 import math
 import numbers
 
@@ -58,6 +59,14 @@ def check_config(embed_dim, num_heads, eps):
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return int(embed_dim), int(num_heads), float(eps)
+
+
+def _autocast_off(device_type):
+    """torch.autocast(device_type, enabled=False) inside an autocast region; elsewhere
+    nothing, which costs less host time than entering a disabled autocast."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _supported_dtypes(device):
@@ -112,7 +121,7 @@ class VisionAttentionFunction(torch.autograd.Function):
                 raise TypeError(f"{name} has dtype {t.dtype}, but x has {x.dtype}")
         # The math runs as written, whatever autocast region the caller is in: an
         # autocast linear would hand bf16 q, k, v to the float32 backward.
-        with torch.autocast(x.device.type, enabled=False):
+        with _autocast_off(x.device.type):
             y, saved, scale = attention_block_forward(x, *params, num_heads, eps)
         ctx.save_for_backward(*saved)
         ctx.num_heads, ctx.eps, ctx.scale = num_heads, eps, scale
@@ -123,8 +132,8 @@ class VisionAttentionFunction(torch.autograd.Function):
         # Autograd runs a backward with grad mode on only for create_graph=True.
         if torch.is_grad_enabled():
             raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
-        names = ("x", "x_mean", "x_var", "ln_weight", "ln_bias", "qkv_weight", "q", "k",
-                 "v", "attn_weights", "attn_output", "out_weight")   # attn_weights: lse
+        names = ("x", "x_mean", "x_var", "ln_weight", "ln_bias", "qkv_weight", "qkv",
+                 "attn_weights", "attn_output", "out_weight")   # attn_weights: lse
         saved = dict(zip(names, ctx.saved_tensors))
         x = saved["x"]
         if x.numel() == 0:             # empty batch or no tokens: nothing to sum
@@ -134,7 +143,7 @@ class VisionAttentionFunction(torch.autograd.Function):
             return (torch.zeros_like(x), *zeros, None, None)
         # A backward called inside an autocast region (on the CPU it runs on the caller's
         # thread) must not turn our float32 math into bf16 either.
-        with torch.autocast(x.device.type, enabled=False):
+        with _autocast_off(x.device.type):
             (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
              grad_ln_weight, grad_ln_bias) = graph.compiled_backward(
                 dict(grad_output=grad_y.contiguous(), **saved), scale=ctx.scale,
@@ -167,7 +176,7 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     else:
         compute = torch.float32
     args = [t if t.dtype == compute else t.to(compute) for t in (x, *params)]
-    with torch.autocast(device.type, enabled=False):
+    with _autocast_off(device.type):
         y = VisionAttentionFunction.apply(*args, num_heads, eps)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 

@@ -14,7 +14,10 @@ as exp(scale * q k^T - lse), from the same bf16x3 product as the forward
 
 Two passes over P, no S x S tensor in memory:
   rows pass: a program owns BLOCK_M query rows, sweeps all keys once and gets delta and
-             dQ together, because dQ is linear in the two running sums above;
+             dQ together, because dQ is linear in the two running sums above. With
+             RECOMPUTE_P, P and the attention output O [S,D] come from one forward, so
+             delta = rowsum(P * (dO v^T)) = rowsum(dO * O) is known before the sweep (as
+             in FlashAttention's backward) and dQ takes one product with k, not two;
   cols pass: a program owns BLOCK_N key rows, sweeps all queries with delta known and
              gets dK and dV. It works on transposed tiles (P^T, dP^T), as the Triton
              fused-attention tutorial does, so every dot takes its operands as stored.
@@ -119,21 +122,22 @@ def recomputed_probabilities(a_hi, a_lo, b_hi, b_lo, lse_log2, scale, valid, zer
 
 @triton.jit
 def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI,
-                          V_LO, batch, head, m_start, scale, SEQ_LEN: tl.constexpr,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          RECOMPUTE_P: tl.constexpr):
+                          V_LO, ATTN_OUT, batch, head, m_start, scale,
+                          SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
     """Rows pass for query rows [m_start, m_start + BLOCK_M) of one (batch, head); PROBS
-    is P, or lse with RECOMPUTE_P (then q is read; otherwise Q_HI/Q_LO are unused).
-    Returns grad_q [BLOCK_M, HEAD_DIM] and delta [BLOCK_M] (rows past SEQ_LEN are 0)."""
+    is P, or lse with RECOMPUTE_P (then q and the attention output ATTN_OUT [B,S,E] are
+    read; otherwise Q_HI, Q_LO and ATTN_OUT are unused). Returns grad_q [BLOCK_M,
+    HEAD_DIM] and delta [BLOCK_M] (rows past SEQ_LEN are 0)."""
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < SEQ_LEN
-    grad_attn_hi, grad_attn_lo = load_pair(
-        GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS,
-                                              HEAD_DIM, NUM_HEADS * HEAD_DIM),
-        row_ok[:, None])                                                  # [BM,D]
+    head_rows_m = head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
+                            NUM_HEADS * HEAD_DIM)
+    grad_attn_hi, grad_attn_lo = load_pair(GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows_m,
+                                           row_ok[:, None])               # [BM,D]
 
     p_rows = PROBS + batch_head * SEQ_LEN * SEQ_LEN + offs_m[:, None] * SEQ_LEN
     head_start = batch_head * SEQ_LEN * HEAD_DIM
@@ -142,10 +146,14 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
                                + offs_d[None, :], row_ok[:, None])        # [BM,D]
         lse_log2 = load_vector(PROBS + batch_head * SEQ_LEN, m_start, SEQ_LEN,
                                BLOCK_M) * 1.4426950408889634              # [BM]
+        attn_out = tl.load(ATTN_OUT + head_rows_m, mask=row_ok[:, None], other=0.0)
+        grad_attn = grad_attn_hi.to(tl.float32) + grad_attn_lo.to(tl.float32)
+        delta = tl.sum(grad_attn * attn_out, axis=1)                      # [BM]
+    else:
+        delta = tl.zeros((BLOCK_M,), dtype=tl.float32)                    # summed below
 
-    delta = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    p_grad_p_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)          # sum (P*dP) @ k
-    p_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)                 # sum P @ k
+    grad_s_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)   # sum (P*(dP-delta)) @ k,
+    p_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)        # or (P*dP) @ k and P @ k
     for n_start in range(0, SEQ_LEN, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < SEQ_LEN
@@ -161,13 +169,17 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
             p = load_probs_tile(p_rows, row_ok, n_start, 1, SEQ_LEN, BLOCK_N)  # [BM,BN]
         grad_p = dot_bf16x3(grad_attn_hi, grad_attn_lo, tl.trans(v_hi), tl.trans(v_lo),
                             tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # [BM,BN]
-        p_grad_p = p * grad_p
-        delta += tl.sum(p_grad_p, axis=1)
-        pgp_hi, pgp_lo = split_bf16_rounded(p_grad_p)
-        p_grad_p_k = dot_bf16x3(pgp_hi, pgp_lo, k_hi, k_lo, p_grad_p_k)
-        p_hi, p_lo = split_bf16_rounded(p)
-        p_k = dot_bf16x3(p_hi, p_lo, k_hi, k_lo, p_k)
-    grad_q = (p_grad_p_k - delta[:, None] * p_k) * scale
+        if RECOMPUTE_P:
+            grad_s = p * (grad_p - delta[:, None])
+        else:
+            grad_s = p * grad_p
+            delta += tl.sum(grad_s, axis=1)
+        gs_hi, gs_lo = split_bf16_rounded(grad_s)
+        grad_s_k = dot_bf16x3(gs_hi, gs_lo, k_hi, k_lo, grad_s_k)
+        if not RECOMPUTE_P:
+            p_hi, p_lo = split_bf16_rounded(p)
+            p_k = dot_bf16x3(p_hi, p_lo, k_hi, k_lo, p_k)
+    grad_q = (grad_s_k - delta[:, None] * p_k) * scale        # p_k = 0 with RECOMPUTE_P
     return grad_q, delta
 
 
@@ -285,7 +297,7 @@ def store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start,
 
 @triton.jit
 def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, GRAD_Q16, GRAD_Q_HALVES, DELTA, scale,
+                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA, scale,
                             SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
@@ -293,9 +305,9 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
     grad_q, delta = softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
-                                          K_HI, K_LO, V_HI, V_LO, batch, head, m_start,
-                                          scale, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
-                                          BLOCK_N, RECOMPUTE_P)
+                                          K_HI, K_LO, V_HI, V_LO, ATTN_OUT, batch, head,
+                                          m_start, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM,
+                                          BLOCK_M, BLOCK_N, RECOMPUTE_P)
     store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
