@@ -9,8 +9,9 @@ for the backward per image, and the step's peak memory.
 
 float32; TF32 is left as the process has it (off by default) and printed.
 """
-import copy
 import argparse
+import copy
+import functools
 import statistics
 import sys
 import time
@@ -23,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vitattn_bwd import VisionAttentionBlock, reference  # noqa: E402
 
 
-def step_ms(step, device, repeats=10):
-    """Median ms of step() after one untimed call (compiles, autotunes)."""
-    step()
+def step_times(step, device, repeats):
+    """ms of `repeats` calls of step(), each timed from a synchronized start to its end."""
     times = []
     for _ in range(repeats):
         if device == "cuda":
@@ -35,7 +35,24 @@ def step_ms(step, device, repeats=10):
         if device == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return times
+
+
+def compare_ms(steps, device, rounds=5, repeats=10):
+    """Median ms of each of `steps` (name -> step) after one untimed call each (compiles,
+    autotunes, captures): the steps take turns, `rounds` times `repeats` calls each, so
+    that a drift of the machine's speed during the run falls on all of them alike."""
+    for step in steps.values():
+        step()
+    times = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            times[name] += step_times(step, device, repeats)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _block_step(model, x, grad):
+    model(x).backward(grad)
 
 
 def saved_mb(model, x, device):
@@ -63,11 +80,11 @@ def hf_tower(device, layers):
     return CLIPVisionModel(config).to(device).train()
 
 
-def hf_step_ms(model, pixels, grad, device, repeats=10):
+def hf_step(model, pixels, grad):
     def step():
         model.zero_grad(set_to_none=True)
         model(pixel_values=pixels).last_hidden_state.backward(grad)
-    return step_ms(step, device, repeats)
+    return step
 
 
 def hf_memory_mb(model, pixels, grad, device):
@@ -111,7 +128,8 @@ def bench_hf(device, batch_sizes, layers):
     for B in batch_sizes:
         pixels = torch.randn(B, 3, c.image_size, c.image_size, device=device)
         grad = torch.randn(B, tokens, c.hidden_size, device=device)
-        times = [hf_step_ms(m, pixels, grad, device) for m in (stock, ours)]
+        times = list(compare_ms({"stock": hf_step(stock, pixels, grad),
+                                 "ours": hf_step(ours, pixels, grad)}, device).values())
         memory = [hf_memory_mb(m, pixels, grad, device) for m in (stock, ours)]
         print(f"| {B} | {times[0]:.3f} | {times[1]:.3f} | {times[0] / times[1]:.2f}x | "
               f"{memory[0][0]:.1f} | {memory[1][0]:.1f} | {memory[0][1]:.0f} | "
@@ -139,10 +157,11 @@ def main():
     for B in batch_sizes:
         x = torch.randn(B, seq_len, embed_dim, device=device, requires_grad=True)
         grad = torch.randn_like(x)
+        times = compare_ms({name: functools.partial(_block_step, model, x, grad)
+                            for name, model in models.items()}, device)
         cells = []
-        for model in models.values():
-            ms = step_ms(lambda: model(x).backward(grad), device)
-            cells += [f"{ms:.3f}", f"{saved_mb(model, x, device):.0f}"]
+        for name, model in models.items():
+            cells += [f"{times[name]:.3f}", f"{saved_mb(model, x, device):.0f}"]
         print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
     if not args.no_hf:
         bench_hf(device, batch_sizes, args.hf_layers or (4 if device == "cuda" else 2))

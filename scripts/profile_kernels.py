@@ -1,9 +1,11 @@
-"""Where the time goes: one backward at a contract batch size under torch.profiler,
-CUDA kernels ranked by total time.
+"""Where the time goes: CUDA kernels ranked by total time, under torch.profiler, for one
+backward at a contract batch size, or (--module) for one VisionAttentionBlock training
+step (forward + backward), with the kernels grouped by kind.
 
-    python scripts/profile_kernels.py --batch 32 [--trace trace.json]
+    python scripts/profile_kernels.py --batch 32 [--module] [--trace trace.json]
 """
 import argparse
+import collections
 import sys
 from pathlib import Path
 
@@ -12,26 +14,68 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vitattn_bwd import contract  # noqa: E402
+from vitattn_bwd import VisionAttentionBlock, contract  # noqa: E402
 from vitattn_bwd.workloads import make_inputs  # noqa: E402
+
+# kernel-name fragment -> group, first match wins
+GROUPS = (("softmax_bwd_rows", "attention core: rows pass"),
+          ("softmax_bwd_cols", "attention core: cols pass"),
+          ("attention_fwd", "attention forward"),
+          ("gemm", "GEMMs"), ("cutlass", "GEMMs"), ("sm90", "GEMMs"),
+          ("copy", "copies (CUDA-graph buffers, casts)"),
+          ("memcpy", "copies (CUDA-graph buffers, casts)"),
+          ("memset", "memsets"),
+          ("triton", "Inductor's fused kernels (splits, LayerNorm, sums)"))
+
+
+def group_of(name):
+    lower = name.lower()
+    return next((group for fragment, group in GROUPS if fragment in lower), "other")
+
+
+def module_step(batch):
+    torch.manual_seed(0)
+    block = VisionAttentionBlock().cuda()
+    x = torch.randn(batch, 577, 1024, device="cuda", requires_grad=True)
+    grad = torch.randn_like(x)
+    return lambda: block(x).backward(grad)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--module", action="store_true",
+                        help="a VisionAttentionBlock fwd+bwd step instead of the contract")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--trace", type=Path)
     args = parser.parse_args()
-    inputs = tuple(make_inputs(args.batch, device="cuda").values())
+    if args.module:
+        step = module_step(args.batch)
+    else:
+        inputs = tuple(make_inputs(args.batch, device="cuda").values())
+        step = lambda: contract.run(*inputs)                          # noqa: E731
+    calls = 5
     for _ in range(3):
-        contract.run(*inputs)
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            contract.run(*inputs)
+        for _ in range(calls):
+            step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows,
                                     max_name_column_width=90))
+    groups, kernels = collections.Counter(), collections.Counter()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            groups[group_of(event.name)] += event.device_time / 1e3 / calls
+            kernels[(group_of(event.name), event.name)] += event.device_time / 1e3 / calls
+    print("| group | kernel | ms per call |\n|---|---|---|")
+    for (group, name), ms in kernels.most_common():
+        print(f"| {group} | {name[:160]} | {ms:.4f} |")
+    print("| group | ms per call |\n|---|---|")
+    for group, ms in groups.most_common():
+        print(f"| {group} | {ms:.3f} |")
+    print(f"| busy | {sum(groups.values()):.3f} |")
     if args.trace:
         prof.export_chrome_trace(str(args.trace))
 
