@@ -8,8 +8,10 @@ tests call at run time, with a wrapper that damages what goes in or comes out:
                                           operator calls on CUDA)
     vitattn_bwd.attention_block_backward ("block": the compiled path, the stateful test)
     vitattn_bwd.contract.run             ("contract": the benchmark entry point)
-    forward_graph.attention_fwd          ("module_fwd": the forward operator as
-                                          VisionAttentionBlock's forward calls it)
+    forward_graph.attention_fwd, .attention_fwd_split
+                                         ("module_fwd": the forward operator as
+                                          VisionAttentionBlock's forward calls it: on q,
+                                          k, v (the CPU) or on their bf16 split (CUDA))
     module.VisionAttentionFunction.backward ("module_bwd": the module's backward)
 
 Nothing inside vitattn_bwd changes: the plants sit at the boundary that stays stable
@@ -80,6 +82,13 @@ def _with_outputs(change):
 def _drop_lo(fn):
     def wrapper(*args, **kwargs):
         return _args_map(fn, args, kwargs)
+    return wrapper
+
+
+def _drop_lo_split(fn):
+    """drop_lo for attention_fwd_split(qkv_hi, qkv_lo, ...): q, k, v are its hi parts."""
+    def wrapper(qkv_hi, qkv_lo, *args, **kwargs):
+        return fn(qkv_hi, torch.zeros_like(qkv_lo), *args, **kwargs)
     return wrapper
 
 
@@ -185,12 +194,14 @@ def _recompile(fn):
     return wrapper
 
 
-# plant name -> (what it models, {target: wrapper factory})
+# plant name -> (what it models, {target: wrapper factory, or {attribute: factory} where
+# a target's attributes take different arguments})
 PLANTS = {
     "drop_lo": ("every float argument truncated to bf16 (its lo part zero): the kernels' "
                 "operands without their lo halves (fwd, module_fwd: q, k, v)",
                 {"core": _drop_lo, "block": _drop_lo, "contract": _drop_lo,
-                 "fwd": _drop_lo, "module_fwd": _drop_lo}),
+                 "fwd": _drop_lo, "module_fwd": {"attention_fwd": _drop_lo,
+                                                 "attention_fwd_split": _drop_lo_split}}),
     "round_out": ("outputs rounded to bf16 (core: grad_q and grad_v, the bf16x3 outputs; "
                   "block, contract, module_bwd: all seven gradients; fwd, module_fwd: "
                   "attn_output and lse)",
@@ -229,12 +240,14 @@ PLANTS = {
                   {"block": _recompile}),
 }
 
-TARGETS = {"core": (attention_core, "attention_backward"),
-           "fwd": (attention_fwd, "launch_attention_fwd"),
-           "block": (vitattn_bwd, "attention_block_backward"),
-           "contract": (contract, "run"),
-           "module_fwd": (forward_graph, "attention_fwd"),
-           "module_bwd": (module.VisionAttentionFunction, "backward")}
+# target -> the (owner, attribute) pairs it patches
+TARGETS = {"core": [(attention_core, "attention_backward")],
+           "fwd": [(attention_fwd, "launch_attention_fwd")],
+           "block": [(vitattn_bwd, "attention_block_backward")],
+           "contract": [(contract, "run")],
+           "module_fwd": [(forward_graph, "attention_fwd"),
+                          (forward_graph, "attention_fwd_split")],
+           "module_bwd": [(module.VisionAttentionFunction, "backward")]}
 
 
 # Targets called inside one of our compiled graphs: dynamo reads them when it traces,
@@ -284,11 +297,12 @@ def planted(name, only=None):
     try:
         with pytest.MonkeyPatch.context() as mp:
             for target, factory in wrappers.items():
-                owner, attr = TARGETS[target]
-                wrapper = factory(getattr(owner, attr))
-                if isinstance(inspect.getattr_static(owner, attr), staticmethod):
-                    wrapper = staticmethod(wrapper)      # an autograd Function's method
-                mp.setattr(owner, attr, wrapper)
+                for owner, attr in TARGETS[target]:
+                    make = factory[attr] if isinstance(factory, dict) else factory
+                    wrapper = make(getattr(owner, attr))
+                    if isinstance(inspect.getattr_static(owner, attr), staticmethod):
+                        wrapper = staticmethod(wrapper)  # an autograd Function's method
+                    mp.setattr(owner, attr, wrapper)
             for cached_compile in compiled:
                 cached_compile.cache_clear()
             yield
