@@ -17,11 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from vitattn_bwd import VisionAttentionBlock, contract  # noqa: E402
 from vitattn_bwd.workloads import make_inputs  # noqa: E402
 
+
 def group_of(name):
     """The kind of a CUDA kernel, from its name."""
     lower = name.lower()
-    if name.startswith("triton_tem_"):                     # our templates
-        return f"attention core: {'rows' if 'rows' in name else 'cols'} pass"
+    for attention_pass in ("rows", "cols"):               # our templates
+        if name.startswith("triton_tem_") and f"softmax_bwd_{attention_pass}" in name:
+            return f"attention core: {attention_pass} pass"
     if name.startswith("attention_fwd_kernel"):
         return "attention forward"
     if any(fragment in lower for fragment in ("nvjet", "gemm", "cutlass")):

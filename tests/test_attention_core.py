@@ -156,6 +156,28 @@ def test_module_mode_delta_comes_from_the_forward_output():
     torch.testing.assert_close(shifted, (want * 1.01).float(), rtol=1e-6, atol=1e-6)
 
 
+def test_log_sum_exp_without_the_forward_output_is_refused():
+    """probs as a log-sum-exp needs attn_output: a clear error, not delta from garbage."""
+    _, grad_attn, q, k, v, scale = _core_inputs(1, 2, 9, 8, seed=6)
+    lse, _ = _log_sum_exp_and_output(q, k, v, scale)
+    for rows in (attention_core.softmax_bwd_rows, attention_core.launch_rows):
+        with pytest.raises(ValueError, match="attn_output"):
+            rows(lse, grad_attn, q, k, v, None, scale)
+
+
+def test_rows_kernel_takes_delta_from_the_forward_output(triton_interpreter):
+    """RECOMPUTE_P: the kernel's delta is rowsum(dO * O) of the O it is given; an O off by
+    1% moves it by 1% (so the kernel does not sum P * dP instead)."""
+    _, grad_attn, q, k, v, scale = _core_inputs(1, 2, 21, 16, seed=7)
+    lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
+    heads = reference.split_heads
+    want = (heads(grad_attn.double(), 2) * heads(attn_output.double(), 2)).sum(-1)
+    for factor in (1.0, 1.01):
+        _, _, delta = attention_core.launch_rows(lse, grad_attn, q, k, v,
+                                                 attn_output * factor, scale, 16, 16)
+        torch.testing.assert_close(delta.double(), want * factor, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("S,block_m,block_n", [(37, 16, 32), (1, 16, 16), (64, 32, 16)])
 def test_kernels_recompute_p_under_interpreter(triton_interpreter, S, block_m, block_n):
     """RECOMPUTE_P: the kernels read lse [B,H,S] instead of P, and take delta from the

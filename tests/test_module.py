@@ -290,3 +290,24 @@ def test_cuda_forward_graph_compiled_for_the_cpu_is_float32_grade():
     assert all(err < 8e-6 for err in errors.values()), errors
     # the projections are not plain float32 matmuls: their outputs carry bf16x3's error
     assert errors["qkv"] > 1e-7, errors
+
+
+@pytest.mark.parametrize("head_dim,split_attention", [(16, True), (12, False)])
+def test_split_forward_hands_the_kernel_split_operands_only_where_it_applies(
+        head_dim, split_attention):
+    """With split_precision the forward gives its attention operator q, k, v as bf16
+    halves (attention_fwd_split) only for head dims the Triton kernel takes; other head
+    dims keep float32 q, k, v (attention_fwd), not the halves' 1e-5 rounding."""
+    from vitattn_bwd import attention_fwd, forward_graph
+    from vitattn_bwd.layout import split_heads
+    torch.manual_seed(1)
+    E, H = 4 * head_dim, 4
+    block = VisionAttentionBlock(E, H)
+    params = [p.detach() for p in block.parameters()]
+    x = torch.randn(2, 9, E)
+    _, _, _, qkv, lse, attn_output = forward_graph.block_forward(
+        x, *params, num_heads=H, eps=1e-5, split_precision=True)
+    q, k, v = (split_heads(t, H) for t in qkv.chunk(3, dim=-1))
+    float32_output, _ = attention_fwd.attention_fwd(q, k, v, head_dim ** -0.5)
+    assert torch.equal(attn_output, float32_output) != split_attention
+    torch.testing.assert_close(attn_output, float32_output, rtol=1e-4, atol=1e-5)

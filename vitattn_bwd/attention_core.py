@@ -10,12 +10,12 @@ consumers read:
 probs is the attention matrix P [B,H,S,S] (the benchmark contract gives it; attn_output
 None), or its row log-sum-exp lse [B,H,S] (VisionAttentionBlock's forward saves only
 that): then every P tile is recomputed from q and k as exp(scale * q k^T - lse), and
-attn_output, the forward's O = P v [B,S,E], gives delta = rowsum(dO * O) before the rows
-pass sweeps (the contract's attn_output is drawn apart from its P, so there it is not
-used). grad_attn (the
-out-projection gradient) is [B,S,E] with heads merged; q, k, v are [B,H,S,D]. float32. The fp16 copies feed the QKV weight-gradient GEMM,
-the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the gradient to
-about 16 mantissa bits.
+attn_output, the forward's O = P v [B,S,E], is required: it gives delta = rowsum(dO * O)
+before the rows pass sweeps (the contract's attn_output is drawn apart from its P, so
+there it is not used). grad_attn (the out-projection gradient) is [B,S,E] with heads
+merged; q, k, v are [B,H,S,D]. float32. The fp16 copies feed the QKV weight-gradient
+GEMM, the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the
+gradient to about 16 mantissa bits.
 
 Eagerly they run the Triton kernels (kernels/softmax_bwd.py) on CUDA and under
 TRITON_INTERPRET=1, after splitting grad_attn, q, k and v into bf16 hi/lo pairs, which
@@ -105,10 +105,18 @@ def _tiles(head_dim, block_m, block_n):
     return tiles._replace(block_m=block_m or tiles.block_m, block_n=block_n or tiles.block_n)
 
 
+def check_forward_output(probs, attn_output):
+    """With the log-sum-exp the rows pass needs the forward's output (ValueError)."""
+    if probs.dim() == 3 and attn_output is None:
+        raise ValueError("softmax_bwd_rows: probs is a log-sum-exp [B,H,S], so attn_output "
+                         "(the forward's O = P v [B,S,E]) must be given, got None")
+
+
 def launch_rows(probs, grad_attn, q, k, v, attn_output, scale, block_m=None, block_n=None):
     """Run the rows kernel on any tensors Triton can reach; returns the operator's
     outputs."""
     from .kernels.softmax_bwd import softmax_bwd_rows_kernel
+    check_forward_output(probs, attn_output)
     B, H, S, D = k.shape
     tiles = _tiles(D, block_m, block_n)
     grad_q16 = k.new_empty(B, S, H * D, dtype=torch.float16)
@@ -149,6 +157,7 @@ def _kernel_operands(grad_attn, q, k, v):
 def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, attn_output: Optional[torch.Tensor],
                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    check_forward_output(probs, attn_output)
     if _use_triton(k):
         return launch_rows(probs, grad_attn, q, k, v, attn_output, scale)
     if attn_output is not None:
@@ -164,6 +173,7 @@ def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
 
 @softmax_bwd_rows.register_fake
 def _(probs, grad_attn, q, k, v, attn_output, scale):
+    check_forward_output(probs, attn_output)              # at trace time, not in a graph
     B, H, S, D = k.shape
     return (k.new_empty(B, S, H * D, dtype=torch.float16),
             k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16), k.new_empty(B, H, S))

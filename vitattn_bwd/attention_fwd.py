@@ -3,7 +3,6 @@
     attention_fwd(q, k, v, scale) -> attn_output [B,S,E], lse [B,H,S]
     attention_fwd_split(qkv_hi, qkv_lo, num_heads, scale) -> the same
 
-
 q, k, v are [B,H,S,D] (any strides); attn_output = softmax(scale * q k^T) v with heads
 merged (E = H*D, what the out projection reads); lse = logsumexp(scale * q k^T) per row
 (natural log), from which the backward recomputes the probabilities:
@@ -14,8 +13,9 @@ style kernel of kernels/attention_fwd.py after splitting q, k and v once into bf
 pairs (what the kernel reads; float32-grade bf16x3 products, ~1e-5 relative error).
 `attention_fwd_split` takes that split made already, of a whole QKV projection [B,S,3E]
 (q | k | v columns, heads side by side): VisionAttentionBlock's compiled forward makes it
-in the kernel that makes qkv, where the op's own split would cost three strided passes.
-Elsewhere it runs `attention_math`: the same outputs from PyTorch ops in the inputs'
+in the kernel that makes qkv, where the op's own split would cost three strided passes
+(it calls it only where the kernel applies; elsewhere this op runs the math on hi + lo,
+about 1e-5 off float32). Elsewhere attention_fwd runs `attention_math`: the same outputs from PyTorch ops in the inputs'
 dtype, materializing S x S (float32 products as torch is set: no TF32 unless enabled).
 """
 import math

@@ -28,6 +28,7 @@ import torch
 from torch.nn import functional as F
 
 from . import graph
+from .attention_core import triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_split
 from .layout import split_heads
 from .precision import linear_bf16x3, split_bf16_truncated
@@ -42,8 +43,10 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     x_norm = x_centered * torch.rsqrt(x_var + eps) * ln_weight + ln_bias       # [B,S,E]
     linear = linear_bf16x3 if split_precision else F.linear
     qkv = linear(x_norm, qkv_weight, qkv_bias)                                 # [B,S,3E]
-    scale = 1.0 / math.sqrt(x.shape[-1] // num_heads)
-    if split_precision:     # the attention kernel's bf16 split, fused where qkv is made
+    head_dim = x.shape[-1] // num_heads
+    scale = 1.0 / math.sqrt(head_dim)
+    if split_precision and triton_supports("cuda", x.dtype, head_dim):
+        # the attention kernel's bf16 split, fused where qkv is made
         attn_output, lse = attention_fwd_split(*split_bf16_truncated(qkv), num_heads,
                                                scale)               # [B,S,E], [B,H,S]
     else:

@@ -84,7 +84,8 @@ def compile_options(tag, *, max_autotune):
 # ---- the attention-core templates ----------------------------------------------------
 
 # Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, SCALE, RECOMPUTE_P
-# (PROBS is P, or its log-sum-exp when True).
+# (PROBS is P, or its log-sum-exp when True; the rows pass then reads the forward's
+# output ATTN_OUT, which is a 1-element placeholder when P is given).
 _ROWS_ENTRY = r'''
 {{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "ATTN_OUT", "DELTA", "GRAD_Q_HALVES")}}
     batch = tl.program_id(1) // NUM_HEADS

@@ -7,9 +7,9 @@ The forward (forward_graph.py) is PyTorch math around one fused attention operat
 tensor) that returns the attention output and the softmax's row log-sum-exp; on CUDA it
 is compiled, with bf16x3 projections. It saves x, its LayerNorm statistics, the QKV
 projection (whole: q, k and v are its views), the log-sum-exp and the attention output:
-about 11.8 MB per image at 577 tokens, 1024 wide, 16 heads (P alone would be 21.3 MB). The backward recomputes x_norm from x and the
-statistics, and every P tile from q, k and the log-sum-exp inside the attention-core
-templates.
+about 11.8 MB per image at 577 tokens, 1024 wide, 16 heads (P alone would be 21.3 MB).
+The backward recomputes x_norm from x and the statistics, and every P tile from q, k and
+the log-sum-exp inside the attention-core templates.
 
 `vision_attention` is the functional entry point that VisionAttentionBlock and the
 Hugging Face integration (vitattn_bwd.integrations.hf) call: it applies the dtype policy
