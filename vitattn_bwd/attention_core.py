@@ -64,12 +64,18 @@ def probabilities(probs, q, k, scale):
 def attention_backward_math(probs, grad_attn, q, k, v, scale, attn_output=None):
     """The attention core in PyTorch ops, in the inputs' dtype (materializes S x S):
     grad_q, grad_k, grad_v [B,S,E]. attn_output (with lse only) gives delta."""
+    return _backward_math_and_delta(probs, grad_attn, q, k, v, scale, attn_output)[:3]
+
+
+def _backward_math_and_delta(probs, grad_attn, q, k, v, scale, attn_output):
+    """attention_backward_math's gradients and the delta [B,H,S,1] they used."""
     attn_weights = probabilities(probs, q, k, scale)                       # [B,H,S,S]
     grad_attn = split_heads(grad_attn, attn_weights.shape[1])              # [B,H,S,D]
     grad_p = grad_attn @ v.transpose(-1, -2)                               # [B,H,S,S]
-    grad_s = attn_weights * (grad_p - _delta(attn_weights, grad_p, grad_attn, attn_output))
+    delta = _delta(attn_weights, grad_p, grad_attn, attn_output)           # [B,H,S,1]
+    grad_s = attn_weights * (grad_p - delta)
     return (merge_heads(grad_s @ k * scale), merge_heads(grad_s.transpose(-1, -2) @ q * scale),
-            merge_heads(attn_weights.transpose(-1, -2) @ grad_attn))
+            merge_heads(attn_weights.transpose(-1, -2) @ grad_attn), delta)
 
 
 def _delta(attn_weights, grad_p, grad_attn, attn_output):
@@ -163,11 +169,8 @@ def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
     if attn_output is not None:
         attn_output = attn_output.double()
     probs, grad_attn, q, k, v = (t.double() for t in (probs, grad_attn, q, k, v))
-    grad_q, _, _ = attention_backward_math(probs, grad_attn, q, k, v, scale, attn_output)
-    attn_weights = probabilities(probs, q, k, scale)                       # [B,H,S,S]
-    heads_grad_attn = split_heads(grad_attn, k.shape[1])                   # [B,H,S,D]
-    delta = _delta(attn_weights, heads_grad_attn @ v.transpose(-1, -2), heads_grad_attn,
-                   attn_output)                                            # [B,H,S,1]
+    grad_q, _, _, delta = _backward_math_and_delta(probs, grad_attn, q, k, v, scale,
+                                                   attn_output)
     return grad_q.half(), _halves([grad_q]), delta.squeeze(-1).float()
 
 

@@ -40,9 +40,11 @@ BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v"
 
 
 def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                              attn_weights, q, k, v, scale):
+                              attn_weights, forward_output, q, k, v, scale):
     """Out projection, attention core and QKV projection from split operands (CUDA):
-    returns grad_out_weight, grad_x_norm [B*S,E], grad_qkv_weight, grad_qkv_bias."""
+    returns grad_out_weight, grad_x_norm [B*S,E], grad_qkv_weight, grad_qkv_bias.
+    forward_output: the attention output [B,S,E] where it goes with attn_weights (the
+    module's log-sum-exp), else None."""
     B, H, S, D = q.shape
     E = H * D
     rows = B * S
@@ -50,9 +52,6 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
     grad_out_weight = matmul_halves_transposed(grad_rows_halves, bf16_halves(attn_rows))
     grad_attn = matmul_halves_by_weight(grad_rows_halves, out_weight).view(B, S, E)
 
-    # with lse (module mode) attn_output is the block's own O = P v, whose rowsum with
-    # dO is delta; the contract's attn_output is drawn apart from its P
-    forward_output = attn_rows.view(B, S, E) if attn_weights.dim() == 3 else None
     grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(
         attn_weights, grad_attn, q, k, v, forward_output,
         scale)                                              # [B,S,E], [B,S,2E], [B,H,S]
@@ -73,13 +72,12 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
 
 
 def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                    attn_weights, q, k, v, scale):
+                    attn_weights, forward_output, q, k, v, scale):
     """The same products in the inputs' own precision (CPU, float64)."""
     B, H, S, D = q.shape
     E = H * D
     grad_out_weight = grad_rows.t() @ attn_rows
     grad_attn = (grad_rows @ out_weight).view(B, S, E)
-    forward_output = attn_rows.view(B, S, E) if attn_weights.dim() == 3 else None
     grad_qkv = torch.cat(attention_core.attention_backward_math(                 # [B*S,3E]
         attn_weights, grad_attn, q, k, v, scale, forward_output),
         dim=-1).view(B * S, 3 * E)
@@ -122,10 +120,13 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     if x_norm is None:
         x_norm = (x - x_mean) * torch.rsqrt(x_var + norm_eps) * ln_weight + ln_bias
     grad_rows = grad_output.reshape(B * S, E)                                  # [B*S,E]
+    # with lse (module mode) attn_output is the block's own O = P v, whose rowsum with
+    # dO is delta; the contract's attn_output is drawn apart from its P
+    forward_output = attn_output if attn_weights.dim() == 3 else None
     products = _split_precision_products if split_precision else _plain_products
     grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias = products(
         grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E), out_weight,
-        qkv_weight, attn_weights, q, k, v, scale)
+        qkv_weight, attn_weights, forward_output, q, k, v, scale)
     grad_x, grad_ln_weight, grad_ln_bias = layer_norm_backward(
         grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
         ln_grad)
