@@ -35,12 +35,14 @@ def _ddp_worker(rank, world, init_file, x, grad_y, out_dir):
     model = nn.parallel.DistributedDataParallel(_tower())
     model(x.chunk(world)[rank]).backward(grad_y.chunk(world)[rank])
     torch.save([p.grad for p in model.parameters()], os.path.join(out_dir, f"grads{rank}.pt"))
+    # Teardown in the order docs/distributed.md recommends: the DDP model (and its
+    # Reducer) freed while the process group is alive, then the group. The order most
+    # scripts have (the group destroyed first, the model freed on return) hung here once
+    # in CI, in the upstream deadlock that document describes.
+    del model
     dist.barrier()
     dist.destroy_process_group()
     Path(out_dir, f"done{rank}").touch()
-    # Teardown in the order most scripts have it: the process group destroyed while the
-    # DDP model (and its Reducer) is still alive, the model freed when this function
-    # returns, everything else at normal interpreter shutdown.
 
 
 def _stacks(pids):
