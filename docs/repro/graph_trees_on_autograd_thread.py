@@ -1,18 +1,28 @@
-"""A reproduction attempt for issue 13's unexplained exit: Inductor's CUDA graph trees
+"""A reproduction attempt for issue 13's unexplained exits: Inductor's CUDA graph trees
 (torch.compile mode="reduce-overhead") called from a custom autograd Function's backward,
-which autograd runs on its own device thread, with calls of the same compiled function
-on the main thread in between; the pattern of vitattn_bwd's batch-1 module backward
-before v12 replaced the trees with its own CUDA graphs (cuda_graphs.py). Upstream:
-pytorch issues 113809 and 123177, fixed by PR 184357 (not in torch 2.11).
+which autograd runs on its own device thread, with calls on the main thread in between:
+the pattern of vitattn_bwd's batch-1 module backward before v12 replaced the trees with
+its own CUDA graphs (cuda_graphs.py). Upstream: pytorch issues 113809 and 123177, fixed
+by PR 184357 (in torch 2.13, not in torch 2.11). Plain torch, no vitattn_bwd.
 
-Each trial runs in a child process with faulthandler on, so a segfault or a silent exit
-shows as the child's return code. Prepared in session 6, not yet run on a GPU.
+Variants (each child process runs one, with faulthandler on, so a segfault or a silent
+exit shows as its return code and a Python stack):
+  same    one compiled function, called by the forward (main thread), the backward
+          (autograd's thread) and the main thread between steps;
+  split   a compiled forward whose graph-pool output the backward saves, and a separate
+          compiled backward: vitattn_bwd's module before v12 (forward graph, saved
+          tensors, backward graph on autograd's thread);
+  sizes   split, cycling batch sizes 1, 2, 3, so every step records or replays another
+          graph of the tree.
 
-    python docs/repro/graph_trees_on_autograd_thread.py [--trials 5] [--steps 200]
+    python docs/repro/graph_trees_on_autograd_thread.py [--variants same split sizes]
+        [--copies 2] [--steps 300] [--timeout 240] [--log-dir DIR]
 """
 import argparse
+import pathlib
 import subprocess
 import sys
+import time
 
 CHILD = r'''
 import faulthandler
@@ -21,49 +31,83 @@ import sys
 import torch
 
 faulthandler.enable()
+variant, steps = sys.argv[1], int(sys.argv[2])
 S, E = 577, 1024
 
 
-def step_fn(activation, weight):
+def project(activation, weight):
     return torch.relu(activation @ weight).sum(-1, keepdim=True) * activation
 
 
-compiled = torch.compile(step_fn, mode="reduce-overhead")           # CUDA graph trees
+def project_backward(grad, saved, weight):
+    return (grad * saved) @ weight.t() + saved
 
 
-class GraphedBoth(torch.autograd.Function):
+compiled_forward = torch.compile(project, mode="reduce-overhead")      # CUDA graph trees
+compiled_backward = (compiled_forward if variant == "same"
+                     else torch.compile(project_backward, mode="reduce-overhead"))
+
+
+class Graphed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, activation, weight):                            # the caller's thread
-        ctx.save_for_backward(weight)
-        return compiled(activation, weight)
+        output = compiled_forward(activation, weight)
+        ctx.save_for_backward(output if variant != "same" else weight, weight)
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad):                                          # autograd's thread
-        (weight,) = ctx.saved_tensors
-        return compiled(grad, weight), None
+        saved, weight = ctx.saved_tensors
+        if variant == "same":
+            return compiled_backward(grad, weight), None
+        return compiled_backward(grad, saved, weight), None
 
 
 weight = torch.randn(E, E, device="cuda") / E ** 0.5
-for _ in range(int(sys.argv[1])):
-    activation = torch.randn(1, S, E, device="cuda", requires_grad=True)
-    GraphedBoth.apply(activation, weight).sum().backward()
-    compiled(torch.randn(1, S, E, device="cuda"), weight)            # main thread between
+for step in range(steps):
+    batch = 1 + step % 3 if variant == "sizes" else 1
+    activation = torch.randn(batch, S, E, device="cuda", requires_grad=True)
+    Graphed.apply(activation, weight).sum().backward()
+    compiled_forward(torch.randn(batch, S, E, device="cuda"), weight)  # main thread between
+    if step % 50 == 0:
+        print(f"step {step}", flush=True)
 torch.cuda.synchronize()
 print("clean exit", flush=True)
 '''
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=200)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", nargs="+", default=["same", "split", "sizes"],
+                        choices=["same", "split", "sizes"])
+    parser.add_argument("--copies", type=int, default=2, help="processes per variant")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds, all runs")
+    parser.add_argument("--log-dir", type=pathlib.Path, default=None)
     args = parser.parse_args()
-    for trial in range(args.trials):
-        child = subprocess.run([sys.executable, "-c", CHILD, str(args.steps)],
-                               capture_output=True, text=True)
-        tail = (child.stdout + child.stderr).strip().splitlines()[-3:]
-        print(f"trial {trial}: return code {child.returncode}; last lines: {tail}",
-              flush=True)
+    if args.log_dir:
+        args.log_dir.mkdir(parents=True, exist_ok=True)
+    runs = []                                       # all children at once, one GPU
+    for variant in args.variants:
+        for copy in range(args.copies):
+            runs.append((variant, copy, subprocess.Popen(
+                [sys.executable, "-c", CHILD, variant, str(args.steps)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    deadline = time.monotonic() + args.timeout
+    print("variant copy return-code last-line")
+    for variant, copy, child in runs:
+        try:
+            output, _ = child.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            code = child.returncode
+        except subprocess.TimeoutExpired:
+            child.kill()
+            output, _ = child.communicate()
+            code = "timeout"
+        lines = output.strip().splitlines() or [""]
+        if args.log_dir:
+            (args.log_dir / f"{variant}_{copy}.txt").write_text(output)
+        print(f"{variant} {copy} {code} {lines[-1][:120]!r}", flush=True)
 
 
 if __name__ == "__main__":

@@ -152,8 +152,11 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
     else:
         delta = tl.zeros((BLOCK_M,), dtype=tl.float32)                    # summed below
 
-    grad_s_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)   # sum (P*(dP-delta)) @ k,
-    p_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)        # or (P*dP) @ k and P @ k
+    # grad_s_k sums (P * (dP - delta)) @ k with RECOMPUTE_P (delta known), else (P * dP) @ k
+    # while p_k sums P @ k, and dQ = grad_s_k - delta * p_k once delta is complete.
+    grad_s_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    if not RECOMPUTE_P:
+        p_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     for n_start in range(0, SEQ_LEN, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < SEQ_LEN
@@ -179,7 +182,10 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
         if not RECOMPUTE_P:
             p_hi, p_lo = split_bf16_rounded(p)
             p_k = dot_bf16x3(p_hi, p_lo, k_hi, k_lo, p_k)
-    grad_q = (grad_s_k - delta[:, None] * p_k) * scale        # p_k = 0 with RECOMPUTE_P
+    if RECOMPUTE_P:
+        grad_q = grad_s_k * scale
+    else:
+        grad_q = (grad_s_k - delta[:, None] * p_k) * scale
     return grad_q, delta
 
 
