@@ -255,6 +255,17 @@ def test_module_matches_float64(default_compile_mode, no_tf32):
                    explicit=[MODULE_EXAMPLE], max_examples=1, budget_s=25)
 
 
+# Batch 1, one token: q, k and v are views of one qkv buffer that the lowering does not
+# copy (size-1 dimensions make them contiguous). Hypothesis's simplest draw; it found the
+# lowering's split cache giving k and v the halves of q (session 7).
+@pytest.mark.parametrize("heads,head_dim", [(1, 32), (2, 64)])
+def test_module_single_token_at_batch_one(default_compile_mode, no_tf32, heads, head_dim):
+    _check_module(S.ModuleCase(batch=1, seq_len=1, heads=heads, head_dim=head_dim,
+                               eps=1e-5, seed=0, qkv_gain=0.5,
+                               layouts=("contiguous", "contiguous"), offset=1,
+                               dtype=torch.float32))
+
+
 # each plant at the module's forward (the attention operator it calls) and its backward
 @pytest.mark.parametrize("plant,target", plants.plant_targets("module_fwd", "module_bwd"))
 def test_module_property_catches(default_compile_mode, no_tf32, plant, target):

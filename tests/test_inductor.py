@@ -68,3 +68,21 @@ def test_compiled_cpu_graph_goes_through_the_lowering_fallback():
     assert calls, "Inductor did not call our lowering"
     for got, want in zip(compiled, rows(P, grad_attn, k, v)):
         torch.testing.assert_close(got, want)
+
+
+def test_split_cache_tells_apart_views_of_one_buffer_at_different_offsets():
+    """The module's q, k, v at batch 1 and one token: three views of one qkv buffer with
+    the same name, size and strides (size-1 dimensions make them contiguous, so the
+    lowering does not copy them). Only the offset tells them apart; a key without it
+    handed k and v the halves of q (wrong gradients on the H200, session 7)."""
+    from torch._inductor import ir
+    cpu = torch.device("cpu")
+    qkv = ir.InputBuffer(name="qkv", layout=ir.FixedLayout(cpu, torch.float32, [1, 1, 96],
+                                                            [96, 96, 1]))
+    q, k, v = (ir.ReinterpretView(data=qkv, layout=ir.FixedLayout(
+        cpu, torch.float32, [1, 1, 1, 32], [96, 32, 96, 1], offset=offset))
+        for offset in (0, 32, 64))
+    assert q.get_name() == k.get_name() == v.get_name()
+    assert len({inductor._split_key(view) for view in (q, k, v)}) == 3
+    assert inductor._split_key(q) == inductor._split_key(ir.ReinterpretView(
+        data=qkv, layout=ir.FixedLayout(cpu, torch.float32, [1, 1, 1, 32], [96, 32, 96, 1])))

@@ -200,9 +200,19 @@ def _pointwise(node, dtype, inner_fn):
                                            inner_fn=inner_fn, ranges=node.get_size()))
 
 
-# Per graph being lowered: (buffer name, size, stride) of a realized float32 node ->
-# (hi, lo). grad_attn and v feed both passes; they are split once.
+# Per graph being lowered: (buffer name, offset, size, stride) of a realized float32
+# node -> (hi, lo). grad_attn and v feed both passes; they are split once. The offset
+# matters: a view that is already contiguous is not copied, and keeps its buffer's name.
+# The module's q, k and v at batch 1 and one token are such views of one qkv buffer,
+# with equal sizes and strides (size-1 dimensions); keyed without the offset, k and v
+# were given q's halves (found on the H200 by the module property, session 7).
 _SPLITS = weakref.WeakKeyDictionary()
+
+
+def _split_key(node):
+    """What identifies the values of a realized node: its buffer, offset and strides."""
+    layout = node.get_layout()
+    return (node.get_name(), layout.offset, tuple(layout.size), tuple(layout.stride))
 
 
 def _split_bf16(node):
@@ -210,7 +220,7 @@ def _split_bf16(node):
     precision.split_bf16_truncated (hi by an integer mask, so no cast can be folded
     away), emitted as pointwise IR."""
     node = _contiguous(node)
-    key = (node.get_name(), tuple(node.get_size()), tuple(node.get_stride()))
+    key = _split_key(node)
     splits = _SPLITS.setdefault(V.graph, {})
     if key in splits:
         return splits[key]

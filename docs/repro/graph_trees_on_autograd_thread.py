@@ -9,9 +9,12 @@ Variants (each child process runs one, with faulthandler on, so a segfault or a 
 exit shows as its return code and a Python stack):
   same    one compiled function, called by the forward (main thread), the backward
           (autograd's thread) and the main thread between steps;
-  split   a compiled forward whose graph-pool output the backward saves, and a separate
-          compiled backward: vitattn_bwd's module before v12 (forward graph, saved
-          tensors, backward graph on autograd's thread);
+  split   a compiled forward whose output (cloned out of the graph pool, as vitattn_bwd
+          copied its graphs' outputs) the backward saves, and a separate compiled
+          backward: vitattn_bwd's module before v12 (forward graph, saved tensors,
+          backward graph on autograd's thread). Saving the pool tensor itself fails
+          at once with graph trees' "accessing tensor output of CUDAGraphs that has
+          been overwritten" (the backward is a new function to the tree; torch 2.11);
   sizes   split, cycling batch sizes 1, 2, 3, so every step records or replays another
           graph of the tree.
 
@@ -51,9 +54,9 @@ compiled_backward = (compiled_forward if variant == "same"
 class Graphed(torch.autograd.Function):
     @staticmethod
     def forward(ctx, activation, weight):                            # the caller's thread
-        output = compiled_forward(activation, weight)
+        output = compiled_forward(activation, weight).clone()   # out of the graph pool
         ctx.save_for_backward(output if variant != "same" else weight, weight)
-        return output.clone()
+        return output
 
     @staticmethod
     def backward(ctx, grad):                                          # autograd's thread
