@@ -189,6 +189,40 @@ def test_batch_one_on_autograd_thread_interleaved_with_main_thread_graphs(monkey
     assert 18 <= replays.count(True) <= 20 and 9 <= replays.count(False) <= 10, replays
 
 
+# A fresh process: Inductor's CUDA graph trees set up their thread-local state on the
+# thread that first imports them; on torch 2.11, first imported on autograd's thread,
+# they crash the next garbage collection on the main thread (docs/repro/README.md).
+_FIRST_STEP_IN_A_FRESH_PROCESS = """
+import sys
+import torch
+from vitattn_bwd import VisionAttentionBlock
+trees = "torch._inductor.cudagraph_trees"
+before = trees in sys.modules
+block = VisionAttentionBlock(64, 2).cuda()
+x = torch.randn(1, 9, 64, device="cuda", requires_grad=True)
+block(x).sum().backward()
+torch.cuda.synchronize()
+assert torch.isfinite(x.grad).all()
+print("trees imported before:", before, "after:", trees in sys.modules)
+"""
+
+
+def test_first_module_step_does_not_import_cuda_graph_trees():
+    """The module's first batch-1 step (a CUDA graph replayed on autograd's thread)
+    leaves Inductor's CUDA graph trees unimported, unless the main thread had already
+    imported them."""
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, VITATTN_BWD_COMPILE_MODE="default")
+    child = subprocess.run([sys.executable, "-c", _FIRST_STEP_IN_A_FRESH_PROCESS],
+                           env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-3000:]
+    line = child.stdout.strip().splitlines()[-1]
+    assert line in ("trees imported before: False after: False",
+                    "trees imported before: True after: True"), line
+
+
 def _towers():
     transformers = pytest.importorskip("transformers")
     from vitattn_bwd.integrations.hf import swap_attention, swapped_layers
