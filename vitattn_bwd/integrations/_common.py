@@ -1,0 +1,195 @@
+"""What the timm and OpenCLIP integrations share: the swap plan (match every layer, check
+every match, then swap them all or none), the fused subclasses made per stock class, the
+fused attention half with an optional LayerScale folded in, and the refusal messages.
+
+A library module provides three functions, as vitattn_bwd.integrations.hf does:
+`_match(layer) -> kind or None`, `_check_layer(path, layer, kind) -> num_heads` (raises
+ValueError naming `path` and the reason) and `_fused_class(stock_cls, kind)`.
+"""
+import torch
+from torch import nn
+
+from ..module import check_config, vision_attention
+from .hf import _in_vision_tower, is_swapped
+
+STOCK_CLASS = "_vitattn_stock_class"
+
+
+def _zeros(like, n):
+    return like.new_zeros(n)
+
+
+def fused_attention(x, norm, qkv_weight, qkv_bias, out_weight, out_bias, num_heads,
+                    gamma=None):
+    """x + gamma * out(attention(qkv(norm(x)))) through vision_attention. A None bias or
+    LayerNorm affine parameter is the identity's (zeros / ones). gamma (a LayerScale's
+    [E] vector, or None) is folded into the out projection:
+        x + gamma * (o W^T + b) = x + o (gamma[:, None] * W)^T + gamma * b,
+    which autograd differentiates back into W, b and gamma. The fold is computed in
+    float32 (float64 for float64 parameters), the precision vision_attention runs in."""
+    E = x.shape[-1]
+    ln_weight = norm.weight if norm.weight is not None else qkv_weight.new_ones(E)
+    ln_bias = norm.bias if norm.bias is not None else _zeros(qkv_weight, E)
+    if qkv_bias is None:
+        qkv_bias = _zeros(qkv_weight, 3 * E)
+    if out_bias is None:
+        out_bias = _zeros(out_weight, E)
+    if gamma is not None:
+        dtype = torch.promote_types(out_weight.dtype, torch.float32)
+        g = gamma.to(dtype)
+        out_weight = g[:, None] * out_weight.to(dtype)
+        out_bias = g * out_bias.to(dtype)
+    return vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
+                            out_bias, num_heads, norm.eps)
+
+
+def refuse_mask(layer, what):
+    raise ValueError(f"{type(layer).__name__} (vitattn_bwd fused attention) does not "
+                     f"support {what}: got one. Vision towers pass none; "
+                     "vitattn_bwd.integrations.unswap_attention(model) restores the stock "
+                     "layers.")
+
+
+def refuse_in_training(layer, what, value):
+    raise ValueError(f"{type(layer).__name__} (vitattn_bwd fused attention) in training "
+                     f"mode: {what} {value} > 0 is not supported (the fused block has no "
+                     "dropout). Set it to 0, or call the model in eval mode, or "
+                     "vitattn_bwd.integrations.unswap_attention(model).")
+
+
+def dropout_p(module):
+    """The probability of an nn.Dropout (0 for Identity / None / anything else)."""
+    return float(getattr(module, "p", 0.0) or 0.0)
+
+
+def check_layer_norm(path, norm, attr, E):
+    if not isinstance(norm, nn.LayerNorm):
+        raise ValueError(f"{path}: {attr} is {type(norm).__name__}, not a LayerNorm (the "
+                         "fused block normalizes with LayerNorm)")
+    if tuple(norm.normalized_shape) != (E,):
+        raise ValueError(f"{path}: {attr} normalizes {tuple(norm.normalized_shape)}, not "
+                         f"the embed dim ({E},)")
+
+
+def check_linear(path, lin, attr, in_features, out_features, what=""):
+    if not isinstance(lin, nn.Linear):
+        raise ValueError(f"{path}: {attr} is {type(lin).__name__}, not an nn.Linear")
+    if (lin.in_features, lin.out_features) != (in_features, out_features):
+        raise ValueError(f"{path}: {attr} maps {lin.in_features} -> {lin.out_features}, "
+                         f"not {in_features} -> {out_features}{what}")
+
+
+def check_not_hooked(path, layer, bypassed):
+    """The swapped forward calls neither the layer's stock forward nor the forwards of
+    the submodules in `bypassed` (attr -> module): refuse what would silently stop
+    working, a forward set on the instance (accelerate's device_map / offload hooks do
+    this) or forward hooks on a bypassed submodule."""
+    if "forward" in vars(layer) or hasattr(layer, "_hf_hook"):
+        raise ValueError(f"{path}: its forward is overridden on the instance (accelerate's "
+                         "device_map/offload hooks do this), which would bypass the swap; "
+                         "swap a model loaded without device_map")
+    for attr, module in bypassed.items():
+        if module is None:
+            continue
+        if "forward" in vars(module) or hasattr(module, "_hf_hook"):
+            raise ValueError(f"{path}: {attr}.forward is overridden on the instance "
+                             "(accelerate's device_map/offload hooks do this); the fused "
+                             "block would bypass it. Swap a model loaded without "
+                             "device_map")
+        if module._forward_hooks or module._forward_pre_hooks:
+            raise ValueError(f"{path}: {attr} has forward hooks, which would no longer "
+                             "fire: the fused block does not call its forward. Remove "
+                             "them before the swap (hooks on the layer itself are fine)")
+
+
+def check_heads_and_eps(path, E, num_heads, eps, head_dim=None, scale=None):
+    try:
+        check_config(E, num_heads, eps)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{path}: the fused block cannot take this layer: {err}") from None
+    want = E // num_heads
+    if head_dim is not None and head_dim != want:
+        raise ValueError(f"{path}: head_dim {head_dim} is not embed_dim / num_heads = {want}")
+    if scale is not None and abs(float(scale) - want ** -0.5) > 1e-6 * want ** -0.5:
+        raise ValueError(f"{path}: attention scale {scale} is not 1/sqrt(head_dim) "
+                         f"= {want ** -0.5}")
+
+
+def stock_forward_is(cls, known):
+    """True if `cls` is (a subclass of) one of the `known` classes and runs its forward
+    unchanged."""
+    return any(issubclass(cls, k) and cls.forward is k.forward for k in known)
+
+
+def make_fused_class(stock_cls, forward, module_globals, cache, library):
+    """The subclass of `stock_cls` whose forward is `forward`, made once per class and put
+    in the integration module's namespace (so that pickle finds it after a swap)."""
+    cls = cache.get(stock_cls)
+    if cls is None:
+        base = f"VitAttn{stock_cls.__name__}"
+        name, n = base, 2
+        while name in module_globals:            # another stock class of the same name
+            name, n = f"{base}{n}", n + 1
+        cls = type(name, (stock_cls,), {
+            "forward": forward,
+            STOCK_CLASS: stock_cls,
+            "__module__": module_globals["__name__"],
+            "__qualname__": name,
+            "__doc__": f"{stock_cls.__name__} whose attention half runs vitattn_bwd's "
+                       f"fused block ({module_globals['__name__']}, {library}).",
+        })
+        cache[stock_cls] = cls
+        module_globals[name] = cls
+    return cls
+
+
+def plan_swaps(model, libraries, vision_only):
+    """[(path, layer, library module, kind, num_heads)] for every unswapped layer of
+    `model` that a library matches (inside a *Vision* module if vision_only); every match
+    is checked, so a refusal raises before anything is swapped."""
+    plan = []
+    for name, layer in model.named_modules():
+        if is_swapped(layer):
+            continue
+        for lib in libraries:
+            kind = lib._match(layer)
+            if kind is None:
+                continue
+            if not vision_only or _in_vision_tower(model, name):
+                num_heads = lib._check_layer(name or "model", layer, kind)
+                plan.append((name, layer, lib, kind, num_heads))
+            break
+    return plan
+
+
+def apply_plan(plan):
+    for _, layer, lib, kind, num_heads in plan:
+        layer.__class__ = lib._fused_class(type(layer), kind)
+        layer._vitattn_num_heads = num_heads
+
+
+def swap(model, libraries, vision_only, looked_for):
+    plan = plan_swaps(model, libraries, vision_only)
+    if not plan and not swapped_layers(model):
+        raise ValueError(
+            f"swap_attention found no layer to swap in {type(model).__name__} (looked for "
+            f"{looked_for}" + (", inside a module whose class name contains 'Vision'; "
+                               "pass vision_only=False to swap others" if vision_only
+                               else "") + ")")
+    apply_plan(plan)
+    return model
+
+
+def unswap(model):
+    """Restore the stock class of every swapped layer of `model` (any integration)."""
+    for _, layer in model.named_modules():
+        if is_swapped(layer):
+            layer.__class__ = type(layer).__dict__[STOCK_CLASS]
+            for attr in [a for a in vars(layer) if a.startswith("_vitattn_")]:
+                delattr(layer, attr)
+    return model
+
+
+def swapped_layers(model):
+    """Names of the swapped layers of `model`, in module order."""
+    return [name for name, layer in model.named_modules() if is_swapped(layer)]

@@ -1,0 +1,183 @@
+"""Swap the attention half of timm vision transformers for vitattn_bwd's fused block.
+
+    import timm
+    from vitattn_bwd.integrations import swap_attention
+
+    model = timm.create_model("vit_large_patch14_clip_336", pretrained=True)
+    swap_attention(model)          # in place; returns the model
+
+Matched: every `timm.models.vision_transformer.Block` (or a subclass that keeps its
+forward), whose forward is
+    x = x + drop_path1(ls1(attn(norm1(x))))
+    x = x + drop_path2(ls2(mlp(norm2(x))))
+with `attn` timm's `Attention` (fused `qkv` Linear [3E,E], `proj` Linear [E,E],
+`num_heads`). The swapped forward runs the first line as
+`vitattn_bwd.module.vision_attention` (fused backward, float32-grade math) and the second
+with the stock modules. LayerScale `ls1` is supported exactly: its gamma is folded into
+the out projection (x + gamma * (o W^T + b) = x + o (gamma[:, None] W)^T + gamma b),
+so gamma gets its gradient through autograd. A qkv without bias (timm's qkv_bias=False)
+or a LayerNorm without affine parameters uses zeros / ones.
+
+The layer keeps its submodules and parameters (state_dict keys, `pretrained=` weights,
+checkpoints and optimizers unchanged) and gets a subclass of its own class, so timm's
+isinstance checks, `set_grad_checkpointing` and `forward_intermediates` still see a
+Block. `unswap_attention` restores the stock class.
+
+Refused at the swap (ValueError naming the layer and the reason): q_norm/k_norm that are
+not Identity (qk-norm), a post-attention `norm` (scale_norm) or a gate, an attention
+class other than timm's Attention (DiffAttention, ...), an attention width or out width
+other than embed_dim (attn_head_dim, dim_out), a non-standard scale, a norm1 that is not
+a LayerNorm, an ls1 / drop_path1 of another kind, dims the fused block cannot take, and
+a forward overridden on the instance (accelerate's device_map hooks) or forward hooks on
+the bypassed submodules (norm1, attn, attn.qkv, attn.proj, ls1, drop_path1). Refused at
+the call: an attention mask or is_causal=True, and in training mode attention dropout,
+projection dropout or DropPath with a probability > 0 (all three are no-ops in eval).
+
+timm is never imported here: its classes are looked up in sys.modules (a model made of
+them has imported them). `register_classes` declares classes with the same layout and
+forward math (a vendored copy of timm's ViT; the CPU tests' stand-ins).
+"""
+import sys
+
+from torch import nn
+
+from . import _common
+
+__all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped",
+           "register_classes"]
+
+_TIMM_VIT = "timm.models.vision_transformer"
+_FUSED_CLASSES = {}
+_REGISTERED = dict(block=[], attention=[], layer_scale=[], drop_path=[])
+_TIMM_NAMES = dict(block="Block", attention="Attention", layer_scale="LayerScale",
+                   drop_path="DropPath")
+is_swapped = _common.is_swapped
+swapped_layers = _common.swapped_layers
+
+
+def register_classes(*, block=(), attention=(), layer_scale=(), drop_path=()):
+    """Declare classes that have exactly the layout and forward math of timm's Block,
+    Attention, LayerScale and DropPath (as the module docstring writes them), so that
+    swap_attention matches them. For vendored copies of timm's ViT code; classes that
+    compute anything else must not be registered."""
+    for key, classes in (("block", block), ("attention", attention),
+                         ("layer_scale", layer_scale), ("drop_path", drop_path)):
+        for cls in (classes,) if isinstance(classes, type) else classes:
+            if cls not in _REGISTERED[key]:
+                _REGISTERED[key].append(cls)
+
+
+def _known(key):
+    classes = list(_REGISTERED[key])
+    vit = sys.modules.get(_TIMM_VIT)
+    cls = getattr(vit, _TIMM_NAMES[key], None) if vit is not None else None
+    if isinstance(cls, type):
+        classes.append(cls)
+    return classes
+
+
+def _match(layer):
+    return "block" if _common.stock_forward_is(type(layer), _known("block")) else None
+
+
+def _check_layer(path, layer, kind):
+    """Refuse, at the swap, a Block our fused block would compute differently; return
+    its num_heads."""
+    norm, attn = getattr(layer, "norm1", None), getattr(layer, "attn", None)
+    ls, drop_path = getattr(layer, "ls1", None), getattr(layer, "drop_path1", None)
+    if not isinstance(attn, nn.Module) or not _common.stock_forward_is(
+            type(attn), _known("attention")):
+        raise ValueError(f"{path}: attn is {type(attn).__name__}, not timm's Attention "
+                         "(the fused block computes plain softmax attention)")
+    qkv, proj = getattr(attn, "qkv", None), getattr(attn, "proj", None)
+    if not isinstance(qkv, nn.Linear):
+        raise ValueError(f"{path}: attn.qkv is {type(qkv).__name__}, not an nn.Linear")
+    E = qkv.in_features
+    _common.check_layer_norm(path, norm, "norm1", E)
+    _common.check_linear(path, qkv, "attn.qkv", E, 3 * E,
+                         " (an attention width other than embed_dim, or grouped-query "
+                         "attention)")
+    _common.check_linear(path, proj, "attn.proj", E, E)
+    for attr in ("q_norm", "k_norm"):
+        if not isinstance(getattr(attn, attr, None), nn.Identity):
+            raise ValueError(f"{path}: attn.{attr} is {type(getattr(attn, attr, None)).__name__}"
+                             ": qk-norm is not supported (the fused block has none)")
+    if not isinstance(getattr(attn, "norm", nn.Identity()), nn.Identity):
+        raise ValueError(f"{path}: attn.norm is {type(attn.norm).__name__}: a norm of the "
+                         "attention output (scale_norm) is not supported")
+    if getattr(attn, "gate", None) is not None:
+        raise ValueError(f"{path}: attn.gate is set: gated attention is not supported")
+    num_heads = getattr(attn, "num_heads", None)
+    if num_heads is None:
+        raise ValueError(f"{path}: attn has no num_heads attribute")
+    _common.check_heads_and_eps(path, E, num_heads, norm.eps,
+                                head_dim=getattr(attn, "head_dim", None),
+                                scale=getattr(attn, "scale", None))
+    if not isinstance(ls, nn.Identity):
+        if not _common.stock_forward_is(type(ls), _known("layer_scale")):
+            raise ValueError(f"{path}: ls1 is {type(ls).__name__}, neither Identity nor "
+                             "timm's LayerScale")
+        gamma = getattr(ls, "gamma", None)
+        if not isinstance(gamma, nn.Parameter) or tuple(gamma.shape) != (E,):
+            raise ValueError(f"{path}: ls1.gamma must be a parameter of shape ({E},), got "
+                             f"{None if gamma is None else tuple(gamma.shape)}")
+    if not isinstance(drop_path, nn.Identity) and not _common.stock_forward_is(
+            type(drop_path), _known("drop_path")):
+        raise ValueError(f"{path}: drop_path1 is {type(drop_path).__name__}, neither "
+                         "Identity nor timm's DropPath")
+    _common.check_not_hooked(path, layer, {"norm1": norm, "attn": attn, "attn.qkv": qkv,
+                                           "attn.proj": proj, "ls1": ls,
+                                           "drop_path1": drop_path})
+    return num_heads
+
+
+def _check_training(layer):
+    """What only the call can tell: dropout that is active in training mode."""
+    attn = layer.attn
+    for attr in ("attn_drop", "proj_drop"):
+        p = _common.dropout_p(getattr(attn, attr, None))
+        if p > 0:
+            _common.refuse_in_training(layer, f"attn.{attr}.p", p)
+    p = float(getattr(layer.drop_path1, "drop_prob", 0.0) or 0.0)
+    if p > 0:
+        _common.refuse_in_training(layer, "drop_path1.drop_prob", p)
+
+
+def _block_forward(self, x, attn_mask=None, is_causal=False):
+    """timm Block: the fused attention half (LayerScale folded in), then the stock MLP
+    half."""
+    if attn_mask is not None:
+        _common.refuse_mask(self, "attn_mask")
+    if is_causal:
+        _common.refuse_mask(self, "is_causal=True (causal attention)")
+    if self.training:
+        _check_training(self)
+    attn, ls = self.attn, self.ls1
+    gamma = None if isinstance(ls, nn.Identity) else ls.gamma
+    x = _common.fused_attention(x, self.norm1, attn.qkv.weight, attn.qkv.bias,
+                                attn.proj.weight, attn.proj.bias, self._vitattn_num_heads,
+                                gamma)
+    return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+
+
+def _fused_class(stock_cls, kind):
+    return _common.make_fused_class(stock_cls, _block_forward, globals(), _FUSED_CLASSES,
+                                    "timm")
+
+
+LOOKED_FOR = ("timm Blocks (norm1 + attn.qkv/proj + ls1 + drop_path1 + norm2 + mlp of "
+              "timm.models.vision_transformer.Block)")
+
+
+def swap_attention(model, *, vision_only=True):
+    """Run the attention half of every timm Block of `model` (in place) with vitattn_bwd's
+    fused block; return `model`. `vision_only=False` also swaps Blocks outside modules
+    whose class name contains "Vision" (a bare Block or nn.Sequential of them). Raises
+    ValueError if none matches or a matching one cannot be computed exactly; nothing is
+    swapped then."""
+    return _common.swap(model, [sys.modules[__name__]], vision_only, LOOKED_FOR)
+
+
+def unswap_attention(model):
+    """Restore the stock class of every swapped layer of `model`; return `model`."""
+    return _common.unswap(model)
