@@ -609,13 +609,15 @@ def test_timm_hooked_layers_are_refused_and_nothing_is_swapped_half_way():
 def test_timm_refusals_at_the_call():
     _, ours = _pair(TimmStyleVisionTransformer, attn_drop=0.1)
     blk, x = ours.blocks[0], _inputs()[0]
-    with pytest.raises(ValueError, match="does not support attn_mask"):
+    with pytest.raises(ValueError, match=r"blocks.0 \(VitAttnTimmStyleBlock, vitattn_bwd "
+                                         r"fused attention\) does not support attn_mask"):
         blk(x, attn_mask=torch.zeros(TOKENS, TOKENS, dtype=x.dtype))
     with pytest.raises(ValueError, match="does not support is_causal=True"):
         blk(x, is_causal=True)
     ours.train()
-    with pytest.raises(ValueError, match=r"in training mode: attn.attn_drop.p 0.1 > 0 is "
-                                         "not supported"):
+    with pytest.raises(ValueError, match=r"blocks.0 \(VitAttnTimmStyleBlock, vitattn_bwd "
+                                         r"fused attention\) in training mode: "
+                                         r"attn.attn_drop.p 0.1 > 0 is not supported"):
         ours(x)
     _, ours = _pair(TimmStyleVisionTransformer, proj_drop=0.2)
     with pytest.raises(ValueError, match=r"attn.proj_drop.p 0.2 > 0"):
@@ -711,7 +713,8 @@ def test_open_clip_clip_model_swaps_only_its_vision_tower(spy):
     # with vision_only=False the text blocks are swapped too, and refuse the causal mask
     everything = swap_attention(copy.deepcopy(stock), vision_only=False)
     assert len(swapped_layers(everything)) == 4
-    with pytest.raises(ValueError, match="does not support attn_mask"):
+    with pytest.raises(ValueError, match=r"^transformer.resblocks.0 .*does not support "
+                                         "attn_mask"):
         everything(image, text)
 
 

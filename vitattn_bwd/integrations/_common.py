@@ -43,17 +43,24 @@ def fused_attention(x, norm, qkv_weight, qkv_bias, out_weight, out_bias, num_hea
                             out_bias, num_heads, norm.eps)
 
 
+def _who(layer):
+    path = getattr(layer, "_vitattn_path", None)
+    name = type(layer).__name__
+    return f"{path} ({name}, vitattn_bwd fused attention)" if path else \
+        f"{name} (vitattn_bwd fused attention)"
+
+
 def refuse_mask(layer, what):
-    raise ValueError(f"{type(layer).__name__} (vitattn_bwd fused attention) does not "
+    raise ValueError(f"{_who(layer)} does not "
                      f"support {what}: got one. Vision towers pass none; "
                      "vitattn_bwd.integrations.unswap_attention(model) restores the stock "
                      "layers.")
 
 
 def refuse_in_training(layer, what, value):
-    raise ValueError(f"{type(layer).__name__} (vitattn_bwd fused attention) in training "
-                     f"mode: {what} {value} > 0 is not supported (the fused block has no "
-                     "dropout). Set it to 0, or call the model in eval mode, or "
+    raise ValueError(f"{_who(layer)} in training mode: {what} {value} > 0 is not "
+                     "supported (the fused block has no dropout). Set it to 0, or call "
+                     "the model in eval mode, or "
                      "vitattn_bwd.integrations.unswap_attention(model).")
 
 
@@ -163,9 +170,10 @@ def plan_swaps(model, libraries, vision_only):
 
 
 def apply_plan(plan):
-    for _, layer, lib, kind, num_heads in plan:
+    for name, layer, lib, kind, num_heads in plan:
         layer.__class__ = lib._fused_class(type(layer), kind)
         layer._vitattn_num_heads = num_heads
+        layer._vitattn_path = name or "model"      # for the refusals at the call
 
 
 def swap(model, libraries, vision_only, looked_for):

@@ -258,7 +258,8 @@ def unswap_attention(model):
     for _, layer in model.named_modules():
         if is_swapped(layer):
             layer.__class__ = type(layer)._vitattn_stock_class
-            del layer._vitattn_num_heads
+            for attr in [a for a in vars(layer) if a.startswith("_vitattn_")]:
+                delattr(layer, attr)           # _vitattn_num_heads (and _path, if set)
     return model
 
 
