@@ -8,6 +8,10 @@ between versions are handled here and nowhere else:
 If an API this module needs is missing, importing it raises an ImportError naming the
 torch version: the package never falls back silently to slower code.
 
+On Hopper the Gluon kernels (kernels/softmax_bwd_gluon.py, launched by gluon_core.py)
+are candidates beside the templates' configs: ExternKernelChoices, as Inductor's own mm
+lowerings keep cuBLAS among their Triton configs (see `_gluon_choices`).
+
 The templates reuse the device code of kernels/softmax_bwd.py verbatim: each template is
 a thin entry point (program ids, output stores) followed by the source of every
 non-kernel function of that file, so the kernels tested under TRITON_INTERPRET=1 are
@@ -26,16 +30,16 @@ try:
     from torch._inductor import ir
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.lowering import empty_strided, fallback_handler, register_lowering
-    from torch._inductor.select_algorithm import (SymbolicGridFn, TritonTemplate,
-                                                  autotune_select_algorithm)
+    from torch._inductor.select_algorithm import (ExternKernelChoice, SymbolicGridFn,
+                                                  TritonTemplate, autotune_select_algorithm)
     from torch._inductor.virtualized import V, ops
 except ImportError as error:              # pragma: no cover - depends on the torch build
     raise ImportError(f"vitattn_bwd needs Inductor APIs that torch {torch.__version__} "
                       f"lacks ({error}); it was written against torch 2.11-2.13") from error
 
-from . import attention_core
+from . import attention_core, gluon_core
 from .attention_core import TileConfig
-from .precision import BF16_HI_MASK
+from .precision import BF16_HI_MASK, BF16_ROUNDING_BIAS
 
 # The configs max-autotune times against each other for both templates. At batch 32 on
 # the H200 the rows pass runs fastest with (64, 32, 4, 3), the cols pass with
@@ -186,6 +190,59 @@ def _tile_choices(template, input_nodes, layout, mutated_inputs, call_sizes, con
     return choices
 
 
+# ---- the Gluon kernels as autotune candidates ------------------------------------------
+# Each Gluon tile config is an ExternKernelChoice bound to the template's inputs (which
+# include the delta / halves buffers the kernel fills) and its tiles. Timing calls
+# gluon_core.rows_out / cols_out on them. The winner's node is made by `_gluon_node`: a
+# FallbackKernel of the functional operator gluon_softmax_bwd_rows / _cols, so Inductor
+# sees all its outputs as outputs of the node it schedules; the lowering then returns
+# those instead of the template's buffers, which nothing writes or reads and Inductor
+# drops. (An extern kernel writing into its inputs would leave their readers unordered.)
+
+# name of a lowering's first mutated buffer -> the outputs of the Gluon node made for it
+_GLUON_WINNERS = {}
+
+
+def _gluon_node(op, operand_count):
+    """kernel_creator of a Gluon choice: the operator on the first operand_count inputs."""
+    def create(*input_nodes, scale, block_m, block_n, num_warps, num_stages):
+        outputs = ir.FallbackKernel.create(op, *input_nodes[:operand_count], scale, block_m,
+                                           block_n, num_warps, num_stages)
+        _GLUON_WINNERS[input_nodes[operand_count].get_name()] = outputs
+        return outputs[0]
+    return create
+
+
+@functools.cache
+def _gluon_choices():
+    """(rows, cols) ExternKernelChoices of the Gluon kernels (one per process)."""
+    return (ExternKernelChoice(gluon_core.rows_out, name="vitattn_gluon_softmax_bwd_rows",
+                               kernel_creator=_gluon_node(
+                                   torch.ops.vitattn_bwd.gluon_softmax_bwd_rows.default, 10)),
+            ExternKernelChoice(gluon_core.cols_out, name="vitattn_gluon_softmax_bwd_cols",
+                               kernel_creator=_gluon_node(
+                                   torch.ops.vitattn_bwd.gluon_softmax_bwd_cols.default, 10)))
+
+
+def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, layout, scale):
+    """The Gluon candidates where the kernels run (Hopper, float32, head_dim 64)."""
+    if not gluon_core.available(tensor_node.get_device(), tensor_node.get_dtype(), head_dim):
+        return []
+    return [choice.bind(inputs, layout, scale=scale, block_m=tiles.block_m,
+                        block_n=tiles.block_n, num_warps=tiles.num_warps,
+                        num_stages=tiles.num_stages) for tiles in tile_configs]
+
+
+def _selected_outputs(template, choices, inputs, layout, template_outputs, mutated):
+    """The tuned choice's outputs: the template's node and its mutated buffers, or all
+    outputs of the Gluon operator if a Gluon choice won."""
+    first = _select(template, choices, inputs, layout)
+    winner = _GLUON_WINNERS.pop(mutated.get_name(), None)
+    if winner is None:
+        return (first, *template_outputs)
+    return (first, *(ir.TensorBox.create(node) for node in winner[1:]))
+
+
 def _template_applies(tensor_node, head_dim):
     return attention_core.triton_supports(tensor_node.get_device().type,
                                           tensor_node.get_dtype(), head_dim)
@@ -217,8 +274,10 @@ def _split_key(node):
 
 def _split_bf16(node):
     """Realized, contiguous bf16 (hi, lo) buffers of a float32 IR node: the math of
-    precision.split_bf16_truncated (hi by an integer mask, so no cast can be folded
-    away), emitted as pointwise IR."""
+    precision.split_bf16_rounded (hi rounded to nearest even by integer operations, so no
+    cast can be folded away), emitted as pointwise IR. Rounded, because the Gluon
+    kernels split their S x S tiles by truncation: one rounded and one truncated operand
+    per product keep the neglected lo * lo term at 2^-15 of the product."""
     node = _contiguous(node)
     key = _split_key(node)
     splits = _SPLITS.setdefault(V.graph, {})
@@ -228,7 +287,10 @@ def _split_bf16(node):
 
     def hi_float32(index):
         bits = ops.to_dtype_bitcast(load(index), torch.int32, torch.float32)
-        masked = ops.bitwise_and(bits, ops.constant(BF16_HI_MASK, torch.int32))
+        odd = ops.bitwise_and(ops.bitwise_right_shift(bits, ops.constant(16, torch.int32)),
+                              ops.constant(1, torch.int32))
+        rounded = ops.add(ops.add(bits, ops.constant(BF16_ROUNDING_BIAS, torch.int32)), odd)
+        masked = ops.bitwise_and(rounded, ops.constant(BF16_HI_MASK, torch.int32))
         return ops.to_dtype_bitcast(masked, torch.float32, torch.int32)
 
     def hi(index):
@@ -282,7 +344,10 @@ def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale):
     rows_template, _ = _templates()
     choices = _tile_choices(rows_template, inputs, layout, [delta, grad_q_halves],
                             [batch, num_heads, seq_len], constexprs)
-    grad_q16 = _select(rows_template, choices, inputs, layout)
+    choices += _gluon_tile_choices(_gluon_choices()[0], gluon_core.ROWS_TILES, k, head_dim,
+                                   inputs, layout, scale)
+    grad_q16, grad_q_halves, delta = _selected_outputs(
+        rows_template, choices, inputs, layout, (grad_q_halves, delta), delta)
     return grad_q16, grad_q_halves, delta
 
 
@@ -303,5 +368,8 @@ def _lower_cols(probs, grad_attn, q, k, v, delta, scale):
     _, cols_template = _templates()
     choices = _tile_choices(cols_template, inputs, layout, [grad_kv_halves],
                             [batch, num_heads, seq_len], constexprs)
-    grad_kv16 = _select(cols_template, choices, inputs, layout)
+    choices += _gluon_tile_choices(_gluon_choices()[1], gluon_core.COLS_TILES, q, head_dim,
+                                   inputs, layout, scale)
+    grad_kv16, grad_kv_halves = _selected_outputs(
+        cols_template, choices, inputs, layout, (grad_kv_halves,), grad_kv_halves)
     return grad_kv16, grad_kv_halves

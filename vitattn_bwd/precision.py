@@ -30,7 +30,7 @@ import torch
 
 # float32 bits of the bf16 part of a value: sign, exponent and the top 7 mantissa bits
 BF16_HI_MASK = -65536            # 0xFFFF0000 as an int32
-_ROUNDING_BIAS = 0x7FFF          # added below the bf16 bits: round half to even
+BF16_ROUNDING_BIAS = 0x7FFF      # added below the bf16 bits: round half to even
 
 
 def split_bf16_truncated(t):
@@ -43,7 +43,7 @@ def split_bf16_rounded(t):
     """float32 t -> (hi, lo) bf16: hi = t rounded to the nearest bf16 (ties to even),
     lo = t - hi rounded. What the kernels' epilogues store (kernels/softmax_bwd.py)."""
     bits = t.view(torch.int32)
-    hi = ((bits + _ROUNDING_BIAS + ((bits >> 16) & 1)) & BF16_HI_MASK).view(torch.float32)
+    hi = ((bits + BF16_ROUNDING_BIAS + ((bits >> 16) & 1)) & BF16_HI_MASK).view(torch.float32)
     return hi.to(torch.bfloat16), (t - hi).to(torch.bfloat16)
 
 

@@ -1,0 +1,409 @@
+"""Gluon device code for the attention core of the backward on Hopper (sm_90).
+
+The same two passes and the same math as kernels/softmax_bwd.py (read its docstring for
+the algorithm); what differs is how a program spends its time. Triton's `tl.dot` waits
+for every wgmma before the next instruction (docs/performance.md, v9), so a program
+loads, splits, multiplies and waits in series. Here every product is an asynchronous
+wgmma (`warpgroup_mma(..., is_async=True)`) and the program waits only where it needs a
+result, so the tensor cores work while the same warps load the next P tile, split tiles
+into bf16 halves and form dS:
+
+    cols pass, per query tile j (a program owns BLOCK_N keys):
+        issue  dP^T_j = v @ dO_j^T                  [BN,BM]   (RECOMPUTE_P: first
+        issue  dV    += P^T_j @ dO_j                [BN,D]     logits^T_j = k @ q_j^T)
+        load   P^T_{j+1} (registers)
+        wait   for dP^T_j        (dV_j still in flight)
+        issue  dK    += (P^T_j * (dP^T_j - delta_j)) @ q_j
+        copy   dO_{j+S-1}, q_{j+S-1} into the ring slot that tile j-1 used
+    rows pass, per key tile j (a program owns BLOCK_M queries):
+        issue  dP_j = dO @ v_j^T                    [BM,BN]   (RECOMPUTE_P: first
+        issue  pk  += P_j @ k_j   (P given only)    [BM,D]     logits_j = q @ k_j^T)
+        load   P_{j+1}
+        wait   for dP_j          (pk_j still in flight)
+        issue  gsk += (P_j * dP_j) @ k_j, or (P_j * (dP_j - delta)) @ k_j with RECOMPUTE_P
+        copy   k_{j+S-1}, v_{j+S-1} into the ring slot that tile j-1 used
+
+Operands: the bf16 halves of dO, q, k and v (made once by the caller) are copied into
+shared memory with cp.async (`async_copy`), NUM_STAGES tiles deep; a program's own rows
+(v in the cols pass, dO in the rows pass, k / q as well with RECOMPUTE_P) are copied once.
+P tiles (float32, rows of 577 floats: not 16-byte aligned, so no TMA) are loaded straight
+into the registers of the accumulator layout, one tile ahead; S x S tiles never leave
+the registers: split into bf16 halves, they are the A operands of the next products.
+Waits name the register operands of the products still in flight (`deps`), so the
+compiler keeps them until those products have read them.
+
+PRODUCTS is the number of bf16 products per matmul: 3 is bf16x3 (a_lo b_hi + a_hi b_lo
++ a_hi b_hi, small terms first, float32 accumulation), 1 is a single bf16 product of
+the hi parts. The outputs are those of kernels/softmax_bwd.py, in the same formats.
+No atomics: every output element is written by one program (deterministic).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared,
+                                                              warpgroup_mma,
+                                                              warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+
+LOG2E = gl.constexpr(1.4426950408889634)
+
+
+@gluon.jit
+def split_bf16(x, layout: gl.constexpr):
+    """float32 tile -> (hi, lo) bf16 tiles in `layout`: hi = x truncated to bf16 (an
+    integer mask, exact in bf16), lo = the rest rounded."""
+    hi32 = (x.to(gl.int32, bitcast=True) & -65536).to(gl.float32, bitcast=True)
+    hi = hi32.to(gl.bfloat16)
+    lo = (x - hi32).to(gl.bfloat16)
+    return gl.convert_layout(hi, layout), gl.convert_layout(lo, layout)
+
+
+@gluon.jit
+def issue_products(a_hi, a_lo, b_hi, b_lo, acc, use_acc: gl.constexpr,
+                   PRODUCTS: gl.constexpr):
+    """Issue acc + a @ b as PRODUCTS asynchronous wgmmas (one wgmma group each); the
+    result may be read only after a wait that covers them."""
+    if PRODUCTS == 3:
+        acc = warpgroup_mma(a_lo, b_hi, acc, use_acc=use_acc, is_async=True)
+        acc = warpgroup_mma(a_hi, b_lo, acc, is_async=True)
+        acc = warpgroup_mma(a_hi, b_hi, acc, is_async=True)
+    else:
+        acc = warpgroup_mma(a_hi, b_hi, acc, use_acc=use_acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def copy_rows(smem, base, row_start, row_stride, SEQ_LEN: gl.constexpr,
+              BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """cp.async of rows [row_start, row_start + BLOCK) x HEAD_DIM of a bf16 matrix at
+    `base` into `smem`; rows past SEQ_LEN are zero-filled."""
+    rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    pointers = base + rows[:, None].to(gl.int64) * row_stride + cols[None, :]
+    async_copy.async_copy_global_to_shared(smem, pointers, mask=(rows < SEQ_LEN)[:, None])
+
+
+@gluon.jit
+def copy_pair(smem, index, HI, LO, row_start, row_stride, SEQ_LEN: gl.constexpr,
+              BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """The (hi, lo) halves of one tile into smem.index(2 * index) and (2 * index + 1)."""
+    copy_rows(smem.index(2 * index), HI, row_start, row_stride, SEQ_LEN, BLOCK, HEAD_DIM,
+              layout)
+    copy_rows(smem.index(2 * index + 1), LO, row_start, row_stride, SEQ_LEN, BLOCK,
+              HEAD_DIM, layout)
+
+
+@gluon.jit
+def clamped(index, SEQ_LEN: gl.constexpr):
+    """Row or column indices of P clamped into the matrix. The P tiles are loaded without
+    masks from clamped indices: what a clamped row or column holds never reaches an
+    output (rows past SEQ_LEN are not stored; keys and queries past SEQ_LEN meet
+    zero-filled k, v, dO and q tiles and a zero delta in every product). P's rows (577
+    floats) are only 4-byte aligned, so no TMA: the kernels load each P tile one tile
+    ahead, into the registers of the accumulator layout."""
+    return gl.minimum(index, SEQ_LEN - 1)
+
+
+@gluon.jit
+def load_vector(base, start, SEQ_LEN: gl.constexpr, BLOCK: gl.constexpr,
+                layout: gl.constexpr):
+    offsets = start + gl.arange(0, BLOCK, layout=layout)
+    return gl.load(base + offsets, mask=offsets < SEQ_LEN, other=0.0)
+
+
+@gluon.jit
+def store_gradient(GRAD16, HALVES, value, batch, row_start, col, SEQ_LEN: gl.constexpr,
+                   ROW_WIDTH16: gl.constexpr, HALVES_WIDTH: gl.constexpr,
+                   LO_OFFSET: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   layout: gl.constexpr):
+    """A float32 [BLOCK, HEAD_DIM] gradient tile of rows [row_start, +BLOCK) of one
+    batch element: as fp16 at column `col` of GRAD16 [B,S,ROW_WIDTH16], and as bf16 hi
+    at column `col` and lo at `col + LO_OFFSET` of HALVES [B,S,HALVES_WIDTH]."""
+    rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    token = (batch * SEQ_LEN + rows[:, None]).to(gl.int64)
+    mask = (rows < SEQ_LEN)[:, None]
+    gl.store(GRAD16 + token * ROW_WIDTH16 + cols[None, :], value.to(gl.float16), mask=mask)
+    hi = value.to(gl.bfloat16)
+    lo = (value - hi.to(gl.float32)).to(gl.bfloat16)
+    gl.store(HALVES + token * HALVES_WIDTH + cols[None, :], hi, mask=mask)
+    gl.store(HALVES + token * HALVES_WIDTH + LO_OFFSET + cols[None, :], lo, mask=mask)
+
+
+@gluon.jit
+def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
+                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, scale,
+                            SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                            RECOMPUTE_P: gl.constexpr, PRODUCTS: gl.constexpr,
+                            OPERAND_SMEM: gl.constexpr, num_warps: gl.constexpr):
+    """dK, dV of keys [n_start, n_start + BLOCK_N) of one (batch, head): program ids
+    (key block, batch * NUM_HEADS + head). Outputs as kernels/softmax_bwd.py's cols
+    kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16."""
+    EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
+    # [BN,BM] tiles (P^T, dP^T) and [BN,D] accumulators (dK, dV); A operands of the
+    # [BN,D] products come from registers.
+    tile_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                 k_width=2)
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
+                                                 [num_warps, 1], [1, 0])
+    key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
+    query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
+
+    batch = gl.program_id(1) // NUM_HEADS
+    head = gl.program_id(1) % NUM_HEADS
+    n_start = gl.program_id(0) * BLOCK_N
+    batch_head = (batch * NUM_HEADS + head).to(gl.int64)
+    head_start = batch_head * SEQ_LEN * HEAD_DIM                 # q, k, v [B,H,S,D]
+    grad_attn_start = batch.to(gl.int64) * SEQ_LEN * EMBED + head * HEAD_DIM  # [B,S,E]
+
+    # this program's keys: v (and k) once; the query-side tiles dO_j, q_j in a ring
+    own = gl.allocate_shared_memory(gl.bfloat16, [2 + 2 * RECOMPUTE_P, BLOCK_N, HEAD_DIM],
+                                    OPERAND_SMEM)
+    ring_grad_attn = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_M,
+                                                             HEAD_DIM], OPERAND_SMEM)
+    ring_q = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_M, HEAD_DIM],
+                                       OPERAND_SMEM)
+    copy_pair(own, 0, V_HI + head_start, V_LO + head_start, n_start, HEAD_DIM, SEQ_LEN,
+              BLOCK_N, HEAD_DIM, copy_layout)
+    if RECOMPUTE_P:
+        copy_pair(own, 1, K_HI + head_start, K_LO + head_start, n_start, HEAD_DIM,
+                  SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+    for stage in gl.static_range(NUM_STAGES - 1):
+        copy_pair(ring_grad_attn, stage, GRAD_ATTN_HI + grad_attn_start,
+                  GRAD_ATTN_LO + grad_attn_start, stage * BLOCK_M, EMBED, SEQ_LEN, BLOCK_M,
+                  HEAD_DIM, copy_layout)
+        copy_pair(ring_q, stage, Q_HI + head_start, Q_LO + head_start, stage * BLOCK_M,
+                  HEAD_DIM, SEQ_LEN, BLOCK_M, HEAD_DIM, copy_layout)
+        async_copy.commit_group()
+
+    keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
+    probs_head = PROBS + batch_head * SEQ_LEN * SEQ_LEN        # P, or lse [S] per head
+    lse_head = PROBS + batch_head * SEQ_LEN
+    delta_head = DELTA + batch_head * SEQ_LEN
+    if not RECOMPUTE_P:
+        # P^T tiles [BN,BM]: element (key, query) at query * SEQ_LEN + key
+        key_offsets = clamped(keys, SEQ_LEN)[:, None]
+        queries = gl.arange(0, BLOCK_M, layout=query_vector)
+        p_t_next = gl.load(probs_head + key_offsets
+                           + (clamped(queries, SEQ_LEN) * SEQ_LEN)[None, :])
+    zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
+    # the accumulators stay in flight from one tile to the next
+    grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    # register operands of the products still in flight from the previous tile
+    p_t_hi = gl.zeros([BLOCK_N, BLOCK_M], gl.bfloat16, layout=a_layout)
+    p_t_lo = p_t_hi
+    grad_s_t_hi = p_t_hi
+    grad_s_t_lo = p_t_hi
+    for m_tile in range(NUM_TILES):
+        slot = m_tile % NUM_STAGES
+        m_start = m_tile * BLOCK_M
+        async_copy.wait_group(NUM_STAGES - 2)          # this tile's copies have landed
+        gl.thread_barrier()
+        fence_async_shared()
+        grad_attn_hi = ring_grad_attn.index(2 * slot)                     # [BM,D]
+        grad_attn_lo = ring_grad_attn.index(2 * slot + 1)
+        q_hi = ring_q.index(2 * slot)                                      # [BM,D]
+        q_lo = ring_q.index(2 * slot + 1)
+        queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
+        delta = load_vector(delta_head, m_start, SEQ_LEN, BLOCK_M, query_vector)
+        if RECOMPUTE_P:
+            lse = load_vector(lse_head, m_start, SEQ_LEN, BLOCK_M, query_vector)
+            logits_t = issue_products(own.index(2), own.index(3), q_hi.permute((1, 0)),
+                                      q_lo.permute((1, 0)), zeros_tile, False, PRODUCTS)
+        grad_p_t = issue_products(own.index(0), own.index(1), grad_attn_hi.permute((1, 0)),
+                                  grad_attn_lo.permute((1, 0)), zeros_tile, False,
+                                  PRODUCTS)                                # [BN,BM]
+        if RECOMPUTE_P:
+            # the previous tile's products are done once these logits are
+            logits_t, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
+                PRODUCTS, deps=(logits_t, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
+            valid = (keys < SEQ_LEN)[:, None] & (queries < SEQ_LEN)[None, :]
+            p_t = gl.where(valid, gl.exp2(logits_t * (scale * LOG2E)
+                                          - (lse * LOG2E)[None, :]), 0.0)
+        else:
+            # dV of the previous tile is done reading the registers about to be reused
+            p_t_hi, p_t_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_t_hi, p_t_lo))
+            p_t = p_t_next
+        p_t_hi, p_t_lo = split_bf16(p_t, a_layout)
+        grad_v = issue_products(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v, True,
+                                PRODUCTS)
+        if RECOMPUTE_P:
+            grad_p_t = warpgroup_mma_wait(PRODUCTS, deps=(grad_p_t,))
+        else:
+            p_t_next = gl.load(probs_head + key_offsets
+                               + (clamped(queries + BLOCK_M, SEQ_LEN) * SEQ_LEN)[None, :])
+            grad_p_t, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
+                PRODUCTS, deps=(grad_p_t, grad_s_t_hi, grad_s_t_lo))
+        grad_s_t = p_t * (grad_p_t - delta[None, :])                      # [BN,BM]
+        grad_s_t_hi, grad_s_t_lo = split_bf16(grad_s_t, a_layout)
+        grad_k = issue_products(grad_s_t_hi, grad_s_t_lo, q_hi, q_lo, grad_k, True,
+                                PRODUCTS)
+        # every warpgroup is past the products of tile m_tile - 1: refill its slot
+        gl.thread_barrier()
+        refill = m_tile + NUM_STAGES - 1
+        copy_pair(ring_grad_attn, refill % NUM_STAGES, GRAD_ATTN_HI + grad_attn_start,
+                  GRAD_ATTN_LO + grad_attn_start, refill * BLOCK_M, EMBED, SEQ_LEN,
+                  BLOCK_M, HEAD_DIM, copy_layout)
+        copy_pair(ring_q, refill % NUM_STAGES, Q_HI + head_start, Q_LO + head_start,
+                  refill * BLOCK_M, HEAD_DIM, SEQ_LEN, BLOCK_M, HEAD_DIM, copy_layout)
+        async_copy.commit_group()
+    grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
+        0, deps=(grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
+    async_copy.wait_group(0)
+
+    store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_k * scale, batch, n_start,
+                   head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED, 2 * EMBED, BLOCK_N,
+                   HEAD_DIM, acc_layout)
+    store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_v, batch, n_start,
+                   EMBED + head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED, 2 * EMBED,
+                   BLOCK_N, HEAD_DIM, acc_layout)
+
+
+@gluon.jit
+def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
+                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA, scale,
+                            SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                            RECOMPUTE_P: gl.constexpr, PRODUCTS: gl.constexpr,
+                            OPERAND_SMEM: gl.constexpr, num_warps: gl.constexpr):
+    """dQ and delta of queries [m_start, m_start + BLOCK_M) of one (batch, head):
+    program ids (query block, batch * NUM_HEADS + head). Outputs as
+    kernels/softmax_bwd.py's rows kernel: GRAD_Q16 [B,S,E] fp16, GRAD_Q_HALVES [B,S,2E]
+    bf16, DELTA [B,H,S]. With RECOMPUTE_P, PROBS is lse and delta = rowsum(dO * O) comes
+    from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read."""
+    EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
+    tile_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                 k_width=2)
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
+                                                 [num_warps, 1], [1, 0])
+    query_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
+    key_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
+
+    batch = gl.program_id(1) // NUM_HEADS
+    head = gl.program_id(1) % NUM_HEADS
+    m_start = gl.program_id(0) * BLOCK_M
+    batch_head = (batch * NUM_HEADS + head).to(gl.int64)
+    head_start = batch_head * SEQ_LEN * HEAD_DIM
+    grad_attn_start = batch.to(gl.int64) * SEQ_LEN * EMBED + head * HEAD_DIM
+
+    # this program's queries: dO (and q) once; the key-side tiles k_j, v_j in a ring
+    own = gl.allocate_shared_memory(gl.bfloat16, [2 + 2 * RECOMPUTE_P, BLOCK_M, HEAD_DIM],
+                                    OPERAND_SMEM)
+    ring_k = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_N, HEAD_DIM],
+                                       OPERAND_SMEM)
+    ring_v = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_N, HEAD_DIM],
+                                       OPERAND_SMEM)
+    copy_pair(own, 0, GRAD_ATTN_HI + grad_attn_start, GRAD_ATTN_LO + grad_attn_start,
+              m_start, EMBED, SEQ_LEN, BLOCK_M, HEAD_DIM, copy_layout)
+    if RECOMPUTE_P:
+        copy_pair(own, 1, Q_HI + head_start, Q_LO + head_start, m_start, HEAD_DIM,
+                  SEQ_LEN, BLOCK_M, HEAD_DIM, copy_layout)
+    for stage in gl.static_range(NUM_STAGES - 1):
+        copy_pair(ring_k, stage, K_HI + head_start, K_LO + head_start, stage * BLOCK_N,
+                  HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+        copy_pair(ring_v, stage, V_HI + head_start, V_LO + head_start, stage * BLOCK_N,
+                  HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+        async_copy.commit_group()
+
+    queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
+    probs_rows = PROBS + batch_head * SEQ_LEN * SEQ_LEN
+    keys = gl.arange(0, BLOCK_N, layout=key_vector)
+    if RECOMPUTE_P:
+        lse = load_vector(PROBS + batch_head * SEQ_LEN, m_start, SEQ_LEN, BLOCK_M,
+                          query_vector)
+        # delta = rowsum(dO * O), both [BM,D] rows of this head in [B,S,E]
+        head_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, tile_layout))
+        rows_e = (batch * SEQ_LEN + queries[:, None]).to(gl.int64) * EMBED
+        offsets = rows_e + head * HEAD_DIM + head_cols[None, :]
+        row_ok = (queries < SEQ_LEN)[:, None]
+        grad_attn = (gl.load(GRAD_ATTN_HI + offsets, mask=row_ok, other=0.0).to(gl.float32)
+                     + gl.load(GRAD_ATTN_LO + offsets, mask=row_ok, other=0.0).to(gl.float32))
+        delta = gl.sum(grad_attn * gl.load(ATTN_OUT + offsets, mask=row_ok, other=0.0),
+                       axis=1)                                            # [BM]
+    else:
+        delta = gl.zeros([BLOCK_M], gl.float32, layout=query_vector)      # summed below
+        row_offsets = (clamped(queries, SEQ_LEN) * SEQ_LEN)[:, None]
+        p_next = gl.load(probs_rows + row_offsets + clamped(keys, SEQ_LEN)[None, :])
+        p_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32,
+                                          layout=acc_layout))
+    zeros_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=tile_layout)
+    grad_s_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32,
+                                           layout=acc_layout))
+    p_hi = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, layout=a_layout)
+    p_lo = p_hi
+    grad_s_hi = p_hi
+    grad_s_lo = p_hi
+    for n_tile in range(NUM_TILES):
+        slot = n_tile % NUM_STAGES
+        n_start = n_tile * BLOCK_N
+        async_copy.wait_group(NUM_STAGES - 2)
+        gl.thread_barrier()
+        fence_async_shared()
+        k_hi = ring_k.index(2 * slot)                                      # [BN,D]
+        k_lo = ring_k.index(2 * slot + 1)
+        v_hi = ring_v.index(2 * slot)
+        v_lo = ring_v.index(2 * slot + 1)
+        keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
+        if RECOMPUTE_P:
+            logits = issue_products(own.index(2), own.index(3), k_hi.permute((1, 0)),
+                                    k_lo.permute((1, 0)), zeros_tile, False, PRODUCTS)
+        grad_p = issue_products(own.index(0), own.index(1), v_hi.permute((1, 0)),
+                                v_lo.permute((1, 0)), zeros_tile, False, PRODUCTS)  # [BM,BN]
+        if RECOMPUTE_P:
+            logits, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
+                PRODUCTS, deps=(logits, grad_s_hi, grad_s_lo))
+            valid = (queries < SEQ_LEN)[:, None] & (keys < SEQ_LEN)[None, :]
+            p = gl.where(valid, gl.exp2(logits * (scale * LOG2E)
+                                        - (lse * LOG2E)[:, None]), 0.0)
+            grad_p = warpgroup_mma_wait(0, deps=(grad_p,))
+            grad_s = p * (grad_p - delta[:, None])
+        else:
+            p_hi, p_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_hi, p_lo))
+            p = p_next
+            p_hi, p_lo = split_bf16(p, a_layout)
+            p_k = issue_products(p_hi, p_lo, k_hi, k_lo, p_k, True, PRODUCTS)
+            p_next = gl.load(probs_rows + row_offsets
+                             + clamped(keys + BLOCK_N, SEQ_LEN)[None, :])
+            grad_p, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
+                PRODUCTS, deps=(grad_p, grad_s_hi, grad_s_lo))
+            grad_s = p * grad_p
+            delta += gl.sum(grad_s, axis=1)
+        grad_s_hi, grad_s_lo = split_bf16(grad_s, a_layout)
+        grad_s_k = issue_products(grad_s_hi, grad_s_lo, k_hi, k_lo, grad_s_k, True,
+                                  PRODUCTS)
+        gl.thread_barrier()
+        refill = n_tile + NUM_STAGES - 1
+        copy_pair(ring_k, refill % NUM_STAGES, K_HI + head_start, K_LO + head_start,
+                  refill * BLOCK_N, HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+        copy_pair(ring_v, refill % NUM_STAGES, V_HI + head_start, V_LO + head_start,
+                  refill * BLOCK_N, HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+        async_copy.commit_group()
+    async_copy.wait_group(0)
+    if RECOMPUTE_P:
+        grad_s_k, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
+            0, deps=(grad_s_k, grad_s_hi, grad_s_lo))
+        grad_q = grad_s_k * scale
+    else:
+        grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
+            0, deps=(grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo))
+        delta_acc = gl.convert_layout(delta, gl.SliceLayout(1, acc_layout))
+        grad_q = (grad_s_k - delta_acc[:, None] * p_k) * scale
+
+    delta_rows = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
+    gl.store(DELTA + batch_head * SEQ_LEN + delta_rows, delta, mask=delta_rows < SEQ_LEN)
+    store_gradient(GRAD_Q16, GRAD_Q_HALVES, grad_q, batch, m_start, head * HEAD_DIM,
+                   SEQ_LEN, EMBED, 2 * EMBED, EMBED, BLOCK_M, HEAD_DIM, acc_layout)
