@@ -25,6 +25,18 @@ settings.register_profile("gpu", max_examples=20, deadline=None, print_blob=True
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.fixture
+def triton_interpreter():
+    """Triton kernels run under the CPU interpreter, with its bf16 dot patched
+    (tests/triton_interpreter.py); skipped where a GPU runs them for real (the gpu-marked
+    tests)."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("a GPU is present: the gpu-marked tests run the kernels for real")
+    from .triton_interpreter import patch_bf16_dot
+    patch_bf16_dot()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 

@@ -2,7 +2,6 @@
 path) and the raw Triton kernels under the interpreter, against the textbook softmax
 backward in float64."""
 import math
-import os
 
 import pytest
 import torch
@@ -68,15 +67,6 @@ def test_operators_pass_opcheck():
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
     torch.library.opcheck(attention_core.softmax_bwd_rows,
                           (lse, grad_attn, q, k, v, attn_output, scale))
-
-
-@pytest.fixture
-def triton_interpreter():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("a GPU is present: test_gpu.py runs the kernels for real")
-    from .triton_interpreter import patch_bf16_dot
-    patch_bf16_dot()
 
 
 # odd lengths, a single row, a length that is a multiple of the blocks, and block shapes

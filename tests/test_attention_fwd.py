@@ -12,7 +12,6 @@ for lse the rms absolute error, i.e. the relative error it gives P):
     being 10x better than that, so a dropped lo term cannot pass.
 """
 import math
-import os
 
 import pytest
 import torch
@@ -133,15 +132,6 @@ def test_empty_batch():
 
 
 # ---- the Triton kernel under the interpreter -----------------------------------------
-
-@pytest.fixture
-def triton_interpreter():
-    pytest.importorskip("triton")
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("a GPU is present: test_gpu_attention_fwd.py runs the kernel for real")
-    from .triton_interpreter import patch_bf16_dot
-    patch_bf16_dot()
-
 
 def assert_accurate(q, k, v, scale, attn_output, lse, bound):
     """Every error of the forward's outputs under `bound`, and attn_output 10x better than
