@@ -47,6 +47,14 @@ def split_bf16_rounded(t):
     return hi.to(torch.bfloat16), (t - hi).to(torch.bfloat16)
 
 
+def power_of_two_scale(t):
+    """2^-e for the e with 2^e <= max|t| < 2^(e + 1), as a 0-dim float32 tensor (2^127
+    if t is all zeros): multiplying by it is exact and brings max|t| into [1, 2). Read
+    off the exponent bits, so no log or pow rounds it."""
+    exponent_bits = t.detach().abs().amax().float().view(torch.int32) & 0x7F800000
+    return (0x7F000000 - exponent_bits).view(torch.float32)
+
+
 def bf16_halves(t, split=split_bf16_truncated):
     """float32 [.., N] -> bf16 [.., 2N] = [hi | lo], one pass (truncated split unless
     `split` says otherwise)."""
