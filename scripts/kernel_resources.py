@@ -7,7 +7,9 @@ cuobjdump bundled with its CUDA backend do the work on the CPU.
 
 A kernel that spills (spill stores > 0) keeps part of its tiles in local memory and
 runs far below the tensor cores' rate; HGMMA counts Hopper's warpgroup matrix
-instructions, HMMA the older per-warp ones (tiles under 64 rows). Each kernel is
+instructions, HMMA the older per-warp ones (tiles under 64 rows), waits the warpgroup
+MMA waits (WARPGROUP.DEPBAR): the Gluon kernels issue their products asynchronously and
+wait three times per tile where Triton's tl.dot waits after each product. Each kernel is
 compiled as a real launch specializes it: pointers and integer arguments divisible by 16.
 """
 import argparse
@@ -33,6 +35,11 @@ class Resources(NamedTuple):
     shared_bytes: int
     hgmma: int          # warpgroup MMA instructions in the SASS
     hmma: int           # per-warp MMA instructions in the SASS
+    waits: int          # warpgroup MMA waits (WARPGROUP.DEPBAR) in the SASS
+
+
+def _is_gluon(kernel):
+    return type(kernel).__name__ == "GluonJITFunction"
 
 
 def _signature(kernel, constexprs):
@@ -57,18 +64,24 @@ def _signature(kernel, constexprs):
 
 
 def sm90_resources(kernel, constexprs, tiles):
-    """Compile `kernel` with `constexprs` and `tiles` (a TileConfig) for sm_90a."""
+    """Compile `kernel` (Triton or Gluon) with `constexprs` and `tiles` (a TileConfig)
+    for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constexprs = dict(constexprs, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+    source = ASTSource
+    if _is_gluon(kernel):
+        from triton.experimental.gluon._runtime import GluonASTSource
+        constexprs.update(NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps)
+        source = GluonASTSource
     signature = _signature(kernel, constexprs)
     names = kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]]
              for name, kind in signature.items() if kind not in ("fp32", "constexpr")}
     compiled = triton.compile(
-        ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs),
+        source(kernel, signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -85,7 +98,8 @@ def sm90_resources(kernel, constexprs, tiles):
                      spill_stores=int(re.search(r"(\d+) bytes spill stores", report)[1]),
                      shared_bytes=compiled.metadata.shared,
                      hgmma=len(re.findall(r"\bHGMMA\b", sass)),
-                     hmma=len(re.findall(r"\bHMMA\b", sass)))
+                     hmma=len(re.findall(r"\bHMMA\b", sass)),
+                     waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)))
 
 
 def kernels():
@@ -98,12 +112,34 @@ def kernels():
     shape = dict(SEQ_LEN=SEQ_LEN, NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM)
     variants = [("forward", attention_fwd_kernel, shape,
                  (attention_fwd.FWD_TILES[HEAD_DIM],))]
+    gluon = _gluon_kernels()
     for recompute in (False, True):
+        mode = " recompute P" if recompute else ""
         for name, kernel, tiles in (("rows", softmax_bwd_rows_kernel, inductor.TILE_CONFIGS),
                                     ("cols", softmax_bwd_cols_kernel, inductor.TILE_CONFIGS)):
-            variants.append((f"{name}{' recompute P' if recompute else ''}", kernel,
-                             dict(shape, RECOMPUTE_P=recompute), tiles))
+            variants.append((f"{name}{mode}", kernel, dict(shape, RECOMPUTE_P=recompute),
+                             tiles))
+        for name, kernel, tiles, constexprs in gluon:
+            variants.append((f"gluon {name}{mode}", kernel,
+                             dict(shape, **constexprs, RECOMPUTE_P=recompute), tiles))
     return variants
+
+
+def _gluon_kernels():
+    """(name, kernel, tiles, constexprs) of the Gluon kernels, where this Triton has
+    Gluon."""
+    try:
+        from triton.experimental.gluon import language as gl
+        from vitattn_bwd import gluon_core
+        from vitattn_bwd.kernels import softmax_bwd_gluon
+    except ImportError:
+        return []
+    constexprs = dict(PRODUCTS=3, OPERAND_SMEM=gl.NVMMASharedLayout.get_default_for(
+        [64, HEAD_DIM], gl.bfloat16))
+    return [("rows", softmax_bwd_gluon.softmax_bwd_rows_kernel, gluon_core.ROWS_TILES,
+             constexprs),
+            ("cols", softmax_bwd_gluon.softmax_bwd_cols_kernel, gluon_core.COLS_TILES,
+             constexprs)]
 
 
 SWEEP = [TileConfig(m, n, w, s) for (m, n), w, s in itertools.product(
@@ -114,7 +150,8 @@ def report(sweep=False):
     """(kernel name, tiles, configured?, Resources) of every configured tile (and of
     SWEEP's candidates too with sweep=True)."""
     for name, kernel, constexprs, configured in kernels():
-        for tiles in dict.fromkeys(configured + (tuple(SWEEP) if sweep else ())):
+        candidates = tuple(SWEEP) if sweep and not _is_gluon(kernel) else ()
+        for tiles in dict.fromkeys(configured + candidates):
             yield name, tiles, tiles in configured, sm90_resources(kernel, constexprs, tiles)
 
 
@@ -129,12 +166,12 @@ def main():
         print(json.dumps([[name, list(tiles), configured, resources._asdict()]
                           for name, tiles, configured, resources in report(args.sweep)]))
         return
-    print(f"{'kernel':18} {'tiles (m, n, warps, stages)':28} {'regs':>5} {'spill B':>8} "
-          f"{'smem KB':>8} {'HGMMA':>6} {'HMMA':>5}   (* = configured)")
+    print(f"{'kernel':24} {'tiles (m, n, warps, stages)':28} {'regs':>5} {'spill B':>8} "
+          f"{'smem KB':>8} {'HGMMA':>6} {'HMMA':>5} {'waits':>6}   (* = configured)")
     for name, tiles, configured, r in report(args.sweep):
-        print(f"{name:18} {'*' if configured else ' '}{tuple(tiles)!s:27} {r.registers:5} "
-              f"{r.spill_stores:8} {r.shared_bytes / 1024:8.1f} {r.hgmma:6} {r.hmma:5}",
-              flush=True)
+        print(f"{name:24} {'*' if configured else ' '}{tuple(tiles)!s:27} {r.registers:5} "
+              f"{r.spill_stores:8} {r.shared_bytes / 1024:8.1f} {r.hgmma:6} {r.hmma:5} "
+              f"{r.waits:6}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Every Triton kernel, with every tile configuration we launch or let max-autotune
-choose, compiled for the H100/H200 (sm_90) here on the CPU (Triton's front end and the
+"""Every Triton and Gluon kernel, with every tile configuration we launch or let
+max-autotune choose, compiled for the H100/H200 (sm_90) here on the CPU (Triton's front end and the
 ptxas bundled with it; no GPU): it fits the 227 KB of shared memory a block may use and
 spills no registers. A spilling tile runs at a fraction of the tensor cores' rate
 (docs/performance.md, v9), and nothing else would notice."""
@@ -30,7 +30,8 @@ def resources():
 
 def test_every_configured_tile_is_compiled(resources):
     names = {name for name, *_ in resources}
-    assert names == {"forward", "rows", "cols", "rows recompute P", "cols recompute P"}
+    passes = {"rows", "cols", "rows recompute P", "cols recompute P"}
+    assert names == {"forward"} | passes | {f"gluon {name}" for name in passes}
     assert all(configured for *_, configured, _ in resources)
 
 
@@ -46,3 +47,13 @@ def test_tiles_of_64_rows_use_warpgroup_mma(resources):
         mma_rows = block_n if name.startswith("cols") else block_m
         if mma_rows // (num_warps // 4) >= 64:
             assert r["hgmma"] > 0, (name, block_m, block_n, r)
+
+
+def test_gluon_kernels_wait_for_their_products_three_times(resources):
+    """The point of the Gluon kernels: their wgmma products are asynchronous, and the
+    program waits for them three times per tile (the accumulators' last wait included),
+    not after each of their 9-12 products."""
+    gluon = [(name, r) for name, _, _, r in resources if name.startswith("gluon")]
+    assert gluon
+    for name, r in gluon:
+        assert r["hgmma"] >= 24 and r["waits"] <= 3, (name, r)

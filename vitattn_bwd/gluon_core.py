@@ -24,8 +24,8 @@ from .attention_core import TileConfig
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
 # num_warps = 4 per 64 rows the program owns). Each compiles for sm_90 without spills
 # (tests/test_kernel_resources.py).
-ROWS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 3))
-COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 3))
+ROWS_TILES = (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 4, 2))
+COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 3))
 HEAD_DIMS = (64,)
 
 
