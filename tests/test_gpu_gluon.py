@@ -1,0 +1,108 @@
+"""On a Hopper GPU: the Gluon attention-core kernels (gluon_core.py) against the float64
+math, P given and recomputed from its log-sum-exp, at every tile config max-autotune
+may pick, at odd lengths; every output element written; bitwise repeatable; the
+operators the compiled graph calls when a Gluon kernel wins."""
+import math
+
+import pytest
+import torch
+
+from vitattn_bwd import attention_core, gluon_core
+from vitattn_bwd.layout import merge_heads
+from vitattn_bwd.precision import split_bf16_rounded
+
+from .helpers import relative_errors
+
+pytestmark = pytest.mark.gpu
+D = 64
+
+
+@pytest.fixture(autouse=True)
+def _hopper():
+    if not gluon_core.available(torch.device("cuda"), torch.float32, D):
+        pytest.skip("the Gluon kernels need a Hopper GPU and a Triton with Gluon")
+
+
+def _case(B, H, S, recompute, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g) for _ in range(3))
+    grad_attn = torch.randn(B, S, H * D, device="cuda", generator=g)
+    scale = 1 / math.sqrt(D)
+    if recompute:
+        logits = (q @ k.transpose(-1, -2)) * scale
+        attn_output = merge_heads(torch.softmax(logits, -1) @ v)
+        return torch.logsumexp(logits, -1), grad_attn, q, k, v, attn_output, scale
+    probs = torch.softmax(torch.randn(B, H, S, S, device="cuda", generator=g), -1)
+    return probs, grad_attn, q, k, v, None, scale
+
+
+def _halves(grad_attn, q, k, v):
+    return [part for t in (grad_attn, q, k, v) for part in split_bf16_rounded(t)]
+
+
+def _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles):
+    """Both passes into NaN-poisoned buffers: (grad_q16, grad_q_halves, delta,
+    grad_kv16, grad_kv_halves)."""
+    B, H, S, _ = q.shape
+    E = H * D
+    nan = dict(device="cuda", fill_value=float("nan"))
+    delta = torch.full((B, H, S), **nan)
+    grad_q_halves = torch.full((B, S, 2 * E), dtype=torch.bfloat16, **nan)
+    grad_q16 = torch.full((B, S, E), dtype=torch.float16, **nan)
+    grad_kv_halves = torch.full((B, S, 4 * E), dtype=torch.bfloat16, **nan)
+    grad_kv16 = torch.full((B, S, 2 * E), dtype=torch.float16, **nan)
+    halves = _halves(grad_attn, q, k, v)
+    gluon_core.launch_rows(probs, *halves, probs if attn_output is None else attn_output,
+                           delta, grad_q_halves, grad_q16, scale, rows_tiles)
+    gluon_core.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv16, scale,
+                           cols_tiles)
+    return grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves
+
+
+def _float64(probs, grad_attn, q, k, v, attn_output, scale):
+    return attention_core.attention_backward_math(
+        *(t.double() for t in (probs, grad_attn, q, k, v)), scale,
+        attn_output=None if attn_output is None else attn_output.double())
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["P", "lse"])
+@pytest.mark.parametrize("tiles", list(zip(gluon_core.ROWS_TILES, gluon_core.COLS_TILES)),
+                         ids=lambda t: f"{tuple(t[0])}-{tuple(t[1])}")
+@pytest.mark.parametrize("B,H,S", [(2, 16, 577), (1, 2, 1), (3, 1, 100), (1, 3, 64)])
+def test_gluon_kernels_match_float64(recompute, tiles, B, H, S):
+    case = _case(B, H, S, recompute)
+    grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves = _run(*case, *tiles)
+    for out in (grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves):
+        assert not out.isnan().any()                       # every element written
+    grad_q = attention_core.float32_from_halves(grad_q_halves)
+    grad_k, grad_v = attention_core.float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
+    errors = relative_errors([grad_q, grad_k, grad_v], _float64(*case))
+    assert max(errors) < 5e-5, errors                    # bf16x3: ~1e-5 measured
+    # the fp16 copies are the same gradients, rounded to fp16
+    torch.testing.assert_close(grad_q16.float(), grad_q, rtol=2e-3, atol=1e-3)
+    torch.testing.assert_close(grad_kv16.float(), torch.cat([grad_k, grad_v], -1),
+                               rtol=2e-3, atol=1e-3)
+
+
+def test_gluon_kernels_are_bitwise_repeatable():
+    case = _case(2, 16, 577, recompute=False, seed=1)
+    tiles = (gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])
+    first, second = _run(*case, *tiles), _run(*case, *tiles)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["P", "lse"])
+def test_operators_of_the_compiled_graph(recompute):
+    """gluon_softmax_bwd_rows / _cols, which the graph calls when max-autotune picks a
+    Gluon kernel: the same outputs as the launchers into given buffers."""
+    probs, grad_attn, q, k, v, attn_output, scale = _case(2, 4, 577, recompute, seed=2)
+    halves = _halves(grad_attn, q, k, v)
+    rows_tiles, cols_tiles = gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0]
+    placeholder = probs if attn_output is None else attn_output
+    grad_q16, grad_q_halves, delta = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows(
+        probs, *halves, placeholder, scale, *rows_tiles)
+    grad_kv16, grad_kv_halves = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols(
+        probs, *halves, delta, scale, *cols_tiles)
+    expected = _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles)
+    got = (grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
