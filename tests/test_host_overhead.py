@@ -24,8 +24,10 @@ from vitattn_bwd import graph
 from vitattn_bwd.workloads import make_inputs
 
 CALLS = 2000
-# our part at most this many times the calibration (13 detaches), and this many us
-RATIO_BOUND = 12.0
+# our part at most this many times the calibration (13 detaches), and this many us.
+# Ours measures 3.5-3.6x; the planted config patch 9-12x (a full CI run read 9.2x, when
+# the bound was 12 and the plant's test failed), so the bound sits between them.
+RATIO_BOUND = 8.0
 ABSOLUTE_BOUND_US = 250.0
 
 
