@@ -34,9 +34,9 @@ def no_tf32(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
-def _block(dtype=torch.float32):
+def _block(dtype=torch.float32, precision=None):
     torch.manual_seed(0)
-    block = VisionAttentionBlock(EMBED, HEADS).to(DEVICE)
+    block = VisionAttentionBlock(EMBED, HEADS, precision=precision).to(DEVICE)
     with torch.no_grad():                   # LayerNorm and biases off their init
         for p in block.parameters():
             if p.dim() == 1:
@@ -86,8 +86,8 @@ def _check(block, x, grad_y, autocast_dtype=None):
 
 
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
-def test_autocast_runs_in_float32_math(autocast_dtype):
-    block = _block()
+def test_autocast_with_precision_high_runs_in_float32_math(autocast_dtype):
+    block = _block(precision="high")
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
     y = _check(block, x, grad_y, autocast_dtype)
@@ -101,9 +101,26 @@ def test_autocast_runs_in_float32_math(autocast_dtype):
     assert ours_err * 20 < stock_err, (ours_err, stock_err)
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_autocast_follows_the_stock_block_by_default(autocast_dtype):
+    """precision None under autocast: the stock block's computation (the same ops on the
+    same views): y bit for bit, the gradients in the same dtypes and within the
+    autocast dtype's rounding of the stock block's."""
+    block = _block()
+    x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
+    grad_y = torch.randn_like(x)
+    with torch.autocast(DEVICE, dtype=autocast_dtype):
+        got = _ours(block, x, grad_y)
+        want = _ours(reference.ReferenceBlock(block), x, grad_y)
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        assert g.dtype == w.dtype == torch.float32
+        assert relative_errors([g], [w])[0] < 2 * UNIT_ROUNDOFF[autocast_dtype]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_autocast_with_half_precision_input(dtype):
-    block = _block()
+    block = _block(precision="high")
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE).to(dtype)
     y = _check(block, x, torch.randn_like(x), dtype)
     assert y.dtype == dtype

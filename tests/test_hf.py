@@ -255,9 +255,10 @@ def test_clip_model_swaps_only_its_vision_tower(spy):
 
 
 def test_autocast_bfloat16_training_step():
-    """Under autocast the fused attention halves run in float32 and the stock MLPs in
-    bf16: forward and backward complete, gradients come back in float32 (the parameters'
-    dtype), and the result stays within bf16 accuracy of the float64 model."""
+    """Under autocast the swapped attention halves follow autocast as the stock ones do
+    (vitattn_bwd.module, precision None): forward and backward complete, gradients come
+    back in float32 (the parameters' dtype), and the result stays within bf16 accuracy
+    of the float64 model."""
     stock64 = _clip()
     ours = swap_attention(copy.deepcopy(stock64).float())
     pixels, weight = _inputs(torch.float32)

@@ -503,9 +503,10 @@ def test_timm_eval_mode_ignores_dropout_and_drop_path(spy):
 
 
 def test_timm_autocast_bfloat16_training_step():
-    """Under autocast the swapped block runs through vision_attention, whatever the
-    module does there (today: float32 math); the step completes, gradients come back in
-    the parameters' dtype, and the result is within bf16 accuracy of float64."""
+    """Under autocast the swapped block runs through vision_attention, and so follows
+    autocast as the stock block does (vitattn_bwd.module); the step completes, gradients
+    come back in the parameters' dtype, and the result is within bf16 accuracy of
+    float64."""
     stock64 = _make(TimmStyleVisionTransformer, init_values=0.3)
     ours = swap_attention(copy.deepcopy(stock64).float())
     x, w = _inputs(torch.float32)
@@ -862,3 +863,35 @@ def test_importing_the_integrations_imports_no_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("cls", [TimmStyleBlock, OpenCLIPStyleResidualAttentionBlock])
+def test_swap_precision_under_autocast(cls):
+    """precision=None (default): a swapped block follows autocast (bf16 math, the stock
+    block's error against float64); precision="high": the fused float32-grade path
+    inside autocast too. The MLP half is zeroed, so the output is the attention half's."""
+    stock64 = _make(cls)
+    with torch.no_grad():
+        for name, p in stock64.named_parameters():
+            if name.startswith("mlp"):
+                p.zero_()
+    x, _ = _inputs(torch.float32)
+    want = stock64(x.double())
+
+    def error(model):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        return ((out.double() - want).norm() / want.norm()).item()
+    stock_error = error(copy.deepcopy(stock64).float())
+    errors = {precision: error(swap_attention(copy.deepcopy(stock64).float(),
+                                              vision_only=False, precision=precision))
+              for precision in (None, "high")}
+    assert errors["high"] < 1e-5 and errors["high"] * 50 < stock_error, (errors, stock_error)
+    assert 10 * errors["high"] < errors[None] < 3 * stock_error, (errors, stock_error)
+
+
+def test_swap_refuses_an_unknown_precision_and_swaps_nothing():
+    model = _make(TimmStyleVisionTransformer)
+    with pytest.raises(ValueError, match="precision must be one of"):
+        swap_attention(model, precision="highest")
+    assert not swapped_layers(model)

@@ -210,8 +210,8 @@ ROUNDED_ONCE = {torch.float32: 1e-5, torch.bfloat16: 2 ** -8, torch.float16: 2 *
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_autocast_bfloat16_runs_in_float32_math(x_dtype):
-    block = _randomize(VisionAttentionBlock(32, 4))
+def test_autocast_with_precision_high_runs_in_float32_math(x_dtype):
+    block = _randomize(VisionAttentionBlock(32, 4, precision="high"))
     x = torch.randn(3, 13, 32).to(x_dtype)
     grad_y = torch.randn(3, 13, 32).to(x_dtype)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -224,6 +224,52 @@ def test_autocast_bfloat16_runs_in_float32_math(x_dtype):
         truth = _float64_truth(block, x, grad_y)[0]
         ours_err, stock_err = relative_errors([y, stock], [truth, truth])
         assert ours_err * 100 < stock_err, (ours_err, stock_err)
+
+
+def _saved_bytes(fn):
+    """fn()'s result and the bytes of the tensors autograd saved for its backward."""
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+        result = fn()
+    return result, sum(saved)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_autocast_follows_the_stock_block_by_default(x_dtype):
+    """Under autocast (precision None) the block computes what the stock LayerNorm +
+    Linear + SDPA block computes there: the same output, bit for bit, the same
+    gradients, the same saved activations (bf16 where autocast keeps them so)."""
+    block = _randomize(VisionAttentionBlock(32, 4))
+    stock = reference.ReferenceBlock(block)
+    x = torch.randn(3, 13, 32).to(x_dtype)
+    grad_y = torch.randn(3, 13, 32).to(x_dtype)
+    results = {}
+    for name, model in (("ours", block), ("stock", stock)):
+        xg = x.detach().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, saved = _saved_bytes(lambda: model(xg))                 # noqa: B023
+        grads = torch.autograd.grad(y, [xg, *block.parameters()], grad_y)
+        results[name] = (y, grads, saved)
+    (y, grads, saved), (want_y, want_grads, want_saved) = results["ours"], results["stock"]
+    assert y.dtype == want_y.dtype == x_dtype
+    assert saved == want_saved
+    assert torch.equal(y, want_y)                         # the same ops on the same views
+    assert all(torch.equal(g, want) for g, want in zip(grads, want_grads))
+    # bf16 math, not float32 math: far from the float64 truth, like the stock block
+    if x_dtype == torch.float32:
+        truth = _float64_truth(block, x, grad_y)[0]
+        assert relative_errors([y], [truth])[0] > 1e-3
+
+
+@pytest.mark.parametrize("precision", ["highest", "medium", "fast", 3])
+def test_unknown_precision_is_refused(precision):
+    with pytest.raises(ValueError, match=r"precision must be one of \(None, 'high'\)"):
+        VisionAttentionBlock(32, 4, precision=precision)
+    block = VisionAttentionBlock(32, 4)
+    params = [p.detach() for p in block.parameters()]
+    with pytest.raises(ValueError, match="precision must be one of"):
+        vision_attention(torch.randn(1, 3, 32), *params, 4, 1e-5, precision=precision)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -12,14 +12,26 @@ The backward recomputes x_norm from x and the statistics, and every P tile from 
 the log-sum-exp inside the attention-core templates.
 
 `vision_attention` is the functional entry point that VisionAttentionBlock and the
-Hugging Face integration (vitattn_bwd.integrations.hf) call: it applies the dtype policy
+integrations (vitattn_bwd.integrations) call: it applies the precision and dtype policy
 below, then VisionAttentionFunction.
 
-Dtypes. The fused backward runs in float32 (float64 too on the CPU). So the block
-computes in float32 whatever its parameters and input are:
-- under torch.autocast (cpu or cuda, bfloat16 or float16) its inputs are cast to
-  float32 and it runs with autocast off, as custom kernels do
-  (torch.amp.custom_fwd(cast_inputs=torch.float32));
+Precision (`precision=`, PRECISIONS):
+- None (the default) follows torch.autocast: inside an autocast region (cpu or cuda,
+  bfloat16 or float16) the block computes what the stock LayerNorm + Linear + SDPA +
+  Linear block computes there, with the same ops (`autocast_forward`): products in the
+  autocast dtype, the activations autograd saves in that dtype, the same output dtypes
+  and gradients, and the stock block's speed. (The fused backward is float32-grade
+  only; a half-precision fused path is not built yet.) Outside autocast: the fused,
+  float32-grade path below.
+- "high": the fused float32-grade path everywhere, inside autocast too.
+PyTorch's "highest" (float32-faithful) and "medium" (one bf16 product) are not built
+yet and are refused (ValueError).
+
+Dtypes of the fused path. The fused backward runs in float32 (float64 too on the CPU).
+So it computes in float32 whatever its parameters and input are:
+- under torch.autocast with precision="high" its inputs are cast to float32 and it runs
+  with autocast off, as custom kernels do (torch.amp.custom_fwd(cast_inputs=
+  torch.float32));
 - bfloat16/float16 parameters or input (a `.bfloat16()` model) are cast to float32 in
   the forward; the casts are ordinary autograd ops, so every gradient comes back in its
   own tensor's dtype (a bf16 parameter gets a bf16 .grad, rounded once from float32);
@@ -34,9 +46,14 @@ import numbers
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from . import graph
 from .forward_graph import attention_block_forward
+from .layout import merge_heads, split_heads
+
+# The accepted values of `precision` (module docstring).
+PRECISIONS = (None, "high")
 
 DOUBLE_BACKWARD_MESSAGE = (
     "VisionAttentionBlock does not support double backward (create_graph=True): its "
@@ -59,6 +76,27 @@ def check_config(embed_dim, num_heads, eps):
     if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
     return int(embed_dim), int(num_heads), float(eps)
+
+
+def check_precision(precision):
+    """`precision` if it is one of PRECISIONS, else ValueError naming them."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r} "
+                         "(PyTorch's 'highest' and 'medium' are not implemented yet)")
+    return precision
+
+
+def autocast_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
+                     num_heads, eps):
+    """y = x + out_proj(SDPA(qkv(LayerNorm(x)))) in the stock ops, in the caller's
+    autocast region: what torch's own LayerNorm, Linear and SDPA compute there, and
+    their autograd."""
+    E = x.shape[-1]
+    h = F.layer_norm(x, (E,), ln_weight, ln_bias, eps)
+    q, k, v = (split_heads(t, num_heads)                                       # [B,H,S,D]
+               for t in F.linear(h, qkv_weight, qkv_bias).chunk(3, dim=-1))
+    attn = merge_heads(F.scaled_dot_product_attention(q, k, v))                # [B,S,E]
+    return x + F.linear(attn, out_weight, out_bias)
 
 
 def _autocast_off(device_type):
@@ -153,20 +191,26 @@ class VisionAttentionFunction(torch.autograd.Function):
 
 
 def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                     num_heads, eps):
-    """y = x + out_proj(attention(qkv(LayerNorm(x)))) with the fused backward, for
-    tensors of any floating dtype, inside or outside torch.autocast (see the module
-    docstring: float32 math, y in x's dtype, each gradient in its tensor's dtype).
+                     num_heads, eps, precision=None):
+    """y = x + out_proj(attention(qkv(LayerNorm(x)))) for tensors of any floating dtype,
+    inside or outside torch.autocast (see the module docstring): with the fused
+    float32-grade backward (y in x's dtype, each gradient in its tensor's dtype), except
+    inside autocast with precision None, where it follows autocast as the stock block
+    does.
 
     x [B,S,E]; ln_weight, ln_bias [E]; qkv_weight [3E,E] (q | k | v rows); qkv_bias
     [3E]; out_weight [E,E]; out_bias [E]. B = 0 or S = 0 give an empty y and zero
     parameter gradients."""
+    check_precision(precision)
     params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
     _check_tensors(x, params, num_heads)
     _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
     device = x.device
+    autocast = torch.is_autocast_enabled(device.type)
+    if autocast and precision is None:
+        return autocast_forward(x, *params, num_heads, eps)
     dtypes = {t.dtype for t in (x, *params)}
-    if torch.is_autocast_enabled(device.type):
+    if autocast:
         compute = torch.float32                 # custom_fwd(cast_inputs=torch.float32)
     elif torch.float64 in dtypes:
         if device.type != "cpu":
@@ -188,16 +232,21 @@ class VisionAttentionBlock(nn.Module):
     rows), out_proj.weight [E,E] and out_proj.bias [E]. Load Molmo or CLIP weights with
     `load_molmo_state_dict` / `load_clip_state_dict`.
 
-    Any floating dtype and torch.autocast work: the math is float32 (float64 on the CPU
-    for a float64 block), the output has x's dtype and each gradient its tensor's dtype
-    (see vitattn_bwd.module). float64 on CUDA is refused in the forward. Double backward
-    (create_graph=True) raises a RuntimeError.
+    Any floating dtype and torch.autocast work. precision None (the default) follows
+    autocast inside an autocast region (the stock block's computation) and runs the fused
+    float32-grade path outside it; precision="high" runs the fused path everywhere (see
+    vitattn_bwd.module). On the fused path the math is float32 (float64 on the CPU for a
+    float64 block), the output has x's dtype and each gradient its tensor's dtype;
+    float64 on CUDA is refused in the forward, and double backward (create_graph=True)
+    raises a RuntimeError.
     """
 
-    def __init__(self, embed_dim=1024, num_heads=16, eps=1e-5, device=None, dtype=None):
+    def __init__(self, embed_dim=1024, num_heads=16, eps=1e-5, device=None, dtype=None,
+                 precision=None):
         super().__init__()
         embed_dim, num_heads, eps = check_config(embed_dim, num_heads, eps)
         self.embed_dim, self.num_heads, self.eps = embed_dim, num_heads, eps
+        self.precision = check_precision(precision)
         factory = dict(device=device, dtype=dtype)
         self.norm = nn.LayerNorm(embed_dim, eps=eps, **factory)
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, **factory)
@@ -209,10 +258,13 @@ class VisionAttentionBlock(nn.Module):
             raise ValueError(f"x must be [batch, tokens, {self.embed_dim}], got {shape}")
         return vision_attention(
             x, self.norm.weight, self.norm.bias, self.qkv.weight, self.qkv.bias,
-            self.out_proj.weight, self.out_proj.bias, self.num_heads, self.eps)
+            self.out_proj.weight, self.out_proj.bias, self.num_heads, self.eps,
+            self.precision)
 
     def extra_repr(self):
-        return f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, eps={self.eps}"
+        precision = "" if self.precision is None else f", precision={self.precision!r}"
+        return (f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, eps={self.eps}"
+                + precision)
 
     def load_molmo_state_dict(self, state_dict, prefix=""):
         """Load one Molmo vision block's attention weights: `attention_norm.*` and

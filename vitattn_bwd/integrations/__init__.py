@@ -39,22 +39,25 @@ _LOOKED_FOR = {
 }
 
 
-def swap_attention(model, *, vision_only=True, libraries=None):
+def swap_attention(model, *, vision_only=True, libraries=None, precision=None):
     """Run the attention half of every recognized layer of `model` (in place) with
     vitattn_bwd's fused block; return `model`.
 
     libraries: names from LIBRARIES to look for (default: all). vision_only (default
     True): only layers inside a module whose class name contains "Vision" (a CLIP
     model's vision tower, timm's VisionTransformer), so text towers stay stock; False
-    swaps every recognized layer (a bare encoder or list of blocks). Raises ValueError if
+    swaps every recognized layer (a bare encoder or list of blocks). precision: as
+    VisionAttentionBlock's (None follows torch.autocast, "high" keeps the fused
+    float32-grade path inside autocast too; vitattn_bwd.module). Raises ValueError if
     no layer is recognized or a recognized one cannot be computed exactly (the message
-    names the layer and why); nothing is swapped then."""
+    names the layer and why), or for an unknown precision; nothing is swapped then."""
     names = list(LIBRARIES) if libraries is None else list(libraries)
     unknown = [n for n in names if n not in LIBRARIES]
     if unknown:
         raise ValueError(f"unknown libraries {unknown}; choose from {list(LIBRARIES)}")
     looked_for = "; or ".join(_LOOKED_FOR[n] for n in names)
-    return _common.swap(model, [LIBRARIES[n] for n in names], vision_only, looked_for)
+    return _common.swap(model, [LIBRARIES[n] for n in names], vision_only, looked_for,
+                        precision)
 
 
 def unswap_attention(model):

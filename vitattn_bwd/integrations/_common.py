@@ -9,7 +9,7 @@ ValueError naming `path` and the reason) and `_fused_class(stock_cls, kind)`.
 import torch
 from torch import nn
 
-from ..module import check_config, vision_attention
+from ..module import check_config, check_precision, vision_attention
 from .hf import _in_vision_tower, is_swapped
 
 STOCK_CLASS = "_vitattn_stock_class"
@@ -20,8 +20,9 @@ def _zeros(like, n):
 
 
 def fused_attention(x, norm, qkv_weight, qkv_bias, out_weight, out_bias, num_heads,
-                    gamma=None):
-    """x + gamma * out(attention(qkv(norm(x)))) through vision_attention. A None bias or
+                    gamma=None, precision=None):
+    """x + gamma * out(attention(qkv(norm(x)))) through vision_attention (with its
+    `precision`: vitattn_bwd.module). A None bias or
     LayerNorm affine parameter is the identity's (zeros / ones). gamma (a LayerScale's
     [E] vector, or None) is folded into the out projection:
         x + gamma * (o W^T + b) = x + o (gamma[:, None] * W)^T + gamma * b,
@@ -40,7 +41,12 @@ def fused_attention(x, norm, qkv_weight, qkv_bias, out_weight, out_bias, num_hea
         out_weight = g[:, None] * out_weight.to(dtype)
         out_bias = g * out_bias.to(dtype)
     return vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
-                            out_bias, num_heads, norm.eps)
+                            out_bias, num_heads, norm.eps, precision)
+
+
+def precision_of(layer):
+    """The `precision` a swapped layer was given at the swap."""
+    return getattr(layer, "_vitattn_precision", None)
 
 
 def _who(layer):
@@ -169,14 +175,16 @@ def plan_swaps(model, libraries, vision_only):
     return plan
 
 
-def apply_plan(plan):
+def apply_plan(plan, precision):
     for name, layer, lib, kind, num_heads in plan:
         layer.__class__ = lib._fused_class(type(layer), kind)
         layer._vitattn_num_heads = num_heads
+        layer._vitattn_precision = precision
         layer._vitattn_path = name or "model"      # for the refusals at the call
 
 
-def swap(model, libraries, vision_only, looked_for):
+def swap(model, libraries, vision_only, looked_for, precision):
+    check_precision(precision)
     plan = plan_swaps(model, libraries, vision_only)
     if not plan and not swapped_layers(model):
         raise ValueError(
@@ -184,7 +192,7 @@ def swap(model, libraries, vision_only, looked_for):
             f"{looked_for}" + (", inside a module whose class name contains 'Vision'; "
                                "pass vision_only=False to swap others" if vision_only
                                else "") + ")")
-    apply_plan(plan)
+    apply_plan(plan, precision)
     return model
 
 

@@ -41,7 +41,7 @@ import math
 import torch
 from torch import nn
 
-from ..module import check_config, vision_attention
+from ..module import check_config, check_precision, vision_attention
 
 __all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped"]
 
@@ -156,7 +156,8 @@ def _attention_half(layer, hidden_states, conv, num_heads):
     ln_weight = norm.weight if norm.weight is not None else q.weight.new_ones(E)
     ln_bias = norm.bias if norm.bias is not None else q.weight.new_zeros(E)
     return vision_attention(hidden_states, ln_weight, ln_bias, qkv_weight,
-                            torch.cat(biases), o.weight, out_bias, num_heads, norm.eps)
+                            torch.cat(biases), o.weight, out_bias, num_heads, norm.eps,
+                            getattr(layer, "_vitattn_precision", None))
 
 
 def _clip_forward(self, hidden_states, *args, **kwargs):
@@ -225,12 +226,14 @@ def _in_vision_tower(model, name):
     return False
 
 
-def swap_attention(model, *, vision_only=True):
+def swap_attention(model, *, vision_only=True, precision=None):
     """Run the attention half of every matching encoder layer of `model` (in place) with
     vitattn_bwd's fused block; return `model`. `vision_only=False` also swaps layers
-    outside modules named *Vision* (e.g. a bare encoder). Raises ValueError if no layer
-    matches or a matching layer cannot be computed exactly (dropout, grouped-query,
-    non-standard scale); nothing is swapped then."""
+    outside modules named *Vision* (e.g. a bare encoder). `precision` as
+    VisionAttentionBlock's (vitattn_bwd.module). Raises ValueError if no layer matches or
+    a matching layer cannot be computed exactly (dropout, grouped-query, non-standard
+    scale), or for an unknown precision; nothing is swapped then."""
+    check_precision(precision)
     plan = []
     for name, layer in model.named_modules():
         if is_swapped(layer):
@@ -250,6 +253,7 @@ def swap_attention(model, *, vision_only=True):
     for name, layer, kind, num_heads in plan:
         layer.__class__ = _fused_class(type(layer), kind)
         layer._vitattn_num_heads = num_heads
+        layer._vitattn_precision = precision
     return model
 
 

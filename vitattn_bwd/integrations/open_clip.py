@@ -210,7 +210,7 @@ def _block_forward(self, q_x, k_x=None, v_x=None, attn_mask=None):
     x = q_x if batch_first else q_x.transpose(0, 1).contiguous()
     x = _common.fused_attention(x, self.ln_1, attn.in_proj_weight, attn.in_proj_bias,
                                 attn.out_proj.weight, attn.out_proj.bias,
-                                self._vitattn_num_heads, gamma)
+                                self._vitattn_num_heads, gamma, _common.precision_of(self))
     if not batch_first:
         x = x.transpose(0, 1).contiguous()
     return x + self.ls_2(self.mlp(self.ln_2(x)))
@@ -225,13 +225,15 @@ LOOKED_FOR = ("OpenCLIP ResidualAttentionBlocks (ln_1 + attn (nn.MultiheadAttent
               "OpenCLIP's Attention) + ls_1 + ln_2 + mlp + ls_2)")
 
 
-def swap_attention(model, *, vision_only=True):
+def swap_attention(model, *, vision_only=True, precision=None):
     """Run the attention half of every OpenCLIP ResidualAttentionBlock of `model` (in
     place) with vitattn_bwd's fused block; return `model`. `vision_only=False` also swaps
     blocks outside modules whose class name contains "Vision" (a text tower's blocks then
     refuse its causal mask at the call). Raises ValueError if none matches or a matching
-    one cannot be computed exactly; nothing is swapped then."""
-    return _common.swap(model, [sys.modules[__name__]], vision_only, LOOKED_FOR)
+    one cannot be computed exactly, or for an unknown precision (as VisionAttentionBlock's:
+    vitattn_bwd.module); nothing is swapped then."""
+    return _common.swap(model, [sys.modules[__name__]], vision_only, LOOKED_FOR,
+                        precision)
 
 
 def unswap_attention(model):

@@ -156,7 +156,7 @@ def _block_forward(self, x, attn_mask=None, is_causal=False):
     gamma = None if isinstance(ls, nn.Identity) else ls.gamma
     x = _common.fused_attention(x, self.norm1, attn.qkv.weight, attn.qkv.bias,
                                 attn.proj.weight, attn.proj.bias, self._vitattn_num_heads,
-                                gamma)
+                                gamma, _common.precision_of(self))
     return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
@@ -169,13 +169,15 @@ LOOKED_FOR = ("timm Blocks (norm1 + attn.qkv/proj + ls1 + drop_path1 + norm2 + m
               "timm.models.vision_transformer.Block)")
 
 
-def swap_attention(model, *, vision_only=True):
+def swap_attention(model, *, vision_only=True, precision=None):
     """Run the attention half of every timm Block of `model` (in place) with vitattn_bwd's
     fused block; return `model`. `vision_only=False` also swaps Blocks outside modules
     whose class name contains "Vision" (a bare Block or nn.Sequential of them). Raises
-    ValueError if none matches or a matching one cannot be computed exactly; nothing is
+    ValueError if none matches or a matching one cannot be computed exactly, or for an
+    unknown precision (as VisionAttentionBlock's: vitattn_bwd.module); nothing is
     swapped then."""
-    return _common.swap(model, [sys.modules[__name__]], vision_only, LOOKED_FOR)
+    return _common.swap(model, [sys.modules[__name__]], vision_only, LOOKED_FOR,
+                        precision)
 
 
 def unswap_attention(model):
