@@ -25,9 +25,11 @@ from vitattn_bwd.workloads import make_inputs
 
 CALLS = 2000
 # our part at most this many times the calibration (13 detaches), and this many us.
-# Ours measures 3.5-3.6x; the planted config patch 9-12x (a full CI run read 9.2x, when
-# the bound was 12 and the plant's test failed), so the bound sits between them.
-RATIO_BOUND = 8.0
+# Ours measures 3.5-3.6x run alone; the planted config patch 12x alone but 7.8-9.2x in
+# full CPU runs, where the calibration reads 10.7 us instead of 6.6 while the plant's own
+# cost barely moves (at bounds of 12 and 8 its test failed there). So the bound sits
+# between them.
+RATIO_BOUND = 6.0
 ABSOLUTE_BOUND_US = 250.0
 
 
