@@ -10,14 +10,16 @@ into bf16 halves and form dS:
 
     cols pass, per query tile j (a program owns BLOCK_N keys):
         issue  dP^T_j = v @ dO_j^T                  [BN,BM]   (RECOMPUTE_P: first
-        issue  dV    += P^T_j @ dO_j                [BN,D]     logits^T_j = k @ q_j^T)
-        load   P^T_{j+1} (registers)
+        wait   for dV_{j-1}      (it reads the registers the split of P^T_j reuses)
+        issue  dV    += P^T_j @ dO_j                [BN,D]     logits^T_j = k @ q_j^T,
+        load   P^T_{j+1} (registers)                           waited for instead)
         wait   for dP^T_j        (dV_j still in flight)
         issue  dK    += (P^T_j * (dP^T_j - delta_j)) @ q_j
         copy   dO_{j+S-1}, q_{j+S-1} into the ring slot that tile j-1 used
     rows pass, per key tile j (a program owns BLOCK_M queries):
         issue  dP_j = dO @ v_j^T                    [BM,BN]   (RECOMPUTE_P: first
-        issue  pk  += P_j @ k_j   (P given only)    [BM,D]     logits_j = q @ k_j^T)
+        wait   for pk_{j-1}      (P given only)                logits_j = q @ k_j^T,
+        issue  pk  += P_j @ k_j   (P given only)    [BM,D]     waited for instead)
         load   P_{j+1}
         wait   for dP_j          (pk_j still in flight)
         issue  gsk += (P_j * dP_j) @ k_j, or (P_j * (dP_j - delta)) @ k_j with RECOMPUTE_P
@@ -27,10 +29,18 @@ Operands: the bf16 halves of dO, q, k and v (made once by the caller) are copied
 shared memory with cp.async (`async_copy`), NUM_STAGES tiles deep; a program's own rows
 (v in the cols pass, dO in the rows pass, k / q as well with RECOMPUTE_P) are copied once.
 P tiles (float32, rows of 577 floats: not 16-byte aligned, so no TMA) are loaded straight
-into the registers of the accumulator layout, one tile ahead; S x S tiles never leave
-the registers: split into bf16 halves, they are the A operands of the next products.
-Waits name the register operands of the products still in flight (`deps`), so the
-compiler keeps them until those products have read them.
+into the registers of the accumulator layout, one tile ahead, unmasked from clamped
+indices (`clamped`); S x S tiles never leave the registers: split into bf16 halves (hi
+by truncation, an integer mask: a float -> bf16 conversion per element was the loop's
+costliest instruction), they are the A operands of the next products. The caller's
+operand halves are rounded, so each product has one rounded and one truncated operand
+(the neglected lo * lo term stays at 2^-15). Waits name the register operands of the
+products still in flight (`deps`), so the compiler keeps them until those products
+have read them.
+
+Measured on the H200 (docs/performance.md, session 8): about as fast as the Triton
+templates (rows 0.575 against 0.622 ms, cols 0.737 against 0.734 at batch 32); ncu
+puts the bound in load latency at 2-3 blocks of 4 warps per SM, not in the waits.
 
 PRODUCTS is the number of bf16 products per matmul: 3 is bf16x3 (a_lo b_hi + a_hi b_lo
 + a_hi b_hi, small terms first, float32 accumulation), 1 is a single bf16 product of
