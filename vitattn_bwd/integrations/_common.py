@@ -128,6 +128,31 @@ def check_heads_and_eps(path, E, num_heads, eps, head_dim=None, scale=None):
                          f"= {want ** -0.5}")
 
 
+def check_attention_heads(path, attn, E, eps):
+    """num_heads of a library's attention module `attn`, checked against the width E and
+    the LayerNorm's eps (and attn's head_dim and scale where it has them)."""
+    num_heads = getattr(attn, "num_heads", None)
+    if num_heads is None:
+        raise ValueError(f"{path}: attn has no num_heads attribute")
+    check_heads_and_eps(path, E, num_heads, eps, head_dim=getattr(attn, "head_dim", None),
+                        scale=getattr(attn, "scale", None))
+    return num_heads
+
+
+def check_layer_scale(path, ls, name, E, known, library):
+    """The layer's LayerScale `ls` (attribute `name`) is an Identity, or `library`'s own
+    LayerScale (`known`, stock_forward_is) with a [E] gamma parameter."""
+    if isinstance(ls, nn.Identity):
+        return
+    if not stock_forward_is(type(ls), known):
+        raise ValueError(f"{path}: {name} is {type(ls).__name__}, neither Identity nor "
+                         f"{library}'s LayerScale")
+    gamma = getattr(ls, "gamma", None)
+    if not isinstance(gamma, nn.Parameter) or tuple(gamma.shape) != (E,):
+        raise ValueError(f"{path}: {name}.gamma must be a parameter of shape ({E},), got "
+                         f"{None if gamma is None else tuple(gamma.shape)}")
+
+
 def stock_forward_is(cls, known):
     """True if `cls` is (a subclass of) one of the `known` classes and runs its forward
     unchanged."""

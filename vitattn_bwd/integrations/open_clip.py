@@ -164,20 +164,8 @@ def _check_layer(path, layer, kind):
         raise ValueError(f"{path}: attn.in_proj_bias has shape {tuple(bias.shape)}, not "
                          f"{(3 * E,)}")
     _common.check_linear(path, getattr(attn, "out_proj", None), "attn.out_proj", E, E)
-    num_heads = getattr(attn, "num_heads", None)
-    if num_heads is None:
-        raise ValueError(f"{path}: attn has no num_heads attribute")
-    _common.check_heads_and_eps(path, E, num_heads, norm.eps,
-                                head_dim=getattr(attn, "head_dim", None),
-                                scale=getattr(attn, "scale", None))
-    if not isinstance(ls, nn.Identity):
-        if not _common.stock_forward_is(type(ls), _known("layer_scale")):
-            raise ValueError(f"{path}: ls_1 is {type(ls).__name__}, neither Identity nor "
-                             "OpenCLIP's LayerScale")
-        gamma = getattr(ls, "gamma", None)
-        if not isinstance(gamma, nn.Parameter) or tuple(gamma.shape) != (E,):
-            raise ValueError(f"{path}: ls_1.gamma must be a parameter of shape ({E},), "
-                             f"got {None if gamma is None else tuple(gamma.shape)}")
+    num_heads = _common.check_attention_heads(path, attn, E, norm.eps)
+    _common.check_layer_scale(path, ls, "ls_1", E, _known("layer_scale"), "OpenCLIP")
     _common.check_not_hooked(path, layer, {"ln_1": norm, "attn": attn,
                                            "attn.out_proj": attn.out_proj, "ls_1": ls})
     return num_heads

@@ -107,20 +107,8 @@ def _check_layer(path, layer, kind):
                          "attention output (scale_norm) is not supported")
     if getattr(attn, "gate", None) is not None:
         raise ValueError(f"{path}: attn.gate is set: gated attention is not supported")
-    num_heads = getattr(attn, "num_heads", None)
-    if num_heads is None:
-        raise ValueError(f"{path}: attn has no num_heads attribute")
-    _common.check_heads_and_eps(path, E, num_heads, norm.eps,
-                                head_dim=getattr(attn, "head_dim", None),
-                                scale=getattr(attn, "scale", None))
-    if not isinstance(ls, nn.Identity):
-        if not _common.stock_forward_is(type(ls), _known("layer_scale")):
-            raise ValueError(f"{path}: ls1 is {type(ls).__name__}, neither Identity nor "
-                             "timm's LayerScale")
-        gamma = getattr(ls, "gamma", None)
-        if not isinstance(gamma, nn.Parameter) or tuple(gamma.shape) != (E,):
-            raise ValueError(f"{path}: ls1.gamma must be a parameter of shape ({E},), got "
-                             f"{None if gamma is None else tuple(gamma.shape)}")
+    num_heads = _common.check_attention_heads(path, attn, E, norm.eps)
+    _common.check_layer_scale(path, ls, "ls1", E, _known("layer_scale"), "timm")
     if not isinstance(drop_path, nn.Identity) and not _common.stock_forward_is(
             type(drop_path), _known("drop_path")):
         raise ValueError(f"{path}: drop_path1 is {type(drop_path).__name__}, neither "
