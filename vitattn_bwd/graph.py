@@ -5,8 +5,11 @@ operands split once (precision.py): cuBLAS bf16 GEMMs around the two attention-c
 operators (attention_core.py), which Inductor lowers to our Triton templates
 (inductor.py) and which write their gradients in the formats the next GEMMs read; the
 QKV weight gradient is one fp16 GEMM, of operands brought to fp16's range by a
-power-of-two scale of the upstream gradient. Elsewhere (the CPU, float64) the products are
-plain. The bias sums and the LayerNorm backward are left to Inductor to fuse.
+power-of-two scale of the upstream gradient; the LayerNorm backward, with the sums over
+rows of its parameters' and the out-projection bias's gradients, is one Triton kernel
+(layer_norm.py) that reads the QKV input gradient as the four GEMM outputs it is the sum
+of. Elsewhere (the CPU, float64) the products are plain and the LayerNorm backward is
+PyTorch math, left to Inductor to fuse. The QKV bias sums are left to Inductor.
 
 `compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
 num_heads, scale, norm_eps, ln_grad, batch bucket, CUDA graphs). Batch 1 gets a static
@@ -25,11 +28,12 @@ import types
 
 import torch
 
-from . import attention_core, cache
+from . import attention_core, cache, layer_norm
 from .cuda_graphs import GraphedCall
 from .layout import split_heads
 from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
-                        matmul_halves_transposed, power_of_two_scale)
+                        matmul_halves_transposed, power_of_two_scale,
+                        products_halves_by_weight)
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
@@ -43,7 +47,8 @@ BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v"
 def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
                               attn_weights, forward_output, q, k, v, scale):
     """Out projection, attention core and QKV projection from split operands (CUDA):
-    returns grad_out_weight, grad_x_norm [B*S,E], grad_qkv_weight, grad_qkv_bias.
+    returns grad_out_weight, grad_x_norm_parts (four [B*S,E] GEMM outputs, whose sum
+    times `unscale` is grad_x_norm), grad_qkv_weight, grad_qkv_bias, unscale.
     forward_output: the attention output [B,S,E] where it goes with attn_weights (the
     module's log-sum-exp), else None."""
     B, H, S, D = q.shape
@@ -69,21 +74,23 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
     grad_q_halves = grad_q_halves.view(rows, 2 * E)
     grad_kv_halves = grad_kv_halves.view(rows, 4 * E)
 
-    grad_x_norm = (matmul_halves_by_weight(grad_q_halves, qkv_weight[:E])
-                   + matmul_halves_by_weight(grad_kv_halves, qkv_weight[E:]))  # [B*S,E]
+    grad_x_norm_parts = (products_halves_by_weight(grad_q_halves, qkv_weight[:E])
+                         + products_halves_by_weight(grad_kv_halves, qkv_weight[E:]))
     x_norm16 = x_norm_rows.half()
     grad_qkv_weight = torch.cat([                                              # [3E,E]
         matmul_fp16_transposed(grad_q16.view(rows, E), x_norm16),
         matmul_fp16_transposed(grad_kv16.view(rows, 2 * E), x_norm16)])
     grad_qkv_bias = torch.cat([attention_core.float32_from_halves(grad_q_halves).sum(0),
                                attention_core.float32_from_halves(grad_kv_halves).sum(0)])
-    return tuple(grad / scale_up for grad in (grad_out_weight, grad_x_norm,
-                                              grad_qkv_weight, grad_qkv_bias))
+    unscale = 1 / scale_up
+    return (grad_out_weight * unscale, grad_x_norm_parts, grad_qkv_weight * unscale,
+            grad_qkv_bias * unscale, unscale)
 
 
 def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
                     attn_weights, forward_output, q, k, v, scale):
-    """The same products in the inputs' own precision (CPU, float64)."""
+    """The same products in the inputs' own precision (CPU, float64): grad_out_weight,
+    grad_x_norm [B*S,E], grad_qkv_weight, grad_qkv_bias."""
     B, H, S, D = q.shape
     E = H * D
     grad_out_weight = grad_rows.t() @ attn_rows
@@ -93,23 +100,6 @@ def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
         dim=-1).view(B * S, 3 * E)
     return (grad_out_weight, grad_qkv @ qkv_weight, grad_qkv.t() @ x_norm_rows,
             grad_qkv.sum(0))
-
-
-def layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, norm_eps,
-                        ln_grad):
-    """LayerNorm's backward plus the residual: (grad_x, grad_ln_weight, grad_ln_bias).
-    ln_grad "exact" is the true gradient, "contract" the benchmark's formula (its last
-    term lacks 1/std)."""
-    rstd = torch.rsqrt(x_var + norm_eps)                                       # [B,S,1]
-    xhat = (x - x_mean) * rstd                                                 # [B,S,E]
-    grad_xhat = grad_x_norm * ln_weight
-    centered = grad_xhat - grad_xhat.mean(-1, keepdim=True)
-    projection = xhat * (grad_xhat * xhat).mean(-1, keepdim=True)
-    if ln_grad == "exact":
-        grad_x = grad_output + (centered - projection) * rstd
-    else:
-        grad_x = grad_output + centered * rstd - projection
-    return grad_x, (grad_x_norm * xhat).sum((0, 1)), grad_x_norm.sum((0, 1))
 
 
 def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_weights,
@@ -133,14 +123,23 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     # with lse (module mode) attn_output is the block's own O = P v, whose rowsum with
     # dO is delta; the contract's attn_output is drawn apart from its P
     forward_output = attn_output if attn_weights.dim() == 3 else None
-    products = _split_precision_products if split_precision else _plain_products
-    grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias = products(
-        grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E), out_weight,
-        qkv_weight, attn_weights, forward_output, q, k, v, scale)
-    grad_x, grad_ln_weight, grad_ln_bias = layer_norm_backward(
-        grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
-        ln_grad)
-    return (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_rows.sum(0),
+    products = (grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E),
+                out_weight, qkv_weight, attn_weights, forward_output, q, k, v, scale)
+    if split_precision:
+        (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
+         unscale) = _split_precision_products(*products)
+        grad_x, column_sums = layer_norm.fused_layer_norm_backward(
+            grad_output, *grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight,
+            norm_eps, ln_grad == "exact")
+        grad_ln_weight, grad_ln_bias, grad_out_bias = column_sums.unbind(0)
+    else:
+        grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias = _plain_products(
+            *products)
+        grad_x, grad_ln_weight, grad_ln_bias = layer_norm.layer_norm_backward(
+            grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
+            ln_grad)
+        grad_out_bias = grad_rows.sum(0)
+    return (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
             grad_ln_weight, grad_ln_bias)
 
 

@@ -68,13 +68,20 @@ def mm_float32(a, b):
     return a.float() @ b.float()
 
 
-def matmul_halves_by_weight(a_halves, weight, split=split_bf16_truncated):
-    """a [M,K] (given as halves [M,2K]) @ weight [K,N] float32 -> [M,N], bf16x3; the
-    weight split by `split`."""
+def products_halves_by_weight(a_halves, weight, split=split_bf16_truncated):
+    """The two GEMMs of a [M,K] (given as halves [M,2K]) @ weight [K,N] float32 in
+    bf16x3, small term first: (a_hi @ w_lo, [a_hi | a_lo] @ [w_hi ; w_hi]), each [M,N];
+    the weight split by `split`."""
     K = weight.shape[0]
     w_hi, w_lo = split(weight)
-    return (mm_float32(a_halves[:, :K], w_lo)                               # a_hi @ w_lo
-            + mm_float32(a_halves, torch.cat([w_hi, w_hi], dim=0)))         # + the rest
+    return (mm_float32(a_halves[:, :K], w_lo),
+            mm_float32(a_halves, torch.cat([w_hi, w_hi], dim=0)))
+
+
+def matmul_halves_by_weight(a_halves, weight, split=split_bf16_truncated):
+    """a [M,K] (given as halves [M,2K]) @ weight [K,N] float32 -> [M,N], bf16x3."""
+    small, rest = products_halves_by_weight(a_halves, weight, split)
+    return small + rest
 
 
 def linear_bf16x3(a, weight, bias):

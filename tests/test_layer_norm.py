@@ -1,0 +1,80 @@
+"""The LayerNorm backward: the PyTorch math against the reference, and the fused
+kernel (under Triton's interpreter here, on the GPU in tests/test_gpu.py's compiled runs)
+against float64, including its sums over rows and the rows and columns past a block."""
+import pytest
+import torch
+
+from vitattn_bwd import layer_norm, reference
+from vitattn_bwd.layer_norm import LayerNormTiles
+
+
+def _inputs(B, S, E, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    x = randn(B, S, E) * 2 + 0.5
+    x_mean = x.mean(-1, keepdim=True)
+    x_var = x.var(-1, unbiased=False, keepdim=True)
+    parts = [randn(B * S, E) for _ in range(4)]
+    return randn(B, S, E), parts, x, x_mean, x_var, randn(E)
+
+
+def _want(grad_output, parts, x, x_mean, x_var, ln_weight, unscale, ln_grad, eps=1e-5):
+    B, S, E = x.shape
+    grad_x_norm = (sum(p.double() for p in parts) * unscale).view(B, S, E)
+    grads = reference.layer_norm_backward(grad_output.double(), grad_x_norm, x.double(),
+                                          x_mean.double(), x_var.double(),
+                                          ln_weight.double(), eps, ln_grad)
+    return (*grads, grad_output.double().sum((0, 1)))
+
+
+@pytest.mark.parametrize("ln_grad", ["exact", "contract"])
+def test_math_equals_reference(ln_grad):
+    grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(2, 5, 12)
+    grad_x_norm = sum(parts).view(2, 5, 12).double()
+    got = layer_norm.layer_norm_backward(grad_output.double(), grad_x_norm, x.double(),
+                                         x_mean.double(), x_var.double(),
+                                         ln_weight.double(), 1e-5, ln_grad)
+    want = reference.layer_norm_backward(grad_output.double(), grad_x_norm, x.double(),
+                                         x_mean.double(), x_var.double(),
+                                         ln_weight.double(), 1e-5, ln_grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+
+
+# (B, S, E, tiles): rows that do not fill the last program, an embed dim that is not a
+# power of two (masked columns), a last chunk with no rows, one row per program
+@pytest.mark.parametrize("B,S,E,tiles", [
+    (2, 7, 32, LayerNormTiles(2, 2, 4)),
+    (1, 5, 24, LayerNormTiles(4, 4, 2)),
+    (3, 11, 64, LayerNormTiles(1, 1, 4)),
+])
+@pytest.mark.parametrize("ln_grad", ["exact", "contract"])
+def test_kernel_matches_float64(triton_interpreter, B, S, E, tiles, ln_grad):
+    grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(B, S, E)
+    unscale = torch.tensor(0.25)
+    grad_x, partial_sums = layer_norm.launch(grad_output, *parts, unscale, x, x_mean, x_var,
+                                             ln_weight, 1e-5, ln_grad == "exact", tiles)
+    assert partial_sums.shape == (3, -(-B * S // tiles.rows_per_program), E)
+    got = (grad_x, *partial_sums.sum(1).unbind(0))
+    want = _want(grad_output, parts, x, x_mean, x_var, ln_weight, 0.25, ln_grad)
+    for name, g, w in zip(("grad_x", "grad_ln_weight", "grad_ln_bias", "grad_out_bias"),
+                          got, want):
+        err = ((g.double() - w).abs().max() / w.abs().max()).item()
+        assert err < 2e-6, f"{name}: relative error {err:.2e}"
+
+
+def test_operator_sums_the_partials(triton_interpreter):
+    """The operator (what the graph calls) returns the partials summed, and each program's
+    row of partials holds only its own rows."""
+    grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(1, 3, 16)
+    unscale = torch.tensor(1.0)
+    grad_x, column_sums = layer_norm.fused_layer_norm_backward(
+        grad_output, *parts, unscale, x, x_mean, x_var, ln_weight, 1e-5, False)
+    want = _want(grad_output, parts, x, x_mean, x_var, ln_weight, 1.0, "contract")
+    for g, w in zip((grad_x, *column_sums), want):
+        torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
+    _, partial_sums = layer_norm.launch(grad_output, *parts, unscale, x, x_mean, x_var,
+                                        ln_weight, 1e-5, False, LayerNormTiles(1, 1, 4))
+    assert partial_sums.shape == (3, 3, 16)
+    torch.testing.assert_close(partial_sums[2], grad_output[0], rtol=0, atol=0)
+

@@ -1,0 +1,93 @@
+"""The block's LayerNorm backward (plus the residual and the out-projection bias
+gradient, which read the same rows), as PyTorch math and as one CUDA operator.
+
+`layer_norm_backward` is the math (the graph's CPU path, float64, and the statement the
+kernel is tested against). `fused_layer_norm_backward` is the operator the graph calls on
+CUDA: one pass of kernels/layer_norm_bwd.py over the rows, which also sums the three
+column gradients as per-program partials that are then added in a fixed order. It is a
+`torch.library.triton_op`, so under torch.compile Inductor launches the Triton kernel
+from its generated code like any of its own (public API; nothing of Inductor's private
+API here).
+
+    fused_layer_norm_backward(grad_output, part0, part1, part2, part3, unscale, x, x_mean,
+                              x_var, ln_weight, norm_eps, exact)
+        -> grad_x [B,S,E], column_sums [3,E] (grad_ln_weight, grad_ln_bias,
+           grad_out_bias)
+
+grad_x_norm, the gradient at the LayerNorm's output, arrives as the four GEMM outputs
+[B*S,E] it is the sum of, ((part0 + part1) + (part2 + part3)) * unscale (graph.py), so
+it is never written whole.
+"""
+from typing import NamedTuple
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+
+class LayerNormTiles(NamedTuple):
+    """Launch configuration: a program takes `chunks` chunks of `rows_per_chunk` rows,
+    one after the other, with `num_warps` warps."""
+    rows_per_chunk: int
+    chunks: int
+    num_warps: int
+
+    @property
+    def rows_per_program(self):
+        return self.rows_per_chunk * self.chunks
+
+
+# Measured on the H200 (scripts/time_layer_norm.py, docs/performance.md, session 9): at
+# batch 32 0.143 ms (3.7 TB/s), against 0.219 with 2 x 8 rows and 4 warps and 0.69-0.75
+# with fewer, longer programs; 0.016 ms at batch 1, 0.048 at batch 8. What Inductor
+# made of the same math took 0.231 ms at batch 32.
+TILES = LayerNormTiles(rows_per_chunk=4, chunks=4, num_warps=8)
+
+
+def layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, norm_eps,
+                        ln_grad):
+    """LayerNorm's backward plus the residual: (grad_x, grad_ln_weight, grad_ln_bias).
+    ln_grad "exact" is the true gradient, "contract" the benchmark's formula (its last
+    term lacks 1/std)."""
+    rstd = torch.rsqrt(x_var + norm_eps)                                       # [B,S,1]
+    xhat = (x - x_mean) * rstd                                                 # [B,S,E]
+    grad_xhat = grad_x_norm * ln_weight
+    centered = grad_xhat - grad_xhat.mean(-1, keepdim=True)
+    projection = xhat * (grad_xhat * xhat).mean(-1, keepdim=True)
+    if ln_grad == "exact":
+        grad_x = grad_output + (centered - projection) * rstd
+    else:
+        grad_x = grad_output + centered * rstd - projection
+    return grad_x, (grad_x_norm * xhat).sum((0, 1)), grad_x_norm.sum((0, 1))
+
+
+def launch(grad_output, part0, part1, part2, part3, unscale, x, x_mean, x_var, ln_weight,
+           norm_eps, exact, tiles=TILES, launcher=lambda kernel: kernel):
+    """Run the kernel: (grad_x [B,S,E], partial_sums [3, programs, E], one row per
+    program of tiles.rows_per_program rows). `launcher` wraps the kernel (wrap_triton
+    inside the operator)."""
+    import triton
+
+    from .kernels.layer_norm_bwd import layer_norm_bwd_kernel
+    B, S, E = x.shape
+    grad_x = torch.empty_like(x)
+    programs = -(-B * S // tiles.rows_per_program)
+    partial_sums = x.new_empty(3, programs, E)
+    launcher(layer_norm_bwd_kernel)[(programs,)](
+        grad_output.contiguous(), part0.contiguous(), part1.contiguous(), part2.contiguous(),
+        part3.contiguous(), unscale, x.contiguous(), x_mean.contiguous(), x_var.contiguous(),
+        ln_weight.contiguous(), grad_x, partial_sums, B * S, norm_eps, EMBED=E,
+        BLOCK_E=triton.next_power_of_2(E), ROWS_PER_CHUNK=tiles.rows_per_chunk,
+        CHUNKS=tiles.chunks, EXACT=exact, num_warps=tiles.num_warps)
+    return grad_x, partial_sums
+
+
+@triton_op("vitattn_bwd::fused_layer_norm_backward", mutates_args=())
+def fused_layer_norm_backward(grad_output: torch.Tensor, part0: torch.Tensor,
+                              part1: torch.Tensor, part2: torch.Tensor, part3: torch.Tensor,
+                              unscale: torch.Tensor, x: torch.Tensor, x_mean: torch.Tensor,
+                              x_var: torch.Tensor, ln_weight: torch.Tensor, norm_eps: float,
+                              exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, partial_sums = launch(grad_output, part0, part1, part2, part3, unscale, x,
+                                  x_mean, x_var, ln_weight, norm_eps, exact,
+                                  launcher=wrap_triton)
+    return grad_x, partial_sums.sum(1)                                          # [3,E]
