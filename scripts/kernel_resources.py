@@ -137,9 +137,9 @@ def _gluon_kernels():
     constexprs = dict(PRODUCTS=3, OPERAND_SMEM=gl.NVMMASharedLayout.get_default_for(
         [64, HEAD_DIM], gl.bfloat16))
     return [("rows", softmax_bwd_gluon.softmax_bwd_rows_kernel, gluon_core.ROWS_TILES,
-             constexprs),
+             dict(constexprs, PREFETCH=gluon_core.ROWS_PREFETCH)),
             ("cols", softmax_bwd_gluon.softmax_bwd_cols_kernel, gluon_core.COLS_TILES,
-             constexprs)]
+             dict(constexprs, PREFETCH=gluon_core.COLS_PREFETCH))]
 
 
 SWEEP = [TileConfig(m, n, w, s) for (m, n), w, s in itertools.product(

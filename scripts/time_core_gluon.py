@@ -7,7 +7,9 @@ For P given (the contract) and P recomputed from its log-sum-exp (the module): e
 output of each Gluon variant against the Triton kernel's (relative error of the float32
 gradients rebuilt from the bf16 halves, the fp16 copies and delta), every output element
 written (outputs poisoned with NaN first), and the median time with the L2 flushed
-(triton.testing.do_bench). A float64 check at batch 2 runs first. Prints a table last.
+(triton.testing.do_bench); with P given, the Gluon tiles at several distances of their
+L2 prefetch of P (GLUON_VARIANTS). A float64 check at batch 2 runs first. Prints
+a table last.
 """
 import argparse
 import json
@@ -27,12 +29,13 @@ from vitattn_bwd.precision import split_bf16_rounded  # noqa: E402
 S, H, D = 577, 16, 64
 E = H * D
 TRITON_TILES = {"rows": TileConfig(64, 32, 4, 3), "cols": TileConfig(64, 64, 4, 2)}
-GLUON_VARIANTS = {
-    "rows": [TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 3), TileConfig(64, 32, 4, 2),
-             TileConfig(64, 32, 4, 3)],
-    "cols": [TileConfig(64, 64, 4, 2), TileConfig(64, 64, 4, 3), TileConfig(32, 64, 4, 2),
-             TileConfig(32, 64, 4, 3)],
-}
+# (rows tiles, rows prefetch distance, cols tiles, cols prefetch distance) with P given;
+# with P recomputed (no P to prefetch) the configured tiles only
+ROWS_64x32, ROWS_64x64 = gluon_core.ROWS_TILES
+COLS_64x64, COLS_32x64 = gluon_core.COLS_TILES
+GLUON_VARIANTS = [(ROWS_64x32, gluon_core.ROWS_PREFETCH, COLS_32x64, gluon_core.COLS_PREFETCH),
+                  (ROWS_64x32, 0, COLS_32x64, 0), (ROWS_64x32, 6, COLS_32x64, 1),
+                  (ROWS_64x32, 8, COLS_32x64, 3), (ROWS_64x64, 4, COLS_64x64, 1)]
 
 
 def make_inputs(batch, recompute, seed=0):
@@ -55,7 +58,9 @@ def halves_of(grad_attn, q, k, v):
     return [p for t in (grad_attn, q, k, v) for p in split_bf16_rounded(t.contiguous())]
 
 
-def gluon_outputs(probs, halves, attn_output, scale, rows_tiles, cols_tiles, products=3):
+def gluon_outputs(probs, halves, attn_output, scale, rows_tiles, cols_tiles,
+                  rows_prefetch=gluon_core.ROWS_PREFETCH,
+                  cols_prefetch=gluon_core.COLS_PREFETCH):
     batch = halves[2].shape[0]
     delta = torch.full((batch, H, S), float("nan"), device="cuda")
     grad_q_halves = torch.full((batch, S, 2 * E), float("nan"), device="cuda",
@@ -69,11 +74,11 @@ def gluon_outputs(probs, halves, attn_output, scale, rows_tiles, cols_tiles, pro
 
     def rows():
         gluon_core.launch_rows(probs, *halves, placeholder, delta, grad_q_halves, grad_q16,
-                               scale, rows_tiles, products)
+                               scale, rows_tiles, prefetch=rows_prefetch)
 
     def cols():
         gluon_core.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv16, scale,
-                               cols_tiles, products)
+                               cols_tiles, prefetch=cols_prefetch)
     return (rows, cols), (grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves)
 
 
@@ -145,36 +150,37 @@ def main():
                 TRITON_TILES["rows"].block_n)),
             "cols": bench(lambda: attention_core.launch_cols(
                 probs, grad_attn, q, k, v, ref[2], scale))}
-        rows_table.append((mode, "triton", "rows", tuple(TRITON_TILES["rows"]), 3,
+        rows_table.append((mode, "triton", "rows", tuple(TRITON_TILES["rows"]), "-",
                            triton_ms["rows"], {}))
-        rows_table.append((mode, "triton", "cols", tuple(TRITON_TILES["cols"]), 3,
+        rows_table.append((mode, "triton", "cols", tuple(TRITON_TILES["cols"]), "-",
                            triton_ms["cols"], {}))
-        for products in (3, 1):
-            for rows_tiles, cols_tiles in zip(GLUON_VARIANTS["rows"], GLUON_VARIANTS["cols"]):
-                try:
-                    (rows, cols), got = gluon_outputs(probs, halves, out, scale, rows_tiles,
-                                                      cols_tiles, products)
-                    rows()
-                    got[2].copy_(ref[2])             # cols pass on the reference delta
-                    cols()
-                    torch.cuda.synchronize()
-                    errors = compare(got, ref)
-                    rows_ms, cols_ms = bench(rows), bench(cols)
-                except Exception as error:          # report and go on to the next variant
-                    errors, rows_ms, cols_ms = {"error": repr(error)[:300]}, float("nan"), float("nan")
-                rows_table.append((mode, "gluon", "rows", tuple(rows_tiles), products, rows_ms,
-                                   {k: v for k, v in errors.items()
-                                    if k in ("grad_q16", "grad_q", "delta", "error")}))
-                rows_table.append((mode, "gluon", "cols", tuple(cols_tiles), products, cols_ms,
-                                   {k: v for k, v in errors.items()
-                                    if k in ("grad_kv16", "grad_kv", "error")}))
+        variants = GLUON_VARIANTS if not recompute else [(ROWS_64x32, 0, COLS_64x64, 0),
+                                                         (ROWS_64x64, 0, COLS_32x64, 0)]
+        for rows_tiles, rows_prefetch, cols_tiles, cols_prefetch in variants:
+            try:
+                (rows, cols), got = gluon_outputs(probs, halves, out, scale, rows_tiles,
+                                                  cols_tiles, rows_prefetch, cols_prefetch)
+                rows()
+                got[2].copy_(ref[2])             # cols pass on the reference delta
+                cols()
+                torch.cuda.synchronize()
+                errors = compare(got, ref)
+                rows_ms, cols_ms = bench(rows), bench(cols)
+            except Exception as error:          # report and go on to the next variant
+                errors, rows_ms, cols_ms = {"error": repr(error)[:300]}, float("nan"), float("nan")
+            rows_table.append((mode, "gluon", "rows", tuple(rows_tiles), rows_prefetch, rows_ms,
+                               {k: v for k, v in errors.items()
+                                if k in ("grad_q16", "grad_q", "delta", "error")}))
+            rows_table.append((mode, "gluon", "cols", tuple(cols_tiles), cols_prefetch, cols_ms,
+                               {k: v for k, v in errors.items()
+                                if k in ("grad_kv16", "grad_kv", "error")}))
     Path(args.out, "core_gluon.json").write_text(json.dumps(rows_table, indent=1))
     print(f"batch {args.batch}")
-    print(f"{'mode':10} {'kernel':7} {'pass':5} {'tiles':18} {'prod':>4} {'ms':>7}  errors vs triton")
-    for mode, kind, name, tiles, products, ms, errors in rows_table:
+    print(f"{'mode':10} {'kernel':7} {'pass':5} {'tiles':18} {'pref':>4} {'ms':>7}  errors vs triton")
+    for mode, kind, name, tiles, prefetch, ms, errors in rows_table:
         err = " ".join(f"{k}={v:.1e}" if isinstance(v, float) else f"{k}={v}"
                        for k, v in errors.items())
-        print(f"{mode:10} {kind:7} {name:5} {tiles!s:18} {products:4} {ms:7.3f}  {err}")
+        print(f"{mode:10} {kind:7} {name:5} {tiles!s:18} {prefetch!s:>4} {ms:7.3f}  {err}")
 
 
 if __name__ == "__main__":

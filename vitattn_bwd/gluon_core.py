@@ -27,6 +27,12 @@ from .attention_core import TileConfig
 ROWS_TILES = (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 4, 2))
 COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 3))
 HEAD_DIMS = (64,)
+# How many P tiles ahead of its register loads a program asks the L2 for them (the
+# kernels' prefetch_to_l2; 0: not at all). At batch 32 on the H200 (docs/performance.md,
+# session 9) the rows pass at 64 x 32 tiles ran 0.593 ms without, 0.546 at 4 ahead; the
+# cols pass at 32 x 64 tiles 0.774 without, 0.661 at 2.
+ROWS_PREFETCH = 4
+COLS_PREFETCH = 2
 
 
 @functools.cache
@@ -52,32 +58,34 @@ def _operand_smem_layout(head_dim):
     return gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
 
 
-def _constexprs(probs, q, tiles, products):
+def _constexprs(probs, q, tiles, products, prefetch):
     _, num_heads, seq_len, head_dim = q.shape
     return dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
-                RECOMPUTE_P=probs.dim() == 3, PRODUCTS=products,
+                RECOMPUTE_P=probs.dim() == 3, PRODUCTS=products, PREFETCH=prefetch,
                 OPERAND_SMEM=_operand_smem_layout(head_dim), num_warps=tiles.num_warps)
 
 
 def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-                attn_output, delta, grad_q_halves, grad_q16, scale, tiles, products=3):
+                attn_output, delta, grad_q_halves, grad_q16, scale, tiles, products=3,
+                prefetch=ROWS_PREFETCH):
     from .kernels.softmax_bwd_gluon import softmax_bwd_rows_kernel
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_m), batch * num_heads)
     softmax_bwd_rows_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
                                   v_hi, v_lo, attn_output, grad_q16, grad_q_halves, delta,
-                                  scale, **_constexprs(probs, q_hi, tiles, products))
+                                  scale, **_constexprs(probs, q_hi, tiles, products, prefetch))
 
 
 def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-                delta, grad_kv_halves, grad_kv16, scale, tiles, products=3):
+                delta, grad_kv_halves, grad_kv16, scale, tiles, products=3,
+                prefetch=COLS_PREFETCH):
     from .kernels.softmax_bwd_gluon import softmax_bwd_cols_kernel
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_n), batch * num_heads)
     softmax_bwd_cols_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
                                   v_hi, v_lo, delta, grad_kv16, grad_kv_halves, scale,
-                                  **_constexprs(probs, q_hi, tiles, products))
+                                  **_constexprs(probs, q_hi, tiles, products, prefetch))
 
 
 # ---- what the compiled graph calls when max-autotune picks a Gluon kernel ------------
@@ -115,14 +123,24 @@ def _cols_outputs(q_hi):
             q_hi.new_empty(batch, seq_len, 4 * embed_dim, dtype=torch.bfloat16))
 
 
-@torch.library.custom_op("vitattn_bwd::gluon_softmax_bwd_rows", mutates_args=(),
-                         device_types="cuda")
-def gluon_softmax_bwd_rows(probs: torch.Tensor, grad_attn_hi: torch.Tensor,
-                           grad_attn_lo: torch.Tensor, q_hi: torch.Tensor, q_lo: torch.Tensor,
-                           k_hi: torch.Tensor, k_lo: torch.Tensor, v_hi: torch.Tensor,
-                           v_lo: torch.Tensor, attn_output: torch.Tensor, scale: float,
-                           block_m: int, block_n: int, num_warps: int, num_stages: int
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The operators are defined through torch.library.Library, not custom_op: the graph calls
+# them on every backward, and under cProfile on the H200's host custom_op's wrapper
+# (autograd layer, per-call aliasing checks) took 0.22 ms of its own per call
+# (scripts/profile_host.py, session 9). Their outputs are new tensors and never need a
+# gradient.
+_LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
+_OPERANDS = ("Tensor probs, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_hi, "
+             "Tensor q_lo, Tensor k_hi, Tensor k_lo, Tensor v_hi, Tensor v_lo")
+_TILES = "float scale, int block_m, int block_n, int num_warps, int num_stages"
+_LIBRARY.define(f"gluon_softmax_bwd_rows({_OPERANDS}, Tensor attn_output, {_TILES}) "
+                "-> (Tensor, Tensor, Tensor)")
+_LIBRARY.define(f"gluon_softmax_bwd_cols({_OPERANDS}, Tensor delta, {_TILES}) "
+                "-> (Tensor, Tensor)")
+
+
+def gluon_softmax_bwd_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
+                           v_lo, attn_output, scale, block_m, block_n, num_warps,
+                           num_stages):
     """The rows pass on pre-split operands -> grad_q16, grad_q_halves, delta."""
     grad_q16, grad_q_halves, delta = _rows_outputs(q_hi)
     launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
@@ -131,20 +149,8 @@ def gluon_softmax_bwd_rows(probs: torch.Tensor, grad_attn_hi: torch.Tensor,
     return grad_q16, grad_q_halves, delta
 
 
-@gluon_softmax_bwd_rows.register_fake
-def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output,
-      scale, block_m, block_n, num_warps, num_stages):
-    return _rows_outputs(q_hi)
-
-
-@torch.library.custom_op("vitattn_bwd::gluon_softmax_bwd_cols", mutates_args=(),
-                         device_types="cuda")
-def gluon_softmax_bwd_cols(probs: torch.Tensor, grad_attn_hi: torch.Tensor,
-                           grad_attn_lo: torch.Tensor, q_hi: torch.Tensor, q_lo: torch.Tensor,
-                           k_hi: torch.Tensor, k_lo: torch.Tensor, v_hi: torch.Tensor,
-                           v_lo: torch.Tensor, delta: torch.Tensor, scale: float,
-                           block_m: int, block_n: int, num_warps: int, num_stages: int
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def gluon_softmax_bwd_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
+                           v_lo, delta, scale, block_m, block_n, num_warps, num_stages):
     """The cols pass on pre-split operands -> grad_kv16, grad_kv_halves."""
     grad_kv16, grad_kv_halves = _cols_outputs(q_hi)
     launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
@@ -153,7 +159,17 @@ def gluon_softmax_bwd_cols(probs: torch.Tensor, grad_attn_hi: torch.Tensor,
     return grad_kv16, grad_kv_halves
 
 
-@gluon_softmax_bwd_cols.register_fake
+_LIBRARY.impl("gluon_softmax_bwd_rows", gluon_softmax_bwd_rows, "CUDA")
+_LIBRARY.impl("gluon_softmax_bwd_cols", gluon_softmax_bwd_cols, "CUDA")
+
+
+@torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_rows", lib=_LIBRARY)
+def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output,
+      scale, block_m, block_n, num_warps, num_stages):
+    return _rows_outputs(q_hi)
+
+
+@torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_cols", lib=_LIBRARY)
 def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta, scale,
       block_m, block_n, num_warps, num_stages):
     return _cols_outputs(q_hi)

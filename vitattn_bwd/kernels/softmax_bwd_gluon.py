@@ -115,6 +115,26 @@ def clamped(index, SEQ_LEN: gl.constexpr):
 
 
 @gluon.jit
+def prefetch_to_l2(base, row_start, col_start, SEQ_LEN: gl.constexpr, ROWS: gl.constexpr,
+                   COLS: gl.constexpr, num_warps: gl.constexpr):
+    """Ask the L2 for the cache lines of the P tile rows [row_start, +ROWS) x columns
+    [col_start, +COLS) (indices clamped, as `clamped`), taking no registers and never
+    waited for: `prefetch.global.L2` at COLS // 16 points per row, under 128 bytes
+    apart, so every line a row's segment touches is named. The register load of that
+    tile, PREFETCH tiles later, then finds it in the L2 instead of HBM."""
+    POINTS: gl.constexpr = COLS // 16
+    layout: gl.constexpr = gl.BlockedLayout([1, 1], [32 // POINTS, POINTS], [num_warps, 1],
+                                            [1, 0])
+    rows = row_start + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = col_start + (gl.arange(0, POINTS, layout=gl.SliceLayout(0, layout))
+                        * ((COLS - 1) // (POINTS - 1)))
+    pointers = (base + (clamped(rows, SEQ_LEN) * SEQ_LEN)[:, None]
+                + clamped(cols, SEQ_LEN)[None, :])
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [pointers],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def load_vector(base, start, SEQ_LEN: gl.constexpr, BLOCK: gl.constexpr,
                 layout: gl.constexpr):
     offsets = start + gl.arange(0, BLOCK, layout=layout)
@@ -147,7 +167,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             RECOMPUTE_P: gl.constexpr, PRODUCTS: gl.constexpr,
-                            OPERAND_SMEM: gl.constexpr, num_warps: gl.constexpr):
+                            PREFETCH: gl.constexpr, OPERAND_SMEM: gl.constexpr,
+                            num_warps: gl.constexpr):
     """dK, dV of keys [n_start, n_start + BLOCK_N) of one (batch, head): program ids
     (key block, batch * NUM_HEADS + head). Outputs as kernels/softmax_bwd.py's cols
     kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16."""
@@ -203,6 +224,9 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         queries = gl.arange(0, BLOCK_M, layout=query_vector)
         p_t_next = gl.load(probs_head + key_offsets
                            + (clamped(queries, SEQ_LEN) * SEQ_LEN)[None, :])
+        for ahead in gl.static_range(1, PREFETCH + 1):
+            prefetch_to_l2(probs_head, ahead * BLOCK_M, n_start, SEQ_LEN, BLOCK_M,
+                           BLOCK_N, num_warps)
     zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
     # the accumulators stay in flight from one tile to the next
     grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
@@ -250,6 +274,9 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         else:
             p_t_next = gl.load(probs_head + key_offsets
                                + (clamped(queries + BLOCK_M, SEQ_LEN) * SEQ_LEN)[None, :])
+            if PREFETCH > 0:
+                prefetch_to_l2(probs_head, m_start + (PREFETCH + 1) * BLOCK_M, n_start,
+                               SEQ_LEN, BLOCK_M, BLOCK_N, num_warps)
             grad_p_t, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
                 PRODUCTS, deps=(grad_p_t, grad_s_t_hi, grad_s_t_lo))
         grad_s_t = p_t * (grad_p_t - delta[None, :])                      # [BN,BM]
@@ -284,7 +311,8 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             RECOMPUTE_P: gl.constexpr, PRODUCTS: gl.constexpr,
-                            OPERAND_SMEM: gl.constexpr, num_warps: gl.constexpr):
+                            PREFETCH: gl.constexpr, OPERAND_SMEM: gl.constexpr,
+                            num_warps: gl.constexpr):
     """dQ and delta of queries [m_start, m_start + BLOCK_M) of one (batch, head):
     program ids (query block, batch * NUM_HEADS + head). Outputs as
     kernels/softmax_bwd.py's rows kernel: GRAD_Q16 [B,S,E] fp16, GRAD_Q_HALVES [B,S,2E]
@@ -348,6 +376,9 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         delta = gl.zeros([BLOCK_M], gl.float32, layout=query_vector)      # summed below
         row_offsets = (clamped(queries, SEQ_LEN) * SEQ_LEN)[:, None]
         p_next = gl.load(probs_rows + row_offsets + clamped(keys, SEQ_LEN)[None, :])
+        for ahead in gl.static_range(1, PREFETCH + 1):
+            prefetch_to_l2(probs_rows, m_start, ahead * BLOCK_N, SEQ_LEN, BLOCK_M, BLOCK_N,
+                           num_warps)
         p_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32,
                                           layout=acc_layout))
     zeros_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=tile_layout)
@@ -388,6 +419,9 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             p_k = issue_products(p_hi, p_lo, k_hi, k_lo, p_k, True, PRODUCTS)
             p_next = gl.load(probs_rows + row_offsets
                              + clamped(keys + BLOCK_N, SEQ_LEN)[None, :])
+            if PREFETCH > 0:
+                prefetch_to_l2(probs_rows, m_start, n_start + (PREFETCH + 1) * BLOCK_N,
+                               SEQ_LEN, BLOCK_M, BLOCK_N, num_warps)
             grad_p, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
                 PRODUCTS, deps=(grad_p, grad_s_hi, grad_s_lo))
             grad_s = p * grad_p
