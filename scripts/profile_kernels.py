@@ -21,9 +21,12 @@ from vitattn_bwd.workloads import make_inputs  # noqa: E402
 def group_of(name):
     """The kind of a CUDA kernel, from its name."""
     lower = name.lower()
-    for attention_pass in ("rows", "cols"):               # our templates
-        if name.startswith("triton_tem_") and f"softmax_bwd_{attention_pass}" in name:
+    for attention_pass in ("rows", "cols"):               # our templates, Gluon kernels
+        if f"softmax_bwd_{attention_pass}" in name and (
+                name.startswith("triton_tem_") or name.endswith("_kernel")):
             return f"attention core: {attention_pass} pass"
+    if name.startswith("layer_norm_bwd_kernel"):
+        return "LayerNorm backward and sums over rows (fused kernel)"
     if name.startswith("attention_fwd_kernel"):
         return "attention forward"
     if any(fragment in lower for fragment in ("nvjet", "gemm", "cutlass")):
