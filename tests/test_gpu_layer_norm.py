@@ -50,14 +50,14 @@ def test_operator_passes_opcheck():
 
 def test_compiled_operator_with_a_dynamic_batch():
     """Under torch.compile (Inductor launches the kernel, and sums the partials itself)
-    with a dynamic batch: the eager operator's values, the same bits on every call. (Not
-    the eager bits: on the H200 Inductor's build of the kernel rounded grad_x
-    differently.)"""
+    with a dynamic batch: the eager operator's values to float32 rounding, the same bits
+    on every call. (Not the eager bits: on the H200 the column sums, added in Inductor's
+    order, differed by up to 9e-6 absolute, 1.4e-4 relative where they cancel.)"""
     compiled = torch.compile(layer_norm.fused_layer_norm_backward, dynamic=True,
                              fullgraph=True)
     for B in (2, 5):
         inputs = _inputs(B, 577, 1024, seed=B)
         got = compiled(*inputs, False)
         for g, want in zip(got, layer_norm.fused_layer_norm_backward(*inputs, False)):
-            torch.testing.assert_close(g, want, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5 * want.abs().max())
         assert all(torch.equal(a, b) for a, b in zip(got, compiled(*inputs, False)))

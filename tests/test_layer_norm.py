@@ -78,3 +78,22 @@ def test_operator_sums_the_partials(triton_interpreter):
     assert partial_sums.shape == (3, 3, 16)
     torch.testing.assert_close(partial_sums[2], grad_output[0], rtol=0, atol=0)
 
+
+
+def test_operator_takes_strided_inputs(triton_interpreter):
+    """x transposed in memory and grad_output at an odd storage offset (as the module's
+    property tests pass them): the same gradients as from contiguous copies, grad_x
+    row-major. (grad_x was once allocated like x, so its strides followed x's while the
+    kernel wrote it row-major: found by the GPU module property.)"""
+    grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(3, 5, 16)
+    x_strided = x.transpose(0, 1).contiguous().transpose(0, 1)          # [B,S,E], S-major
+    padded = torch.zeros(grad_output.numel() + 3)
+    grad_output_strided = padded[3:].view_as(grad_output).copy_(grad_output)
+    args = (*parts, torch.tensor(1.0))
+    got = layer_norm.fused_layer_norm_backward(grad_output_strided, *args, x_strided,
+                                               x_mean, x_var, ln_weight, 1e-5, True)
+    want = layer_norm.fused_layer_norm_backward(grad_output, *args, x, x_mean, x_var,
+                                                ln_weight, 1e-5, True)
+    assert got[0].is_contiguous()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

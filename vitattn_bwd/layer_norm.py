@@ -69,7 +69,7 @@ def launch(grad_output, part0, part1, part2, part3, unscale, x, x_mean, x_var, l
 
     from .kernels.layer_norm_bwd import layer_norm_bwd_kernel
     B, S, E = x.shape
-    grad_x = torch.empty_like(x)
+    grad_x = x.new_empty(B, S, E)               # row-major, as the kernel writes it
     programs = -(-B * S // tiles.rows_per_program)
     partial_sums = x.new_empty(3, programs, E)
     launcher(layer_norm_bwd_kernel)[(programs,)](
