@@ -6,10 +6,15 @@ vitattn_bwd.integrations.hf.swap_attention: fwd+bwd ms of a training step, memor
 for the backward per image, and the step's peak memory.
 
     python scripts/bench_module.py [--batch-sizes 1 8 32] [--hf-layers 4] [--no-hf]
+                                   [--autocast]
 
-float32; TF32 is left as the process has it (off by default) and printed.
+float32 parameters; TF32 is left as the process has it (off by default) and printed.
+With --autocast every forward runs under torch.autocast(bfloat16) (backward outside it,
+as in a training loop), and the block table adds VisionAttentionBlock(precision="high"),
+which keeps its float32-grade fused path there; the default follows autocast.
 """
 import argparse
+import contextlib
 import copy
 import functools
 import statistics
@@ -22,6 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vitattn_bwd import VisionAttentionBlock, reference  # noqa: E402
+
+
+NO_AUTOCAST = contextlib.nullcontext
+AUTOCAST_NOTE = ", forwards under torch.autocast(bfloat16)"
 
 
 def step_times(step, device, repeats):
@@ -51,16 +60,19 @@ def compare_ms(steps, device, rounds=5, repeats=10):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _block_step(model, x, grad):
-    model(x).backward(grad)
+def _block_step(model, x, grad, amp):
+    with amp():
+        y = model(x)
+    y.backward(grad.to(y.dtype))
 
 
-def saved_mb(model, x, device):
+def saved_mb(model, x, device, amp):
     if device != "cuda":
         return float("nan")
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    y = model(x)
+    with amp():
+        y = model(x)
     kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
     del y
     return kept / 2 ** 20
@@ -80,14 +92,16 @@ def hf_tower(device, layers):
     return CLIPVisionModel(config).to(device).train()
 
 
-def hf_step(model, pixels, grad):
+def hf_step(model, pixels, grad, amp):
     def step():
         model.zero_grad(set_to_none=True)
-        model(pixel_values=pixels).last_hidden_state.backward(grad)
+        with amp():
+            out = model(pixel_values=pixels).last_hidden_state
+        out.backward(grad.to(out.dtype))
     return step
 
 
-def hf_memory_mb(model, pixels, grad, device):
+def hf_memory_mb(model, pixels, grad, device, amp):
     """(MB kept for the backward per image, peak MB of one fwd+bwd step above what was
     allocated before it); NaN off CUDA."""
     if device != "cuda":
@@ -96,11 +110,12 @@ def hf_memory_mb(model, pixels, grad, device):
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    out = model(pixel_values=pixels)
+    with amp():
+        out = model(pixel_values=pixels)
     outputs = sum(t.numel() * t.element_size()
                   for t in (out.last_hidden_state, out.pooler_output))
     kept = torch.cuda.memory_allocated() - before - outputs
-    out.last_hidden_state.backward(grad)
+    out.last_hidden_state.backward(grad.to(out.last_hidden_state.dtype))
     del out
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - before
@@ -108,7 +123,7 @@ def hf_memory_mb(model, pixels, grad, device):
     return kept / pixels.shape[0] / 2 ** 20, peak / 2 ** 20
 
 
-def bench_hf(device, batch_sizes, layers):
+def bench_hf(device, batch_sizes, layers, amp):
     try:
         from vitattn_bwd.integrations.hf import swap_attention
         stock = hf_tower(device, layers)
@@ -121,16 +136,16 @@ def bench_hf(device, batch_sizes, layers):
     tokens = (c.image_size // c.patch_size) ** 2 + 1
     print(f"\nHugging Face CLIPVisionModel, {layers} layers, {tokens} tokens, "
           f"{c.hidden_size} wide, {c.num_attention_heads} heads; training step "
-          "(fwd+bwd of all parameters)")
+          f"(fwd+bwd of all parameters){AUTOCAST_NOTE if amp is not NO_AUTOCAST else ''}")
     print("\n| batch | stock ms | swapped ms | speedup | stock kept MB/image | "
           "swapped kept MB/image | stock peak MB | swapped peak MB |")
     print("|---|---|---|---|---|---|---|---|")
     for B in batch_sizes:
         pixels = torch.randn(B, 3, c.image_size, c.image_size, device=device)
         grad = torch.randn(B, tokens, c.hidden_size, device=device)
-        times = list(compare_ms({"stock": hf_step(stock, pixels, grad),
-                                 "ours": hf_step(ours, pixels, grad)}, device).values())
-        memory = [hf_memory_mb(m, pixels, grad, device) for m in (stock, ours)]
+        times = list(compare_ms({"stock": hf_step(stock, pixels, grad, amp),
+                                 "ours": hf_step(ours, pixels, grad, amp)}, device).values())
+        memory = [hf_memory_mb(m, pixels, grad, device, amp) for m in (stock, ours)]
         print(f"| {B} | {times[0]:.3f} | {times[1]:.3f} | {times[0] / times[1]:.2f}x | "
               f"{memory[0][0]:.1f} | {memory[1][0]:.1f} | {memory[0][1]:.0f} | "
               f"{memory[1][1]:.0f} |", flush=True)
@@ -143,28 +158,38 @@ def main():
                         "(default: 4 on CUDA, 2 on the CPU)")
     parser.add_argument("--no-hf", action="store_true",
                         help="skip the Hugging Face comparison")
+    parser.add_argument("--autocast", action="store_true",
+                        help="forwards under torch.autocast(bfloat16)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     seq_len, embed_dim, heads = (577, 1024, 16) if device == "cuda" else (65, 128, 4)
     batch_sizes = args.batch_sizes or ((1, 8, 32) if device == "cuda" else (1, 4))
+    amp = (functools.partial(torch.autocast, device, torch.bfloat16) if args.autocast
+           else NO_AUTOCAST)
     torch.manual_seed(0)
     block = VisionAttentionBlock(embed_dim, heads).to(device)
     models = {"vitattn": block, "plain_sdpa": reference.ReferenceBlock(block)}
+    if args.autocast:
+        high = VisionAttentionBlock(embed_dim, heads, precision="high").to(device)
+        high.load_state_dict(block.state_dict())
+        models = {"vitattn": block, "vitattn high": high,
+                  "plain_sdpa": reference.ReferenceBlock(block)}
     print(f"{device}: {seq_len} tokens, {embed_dim} wide, {heads} heads; float32 "
-          f"(TF32 {'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'} for torch matmuls)")
+          f"parameters{AUTOCAST_NOTE if args.autocast else ''} (TF32 "
+          f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'} for torch matmuls)")
     print("\n| batch | " + " | ".join(f"{n} fwd+bwd ms | {n} kept MB" for n in models) + " |")
     print("|---|" + "---|---|" * len(models))
     for B in batch_sizes:
         x = torch.randn(B, seq_len, embed_dim, device=device, requires_grad=True)
         grad = torch.randn_like(x)
-        times = compare_ms({name: functools.partial(_block_step, model, x, grad)
+        times = compare_ms({name: functools.partial(_block_step, model, x, grad, amp)
                             for name, model in models.items()}, device)
         cells = []
         for name, model in models.items():
-            cells += [f"{times[name]:.3f}", f"{saved_mb(model, x, device):.0f}"]
+            cells += [f"{times[name]:.3f}", f"{saved_mb(model, x, device, amp):.0f}"]
         print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
     if not args.no_hf:
-        bench_hf(device, batch_sizes, args.hf_layers or (4 if device == "cuda" else 2))
+        bench_hf(device, batch_sizes, args.hf_layers or (4 if device == "cuda" else 2), amp)
 
 
 if __name__ == "__main__":
