@@ -34,7 +34,7 @@ def group_of(name):
     if "multi_tensor_apply" in name or "memcpy" in lower:
         return "CUDA-graph input and output copies"
     if name.startswith("triton_"):
-        return "Inductor's fused kernels (splits, LayerNorm, sums)"
+        return "Inductor's fused kernels (splits, copies, sums)"
     if "CUDAFunctor_add" in name:
         return "autograd's gradient accumulation"
     return "other"
