@@ -5,7 +5,8 @@ function replaced by a stub that returns precomputed gradients: dynamo's guards,
 AOTAutograd's runtime wrapper and Inductor's generated wrapper are not ours and are not
 timed here.
 
-Measured on this project's 2-core CPU machines (tiny sizes, median of 2,000 calls): about
+Measured on this project's 2-core CPU machines (tiny sizes, median of 2,000 calls, each
+timed in turn with the calibration): about
 17 us of validation, 2 us of compiled_backward at batch 1 and 18 us at batch 3 (15 us of
 that mark_dynamic on 10 tensors), ~40 us in all; 5-7x the time of detaching the 13
 inputs. The bounds are generous (CI shares 2 cores) and relative to that calibration, so
@@ -25,26 +26,36 @@ from vitattn_bwd.workloads import make_inputs
 
 CALLS = 2000
 # our part at most this many times the calibration (13 detaches), and this many us.
-# Ours measures 3.5-3.6x run alone; the planted config patch 12x alone but 7.8-9.2x in
-# full CPU runs, where the calibration reads 10.7 us instead of 6.6 while the plant's own
-# cost barely moves (at bounds of 12 and 8 its test failed there). So the bound sits
-# between them.
+# Timed in turn with the calibration, ours measures 3.3-3.4x, the planted config patch
+# 10.6-10.8x and the planted extra pass 17.7-17.9x, on the machine's fast spells (23 us
+# for ours) and its slow ones (41 us) alike. (Timed one after the other, ours read 3.5x
+# alone and 6.6x once in a full CI run, the config patch 7.8-9.2x in full runs.) So the
+# bound sits between them.
 RATIO_BOUND = 6.0
 ABSOLUTE_BOUND_US = 250.0
 
 
-def _median_us(fn, calls=CALLS, rounds=3):
-    """The smallest of `rounds` medians of `calls` timed calls, in microseconds."""
+def _paired_us(fn, calibration, calls=CALLS, rounds=3):
+    """(our us, calibration us) of the round whose ratio is smallest: each round times
+    fn and the calibration call by call in turn, so that a slow spell of the shared
+    machine falls on both (timed one after the other, ours once read 42 us against a
+    6.4 us calibration in a full CI run, 24 us run alone); the median of `calls` each."""
     for _ in range(100):
         fn()
-    best = float("inf")
+        calibration()
+    best = (float("inf"), 1.0)
     for _ in range(rounds):
-        times = []
+        ours, unit = [], []
         for _ in range(calls):
             start = time.perf_counter_ns()
+            calibration()
+            middle = time.perf_counter_ns()
             fn()
-            times.append(time.perf_counter_ns() - start)
-        best = min(best, statistics.median(times) / 1000)
+            unit.append(middle - start)
+            ours.append(time.perf_counter_ns() - middle)
+        pair = (statistics.median(ours) / 1000, statistics.median(unit) / 1000)
+        if pair[0] / pair[1] < best[0] / best[1]:
+            best = pair
     return best
 
 
@@ -83,11 +94,11 @@ def _our_part(batch, check_finite=False):
     return call
 
 
-def _calibration_us():
-    """A fixed amount of tensor-object work (detaching the 13 inputs), timed the same way:
-    what the bounds are relative to."""
+def _timed(call):
+    """(our part's us, calibration us): the calibration is a fixed amount of tensor-object
+    work (detaching the 13 inputs), what the bounds are relative to."""
     tensors = list(_inputs(3)[0].values())
-    return _median_us(lambda: [t.detach() for t in tensors])
+    return _paired_us(call, lambda: [t.detach() for t in tensors])
 
 
 @pytest.mark.parametrize("batch", [1, 3, 20])
@@ -95,7 +106,7 @@ def test_our_host_time_per_call_is_bounded(stubbed_graph, batch):
     call = _our_part(batch)
     result = call()
     assert isinstance(result, vitattn_bwd.BlockGrads) and len(stubbed_graph) == 1
-    ours, unit = _median_us(call), _calibration_us()
+    ours, unit = _timed(call)
     print(f"batch {batch}: our part {ours:.1f} us, calibration {unit:.1f} us "
           f"(ratio {ours / unit:.1f})")
     assert ours < ABSOLUTE_BOUND_US, (ours, unit)
@@ -121,7 +132,7 @@ def test_planted_config_patch_exceeds_the_bound(stubbed_graph, monkeypatch):
     monkeypatch.setattr(api, "compiled_backward", patched)
     call = _our_part(3)
     call()
-    ours, unit = _median_us(call), _calibration_us()
+    ours, unit = _timed(call)
     print(f"planted: {ours:.1f} us, calibration {unit:.1f} us (ratio {ours / unit:.1f})")
     assert ours > RATIO_BOUND * unit, (ours, unit)
 
@@ -130,6 +141,6 @@ def test_planted_extra_pass_over_the_data_exceeds_the_bound(stubbed_graph):
     """One extra pass over every input (check_finite=True does exactly that) is caught."""
     call = _our_part(3, check_finite=True)
     call()
-    ours, unit = _median_us(call), _calibration_us()
+    ours, unit = _timed(call)
     print(f"planted: {ours:.1f} us, calibration {unit:.1f} us (ratio {ours / unit:.1f})")
     assert ours > RATIO_BOUND * unit, (ours, unit)
