@@ -4,6 +4,10 @@ cuobjdump bundled with its CUDA backend do the work on the CPU.
 
     PYTHONPATH=. python3 scripts/kernel_resources.py              # the configured tiles
     PYTHONPATH=. python3 scripts/kernel_resources.py --sweep      # candidate tiles too
+    PYTHONPATH=. python3 scripts/kernel_resources.py --sass DIR   # and each one's SASS
+
+The SASS files (instruction addresses left out) show whether a refactor of a kernel's
+source changed its machine code: `diff -r` two such folders.
 
 A kernel that spills (spill stores > 0) keeps part of its tiles in local memory and
 runs far below the tensor cores' rate; HGMMA counts Hopper's warpgroup matrix
@@ -63,9 +67,9 @@ def _signature(kernel, constexprs):
     return signature
 
 
-def sm90_resources(kernel, constexprs, tiles):
+def sm90_resources(kernel, constexprs, tiles, sass_file=None):
     """Compile `kernel` (Triton or Gluon) with `constexprs` and `tiles` (a TileConfig)
-    for sm_90a."""
+    for sm_90a; its SASS, without instruction addresses, to `sass_file` if given."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -94,6 +98,9 @@ def sm90_resources(kernel, constexprs, tiles):
                                 capture_output=True, text=True, check=True).stderr
         sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout
+    if sass_file is not None:
+        Path(sass_file).write_text("\n".join(re.sub(r"/\*[0-9a-f]{4}\*/", "", line)
+                                             for line in sass.splitlines() if "/*" in line))
     return Resources(registers=int(re.search(r"Used (\d+) registers", report)[1]),
                      spill_stores=int(re.search(r"(\d+) bytes spill stores", report)[1]),
                      shared_bytes=compiled.metadata.shared,
@@ -146,13 +153,18 @@ SWEEP = [TileConfig(m, n, w, s) for (m, n), w, s in itertools.product(
     [(64, 16), (64, 32), (64, 64), (32, 64), (128, 32), (128, 64)], (4, 8), (2, 3))]
 
 
-def report(sweep=False):
+def report(sweep=False, sass_dir=None):
     """(kernel name, tiles, configured?, Resources) of every configured tile (and of
-    SWEEP's candidates too with sweep=True)."""
+    SWEEP's candidates too with sweep=True); with sass_dir, each one's SASS there."""
     for name, kernel, constexprs, configured in kernels():
         candidates = tuple(SWEEP) if sweep and not _is_gluon(kernel) else ()
         for tiles in dict.fromkeys(configured + candidates):
-            yield name, tiles, tiles in configured, sm90_resources(kernel, constexprs, tiles)
+            sass_file = None
+            if sass_dir is not None:
+                stem = "_".join([name.replace(" ", "_"), *map(str, tiles)])
+                sass_file = Path(sass_dir, f"{stem}.sass")
+            yield name, tiles, tiles in configured, sm90_resources(kernel, constexprs, tiles,
+                                                                   sass_file)
 
 
 def main():
@@ -161,14 +173,18 @@ def main():
     parser.add_argument("--sweep", action="store_true",
                         help="also compile the candidate tiles in SWEEP")
     parser.add_argument("--json", action="store_true", help="one JSON list, no table")
+    parser.add_argument("--sass", type=Path, metavar="DIR",
+                        help="also write each kernel's SASS into DIR")
     args = parser.parse_args()
+    if args.sass:
+        args.sass.mkdir(parents=True, exist_ok=True)
     if args.json:
         print(json.dumps([[name, list(tiles), configured, resources._asdict()]
-                          for name, tiles, configured, resources in report(args.sweep)]))
+                          for name, tiles, configured, resources in report(args.sweep, args.sass)]))
         return
     print(f"{'kernel':24} {'tiles (m, n, warps, stages)':28} {'regs':>5} {'spill B':>8} "
           f"{'smem KB':>8} {'HGMMA':>6} {'HMMA':>5} {'waits':>6}   (* = configured)")
-    for name, tiles, configured, r in report(args.sweep):
+    for name, tiles, configured, r in report(args.sweep, args.sass):
         print(f"{name:24} {'*' if configured else ' '}{tuple(tiles)!s:27} {r.registers:5} "
               f"{r.spill_stores:8} {r.shared_bytes / 1024:8.1f} {r.hgmma:6} {r.hmma:5} "
               f"{r.waits:6}", flush=True)

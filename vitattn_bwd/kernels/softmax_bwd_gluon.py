@@ -59,6 +59,20 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
+def program_coordinates(BLOCK: gl.constexpr, SEQ_LEN: gl.constexpr,
+                        NUM_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """This program's (batch, head, first of its BLOCK rows, batch * NUM_HEADS + head,
+    offset of its head in q, k, v [B,H,S,D], offset of its head's columns in grad_attn
+    [B,S,E]): program ids (row block, batch * NUM_HEADS + head), offsets in int64."""
+    batch = gl.program_id(1) // NUM_HEADS
+    head = gl.program_id(1) % NUM_HEADS
+    batch_head = (batch * NUM_HEADS + head).to(gl.int64)
+    return (batch, head, gl.program_id(0) * BLOCK, batch_head,
+            batch_head * SEQ_LEN * HEAD_DIM,
+            batch.to(gl.int64) * SEQ_LEN * NUM_HEADS * HEAD_DIM + head * HEAD_DIM)
+
+
+@gluon.jit
 def split_bf16(x, layout: gl.constexpr):
     """float32 tile -> (hi, lo) bf16 tiles in `layout`: hi = x truncated to bf16 (an
     integer mask, exact in bf16), lo = the rest rounded."""
@@ -187,12 +201,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
     query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
 
-    batch = gl.program_id(1) // NUM_HEADS
-    head = gl.program_id(1) % NUM_HEADS
-    n_start = gl.program_id(0) * BLOCK_N
-    batch_head = (batch * NUM_HEADS + head).to(gl.int64)
-    head_start = batch_head * SEQ_LEN * HEAD_DIM                 # q, k, v [B,H,S,D]
-    grad_attn_start = batch.to(gl.int64) * SEQ_LEN * EMBED + head * HEAD_DIM  # [B,S,E]
+    batch, head, n_start, batch_head, head_start, grad_attn_start = program_coordinates(
+        BLOCK_N, SEQ_LEN, NUM_HEADS, HEAD_DIM)
 
     # this program's keys: v (and k) once; the query-side tiles dO_j, q_j in a ring
     own = gl.allocate_shared_memory(gl.bfloat16, [2 + 2 * RECOMPUTE_P, BLOCK_N, HEAD_DIM],
@@ -331,12 +341,8 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     query_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
     key_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
 
-    batch = gl.program_id(1) // NUM_HEADS
-    head = gl.program_id(1) % NUM_HEADS
-    m_start = gl.program_id(0) * BLOCK_M
-    batch_head = (batch * NUM_HEADS + head).to(gl.int64)
-    head_start = batch_head * SEQ_LEN * HEAD_DIM
-    grad_attn_start = batch.to(gl.int64) * SEQ_LEN * EMBED + head * HEAD_DIM
+    batch, head, m_start, batch_head, head_start, grad_attn_start = program_coordinates(
+        BLOCK_M, SEQ_LEN, NUM_HEADS, HEAD_DIM)
 
     # this program's queries: dO (and q) once; the key-side tiles k_j, v_j in a ring
     own = gl.allocate_shared_memory(gl.bfloat16, [2 + 2 * RECOMPUTE_P, BLOCK_M, HEAD_DIM],
