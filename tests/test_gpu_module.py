@@ -127,13 +127,29 @@ def test_autocast_with_half_precision_input(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_block_computes_in_float32(dtype):
-    block = _block(dtype)
+def test_half_precision_block_with_precision_high_computes_in_float32(dtype):
+    block = _block(dtype, precision="high")
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE).to(dtype)
     grad_y = torch.randn_like(x)
     assert _check(block, x, grad_y).dtype == dtype
     block(x).backward(grad_y)
     assert all(p.grad.dtype == dtype for p in block.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_block_is_native_by_default(dtype):
+    """precision None, input and parameters all bf16 (or fp16): the stock block's
+    computation in that dtype, y bit for bit, the gradients in that dtype and within its
+    rounding of the stock block's."""
+    block = _block(dtype)
+    x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE).to(dtype)
+    grad_y = torch.randn_like(x)
+    got = _ours(block, x, grad_y)
+    want = _ours(reference.ReferenceBlock(block), x, grad_y)
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        assert g.dtype == w.dtype == dtype
+        assert relative_errors([g], [w])[0] < 2 * UNIT_ROUNDOFF[dtype]
 
 
 def test_large_batch_compiled_forward_without_cuda_graphs(monkeypatch):

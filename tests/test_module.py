@@ -273,8 +273,8 @@ def test_unknown_precision_is_refused(precision):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_block_computes_in_float32(dtype):
-    block = _randomize(VisionAttentionBlock(32, 4)).to(dtype)
+def test_half_precision_block_with_precision_high_computes_in_float32(dtype):
+    block = _randomize(VisionAttentionBlock(32, 4, precision="high")).to(dtype)
     x = torch.randn(3, 13, 32).to(dtype)
     grad_y = torch.randn(3, 13, 32).to(dtype)
     y = _check_against_truth(block, x, grad_y, ROUNDED_ONCE)
@@ -282,6 +282,26 @@ def test_half_precision_block_computes_in_float32(dtype):
     # .grad lands in the parameter's dtype, ready for the optimizer
     block(x).backward(grad_y)
     assert all(p.grad.dtype == dtype for p in block.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_block_is_native_by_default(dtype):
+    """A block whose input and parameters are all bf16 (or all fp16) computes, with
+    precision None, what the stock block computes in that dtype: the same output and
+    gradients bit for bit, the same saved activations, no float32 copies."""
+    block = _randomize(VisionAttentionBlock(32, 4)).to(dtype)
+    stock = reference.ReferenceBlock(block)
+    x = torch.randn(3, 13, 32).to(dtype)
+    grad_y = torch.randn(3, 13, 32).to(dtype)
+    results = {}
+    for name, model in (("ours", block), ("stock", stock)):
+        xg = x.detach().requires_grad_()
+        y, saved = _saved_bytes(lambda: model(xg))                     # noqa: B023
+        results[name] = (y, torch.autograd.grad(y, [xg, *block.parameters()], grad_y), saved)
+    (y, grads, saved), (want_y, want_grads, want_saved) = results["ours"], results["stock"]
+    assert y.dtype == dtype and saved == want_saved
+    assert torch.equal(y, want_y)
+    assert all(g.dtype == dtype and torch.equal(g, want) for g, want in zip(grads, want_grads))
 
 
 def test_float32_input_into_a_bfloat16_block():

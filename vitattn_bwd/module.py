@@ -16,14 +16,16 @@ integrations (vitattn_bwd.integrations) call: it applies the precision and dtype
 below, then VisionAttentionFunction.
 
 Precision (`precision=`, PRECISIONS):
-- None (the default) follows torch.autocast: inside an autocast region (cpu or cuda,
-  bfloat16 or float16) the block computes what the stock LayerNorm + Linear + SDPA +
-  Linear block computes there, with the same ops (`autocast_forward`): products in the
-  autocast dtype, the activations autograd saves in that dtype, the same output dtypes
-  and gradients, and the stock block's speed. (The fused backward is float32-grade
-  only; a half-precision fused path is not built yet.) Outside autocast: the fused,
-  float32-grade path below.
-- "high": the fused float32-grade path everywhere, inside autocast too.
+- None (the default) follows torch.autocast and the tensors' dtype: inside an autocast
+  region (cpu or cuda, bfloat16 or float16), and for a block whose input and parameters
+  are all bfloat16 or all float16 (a `.bfloat16()` model), the block computes what the
+  stock LayerNorm + Linear + SDPA + Linear block computes there, with the same ops
+  (`stock_forward`): products in the autocast (or the tensors') dtype, the activations
+  autograd saves in that dtype, the same output dtypes and gradients, and the stock
+  block's speed. (The fused backward is float32-grade only; a half-precision fused path
+  is not built yet.) Otherwise: the fused, float32-grade path below.
+- "high": the fused float32-grade path everywhere, inside autocast and for half
+  precision blocks too.
 PyTorch's "highest" (float32-faithful) and "medium" (one bf16 product) are not built
 yet and are refused (ValueError).
 
@@ -32,9 +34,10 @@ So it computes in float32 whatever its parameters and input are:
 - under torch.autocast with precision="high" its inputs are cast to float32 and it runs
   with autocast off, as custom kernels do (torch.amp.custom_fwd(cast_inputs=
   torch.float32));
-- bfloat16/float16 parameters or input (a `.bfloat16()` model) are cast to float32 in
-  the forward; the casts are ordinary autograd ops, so every gradient comes back in its
-  own tensor's dtype (a bf16 parameter gets a bf16 .grad, rounded once from float32);
+- bfloat16/float16 parameters or input with precision="high", or of mixed dtypes (a
+  float32 input into a bf16 block), are cast to float32 in the forward; the casts are
+  ordinary autograd ops, so every gradient comes back in its own tensor's dtype (a bf16
+  parameter gets a bf16 .grad, rounded once from float32);
 - float64 stays float64 on the CPU (all tensors are then promoted to float64); on CUDA
   float64 is refused in the forward (TypeError), as is anything but floating point.
 y has x's dtype (the residual stream keeps its dtype, as in the stock block). No error
@@ -86,11 +89,14 @@ def check_precision(precision):
     return precision
 
 
-def autocast_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                     num_heads, eps):
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
+                  num_heads, eps):
     """y = x + out_proj(SDPA(qkv(LayerNorm(x)))) in the stock ops, in the caller's
-    autocast region: what torch's own LayerNorm, Linear and SDPA compute there, and
-    their autograd."""
+    autocast region or in the tensors' own dtype: what torch's own LayerNorm, Linear and
+    SDPA compute there, and their autograd."""
     E = x.shape[-1]
     h = F.layer_norm(x, (E,), ln_weight, ln_bias, eps)
     q, k, v = (split_heads(t, num_heads)                                       # [B,H,S,D]
@@ -195,8 +201,8 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     """y = x + out_proj(attention(qkv(LayerNorm(x)))) for tensors of any floating dtype,
     inside or outside torch.autocast (see the module docstring): with the fused
     float32-grade backward (y in x's dtype, each gradient in its tensor's dtype), except
-    inside autocast with precision None, where it follows autocast as the stock block
-    does.
+    with precision None inside autocast or for tensors all in one half dtype, where it
+    computes as the stock block does.
 
     x [B,S,E]; ln_weight, ln_bias [E]; qkv_weight [3E,E] (q | k | v rows); qkv_bias
     [3E]; out_weight [E,E]; out_bias [E]. B = 0 or S = 0 give an empty y and zero
@@ -207,9 +213,10 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
     device = x.device
     autocast = torch.is_autocast_enabled(device.type)
-    if autocast and precision is None:
-        return autocast_forward(x, *params, num_heads, eps)
     dtypes = {t.dtype for t in (x, *params)}
+    native_half = len(dtypes) == 1 and x.dtype in HALF_DTYPES
+    if precision is None and (autocast or native_half):
+        return stock_forward(x, *params, num_heads, eps)
     if autocast:
         compute = torch.float32                 # custom_fwd(cast_inputs=torch.float32)
     elif torch.float64 in dtypes:
@@ -233,8 +240,9 @@ class VisionAttentionBlock(nn.Module):
     `load_molmo_state_dict` / `load_clip_state_dict`.
 
     Any floating dtype and torch.autocast work. precision None (the default) follows
-    autocast inside an autocast region (the stock block's computation) and runs the fused
-    float32-grade path outside it; precision="high" runs the fused path everywhere (see
+    autocast inside an autocast region, and the dtype of a block that is all bfloat16 or
+    all float16 (the stock block's computation, in both), and runs the fused
+    float32-grade path otherwise; precision="high" runs the fused path everywhere (see
     vitattn_bwd.module). On the fused path the math is float32 (float64 on the CPU for a
     float64 block), the output has x's dtype and each gradient its tensor's dtype;
     float64 on CUDA is refused in the forward, and double backward (create_graph=True)
