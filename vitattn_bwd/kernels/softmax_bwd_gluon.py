@@ -30,7 +30,8 @@ shared memory with cp.async (`async_copy`), NUM_STAGES tiles deep; a program's o
 (v in the cols pass, dO in the rows pass, k / q as well with RECOMPUTE_P) are copied once.
 P tiles (float32, rows of 577 floats: not 16-byte aligned, so no TMA) are loaded straight
 into the registers of the accumulator layout, one tile ahead, unmasked from clamped
-indices (`clamped`); S x S tiles never leave the registers: split into bf16 halves (hi
+indices (`clamped`), and asked of the L2 PREFETCH tiles ahead of that (`prefetch_to_l2`);
+S x S tiles never leave the registers: split into bf16 halves (hi
 by truncation, an integer mask: a float -> bf16 conversion per element was the loop's
 costliest instruction), they are the A operands of the next products. The caller's
 operand halves are rounded, so each product has one rounded and one truncated operand
@@ -38,9 +39,10 @@ operand halves are rounded, so each product has one rounded and one truncated op
 products still in flight (`deps`), so the compiler keeps them until those products
 have read them.
 
-Measured on the H200 (docs/performance.md, session 8): about as fast as the Triton
-templates (rows 0.575 against 0.622 ms, cols 0.737 against 0.734 at batch 32); ncu
-puts the bound in load latency at 2-3 blocks of 4 warps per SM, not in the waits.
+Measured on the H200 (docs/performance.md, sessions 8 and 9), batch 32: rows 0.55-0.60
+and cols 0.66-0.68 ms (the Triton templates 0.622 and 0.734); ncu puts the bound in
+load latency at 2-3 blocks of 4 warps per SM, not in the waits. The L2 prefetch took
+the cols pass from 0.775 ms (32 x 64 tiles) and left the rows pass within its spread.
 
 PRODUCTS is the number of bf16 products per matmul: 3 is bf16x3 (a_lo b_hi + a_hi b_lo
 + a_hi b_hi, small terms first, float32 accumulation), 1 is a single bf16 product of
