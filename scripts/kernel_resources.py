@@ -13,7 +13,8 @@ A kernel that spills (spill stores > 0) keeps part of its tiles in local memory 
 runs far below the tensor cores' rate; HGMMA counts Hopper's warpgroup matrix
 instructions, HMMA the older per-warp ones (tiles under 64 rows), waits the warpgroup
 MMA waits (WARPGROUP.DEPBAR): the Gluon kernels issue their products asynchronously and
-wait three times per tile where Triton's tl.dot waits after each product. Each kernel is
+wait three times per tile where Triton's tl.dot waits after each product; L2 prefetches
+count the Gluon kernels' requests for P tiles ahead of their loads (CCTL.E.PF2). Each kernel is
 compiled as a real launch specializes it: pointers and integer arguments divisible by 16.
 """
 import argparse
@@ -40,6 +41,7 @@ class Resources(NamedTuple):
     hgmma: int          # warpgroup MMA instructions in the SASS
     hmma: int           # per-warp MMA instructions in the SASS
     waits: int          # warpgroup MMA waits (WARPGROUP.DEPBAR) in the SASS
+    l2_prefetches: int  # L2 prefetches (CCTL.E.PF2, from prefetch.global.L2) in the SASS
 
 
 def _is_gluon(kernel):
@@ -106,7 +108,8 @@ def sm90_resources(kernel, constexprs, tiles, sass_file=None):
                      shared_bytes=compiled.metadata.shared,
                      hgmma=len(re.findall(r"\bHGMMA\b", sass)),
                      hmma=len(re.findall(r"\bHMMA\b", sass)),
-                     waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)))
+                     waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
+                     l2_prefetches=len(re.findall(r"CCTL\.E\.PF2", sass)))
 
 
 def kernels():
@@ -183,11 +186,12 @@ def main():
                           for name, tiles, configured, resources in report(args.sweep, args.sass)]))
         return
     print(f"{'kernel':24} {'tiles (m, n, warps, stages)':28} {'regs':>5} {'spill B':>8} "
-          f"{'smem KB':>8} {'HGMMA':>6} {'HMMA':>5} {'waits':>6}   (* = configured)")
+          f"{'smem KB':>8} {'HGMMA':>6} {'HMMA':>5} {'waits':>6} {'L2 pf':>6}   "
+          "(* = configured)")
     for name, tiles, configured, r in report(args.sweep, args.sass):
         print(f"{name:24} {'*' if configured else ' '}{tuple(tiles)!s:27} {r.registers:5} "
               f"{r.spill_stores:8} {r.shared_bytes / 1024:8.1f} {r.hgmma:6} {r.hmma:5} "
-              f"{r.waits:6}", flush=True)
+              f"{r.waits:6} {r.l2_prefetches:6}", flush=True)
 
 
 if __name__ == "__main__":
