@@ -1,6 +1,7 @@
 """The LayerNorm backward: the PyTorch math against the reference, and the fused
-kernel (under Triton's interpreter here, on the GPU in tests/test_gpu.py's compiled runs)
-against float64, including its sums over rows and the rows and columns past a block."""
+kernel (under Triton's interpreter here; on the GPU in tests/test_gpu_layer_norm.py and
+the compiled runs of tests/test_gpu.py) against float64, including its sums over rows,
+the rows and columns past a block, strided inputs and no rows at all."""
 import pytest
 import torch
 
@@ -97,3 +98,19 @@ def test_operator_takes_strided_inputs(triton_interpreter):
     assert got[0].is_contiguous()
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
+def test_operator_with_no_rows(triton_interpreter):
+    """B * S = 0: an empty grad_x and zero sums (no program is launched)."""
+    grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(0, 5, 16)
+    grad_x, column_sums = layer_norm.fused_layer_norm_backward(
+        grad_output, *parts, torch.tensor(1.0), x, x_mean, x_var, ln_weight, 1e-5, True)
+    assert grad_x.shape == (0, 5, 16)
+    assert column_sums.shape == (3, 16) and (column_sums == 0).all()
+
+
+def test_launch_refuses_other_dtypes():
+    grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(1, 3, 16)
+    with pytest.raises(TypeError, match="x must be float32"):
+        layer_norm.launch(grad_output, *parts, torch.tensor(1.0), x.double(), x_mean,
+                          x_var, ln_weight, 1e-5, True)

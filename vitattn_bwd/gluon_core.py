@@ -29,8 +29,10 @@ COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 3))
 HEAD_DIMS = (64,)
 # How many P tiles ahead of its register loads a program asks the L2 for them (the
 # kernels' prefetch_to_l2; 0: not at all). At batch 32 on the H200 (docs/performance.md,
-# session 9) the rows pass at 64 x 32 tiles ran 0.593 ms without, 0.546 at 4 ahead; the
-# cols pass at 32 x 64 tiles 0.774 without, 0.661 at 2.
+# session 9) the cols pass at 32 x 64 tiles ran 0.774-0.775 ms without, 0.661-0.680 at 2
+# ahead. The rows pass showed no gain beyond its run-to-run spread: 0.593 / 0.603 without,
+# 0.546 / 0.603 at 4 ahead (two machines), 0.588-0.621 at 64 x 64 tiles either way; 4 is
+# what the committed runs used.
 ROWS_PREFETCH = 4
 COLS_PREFETCH = 2
 

@@ -1,8 +1,8 @@
 """The block's LayerNorm backward (plus the residual and the out-projection bias
 gradient, which read the same rows), as PyTorch math and as one CUDA operator.
 
-`layer_norm_backward` is the math (the graph's CPU path, float64, and the statement the
-kernel is tested against). `fused_layer_norm_backward` is the operator the graph calls on
+`layer_norm_backward` is the math of the graph's CPU path (float32 and float64; the
+tests hold both it and the kernel to reference.layer_norm_backward in float64). `fused_layer_norm_backward` is the operator the graph calls on
 CUDA: one pass of kernels/layer_norm_bwd.py over the rows, which also sums the three
 column gradients as per-program partials that are then added in a fixed order. It is a
 `torch.library.triton_op`, so under torch.compile Inductor launches the Triton kernel
@@ -68,6 +68,8 @@ def launch(grad_output, part0, part1, part2, part3, unscale, x, x_mean, x_var, l
     import triton
 
     from .kernels.layer_norm_bwd import layer_norm_bwd_kernel
+    if x.dtype != torch.float32:
+        raise TypeError(f"x must be float32 (the kernel's dtype), got {x.dtype}")
     B, S, E = x.shape
     grad_x = x.new_empty(B, S, E)               # row-major, as the kernel writes it
     programs = -(-B * S // tiles.rows_per_program)

@@ -93,16 +93,18 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                  num_heads, eps):
-    """y = x + out_proj(SDPA(qkv(LayerNorm(x)))) in the stock ops, in the caller's
-    autocast region or in the tensors' own dtype: what torch's own LayerNorm, Linear and
-    SDPA compute there, and their autograd."""
+                  num_heads, eps, gamma=None):
+    """y = x + out_proj(SDPA(qkv(LayerNorm(x)))) (times gamma, a LayerScale, before the
+    residual) in the stock ops, in the caller's autocast region or in the tensors' own
+    dtype: what torch's own LayerNorm, Linear and SDPA compute there, and their
+    autograd."""
     E = x.shape[-1]
     h = F.layer_norm(x, (E,), ln_weight, ln_bias, eps)
     q, k, v = (split_heads(t, num_heads)                                       # [B,H,S,D]
                for t in F.linear(h, qkv_weight, qkv_bias).chunk(3, dim=-1))
     attn = merge_heads(F.scaled_dot_product_attention(q, k, v))                # [B,S,E]
-    return x + F.linear(attn, out_weight, out_bias)
+    out = F.linear(attn, out_weight, out_bias)
+    return x + (out if gamma is None else out * gamma)
 
 
 def _autocast_off(device_type):
@@ -121,8 +123,9 @@ _PARAM_NAMES = ("ln_weight", "ln_bias", "qkv_weight", "qkv_bias", "out_weight",
                 "out_bias")
 
 
-def _check_tensors(x, params, num_heads):
-    """Shapes and devices of x and the six parameters, checked before any math."""
+def _check_tensors(x, params, num_heads, gamma=None):
+    """Shapes and devices of x, the six parameters and gamma (if given), checked before
+    any math."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3:
@@ -130,8 +133,11 @@ def _check_tensors(x, params, num_heads):
     E = x.shape[-1]
     check_config(E, num_heads, 0.0)
     shapes = dict(ln_weight=(E,), ln_bias=(E,), qkv_weight=(3 * E, E), qkv_bias=(3 * E,),
-                  out_weight=(E, E), out_bias=(E,))
-    for name, t in zip(_PARAM_NAMES, params):
+                  out_weight=(E, E), out_bias=(E,), gamma=(E,))
+    names, tensors = _PARAM_NAMES, params
+    if gamma is not None:
+        names, tensors = (*names, "gamma"), (*params, gamma)
+    for name, t in zip(names, tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != shapes[name]:
@@ -139,7 +145,7 @@ def _check_tensors(x, params, num_heads):
                              f"{E}, got {tuple(t.shape)}")
         if t.device != x.device:
             raise ValueError(f"{name} is on {t.device}, but x is on {x.device}")
-    for name, t in zip(("x",) + _PARAM_NAMES, (x, *params)):
+    for name, t in zip(("x", *names), (x, *tensors)):
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
@@ -197,7 +203,7 @@ class VisionAttentionFunction(torch.autograd.Function):
 
 
 def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                     num_heads, eps, precision=None):
+                     num_heads, eps, precision=None, gamma=None):
     """y = x + out_proj(attention(qkv(LayerNorm(x)))) for tensors of any floating dtype,
     inside or outside torch.autocast (see the module docstring): with the fused
     float32-grade backward (y in x's dtype, each gradient in its tensor's dtype), except
@@ -205,18 +211,23 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     computes as the stock block does.
 
     x [B,S,E]; ln_weight, ln_bias [E]; qkv_weight [3E,E] (q | k | v rows); qkv_bias
-    [3E]; out_weight [E,E]; out_bias [E]. B = 0 or S = 0 give an empty y and zero
-    parameter gradients."""
+    [3E]; out_weight [E,E]; out_bias [E]; gamma [E] or None: a LayerScale (timm,
+    OpenCLIP) on the attention half, x + gamma * out_proj(...). On the fused path gamma
+    is folded into the out projection in the compute dtype,
+        x + gamma * (o W^T + b) = x + o (gamma[:, None] * W)^T + gamma * b,
+    which autograd differentiates back into W, b and gamma; on the stock path it
+    multiplies the projection's output, as the stock LayerScale does. B = 0 or S = 0
+    give an empty y and zero parameter gradients."""
     check_precision(precision)
     params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
-    _check_tensors(x, params, num_heads)
+    _check_tensors(x, params, num_heads, gamma)
     _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
     device = x.device
     autocast = torch.is_autocast_enabled(device.type)
-    dtypes = {t.dtype for t in (x, *params)}
+    dtypes = {t.dtype for t in (x, *params, *(() if gamma is None else (gamma,)))}
     native_half = len(dtypes) == 1 and x.dtype in HALF_DTYPES
     if precision is None and (autocast or native_half):
-        return stock_forward(x, *params, num_heads, eps)
+        return stock_forward(x, *params, num_heads, eps, gamma)
     if autocast:
         compute = torch.float32                 # custom_fwd(cast_inputs=torch.float32)
     elif torch.float64 in dtypes:
@@ -227,6 +238,9 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     else:
         compute = torch.float32
     args = [t if t.dtype == compute else t.to(compute) for t in (x, *params)]
+    if gamma is not None:                    # out_weight, out_bias: args 5 and 6
+        scale = gamma.to(compute)
+        args[5], args[6] = scale[:, None] * args[5], scale * args[6]
     with _autocast_off(device.type):
         y = VisionAttentionFunction.apply(*args, num_heads, eps)
     return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -246,7 +260,7 @@ class VisionAttentionBlock(nn.Module):
     vitattn_bwd.module). On the fused path the math is float32 (float64 on the CPU for a
     float64 block), the output has x's dtype and each gradient its tensor's dtype;
     float64 on CUDA is refused in the forward, and double backward (create_graph=True)
-    raises a RuntimeError.
+    raises a RuntimeError (the stock path supports it, as the stock block does).
     """
 
     def __init__(self, embed_dim=1024, num_heads=16, eps=1e-5, device=None, dtype=None,

@@ -6,7 +6,6 @@ A library module provides three functions, as vitattn_bwd.integrations.hf does:
 `_match(layer) -> kind or None`, `_check_layer(path, layer, kind) -> num_heads` (raises
 ValueError naming `path` and the reason) and `_fused_class(stock_cls, kind)`.
 """
-import torch
 from torch import nn
 
 from ..module import check_config, check_precision, vision_attention
@@ -22,12 +21,9 @@ def _zeros(like, n):
 def fused_attention(x, norm, qkv_weight, qkv_bias, out_weight, out_bias, num_heads,
                     gamma=None, precision=None):
     """x + gamma * out(attention(qkv(norm(x)))) through vision_attention (with its
-    `precision`: vitattn_bwd.module). A None bias or
-    LayerNorm affine parameter is the identity's (zeros / ones). gamma (a LayerScale's
-    [E] vector, or None) is folded into the out projection:
-        x + gamma * (o W^T + b) = x + o (gamma[:, None] * W)^T + gamma * b,
-    which autograd differentiates back into W, b and gamma. The fold is computed in
-    float32 (float64 for float64 parameters), the precision vision_attention runs in."""
+    `precision` and its handling of gamma, a LayerScale's [E] vector or None:
+    vitattn_bwd.module). A None bias or LayerNorm affine parameter is the identity's
+    (zeros / ones)."""
     E = x.shape[-1]
     ln_weight = norm.weight if norm.weight is not None else qkv_weight.new_ones(E)
     ln_bias = norm.bias if norm.bias is not None else _zeros(qkv_weight, E)
@@ -35,13 +31,8 @@ def fused_attention(x, norm, qkv_weight, qkv_bias, out_weight, out_bias, num_hea
         qkv_bias = _zeros(qkv_weight, 3 * E)
     if out_bias is None:
         out_bias = _zeros(out_weight, E)
-    if gamma is not None:
-        dtype = torch.promote_types(out_weight.dtype, torch.float32)
-        g = gamma.to(dtype)
-        out_weight = g[:, None] * out_weight.to(dtype)
-        out_bias = g * out_bias.to(dtype)
     return vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
-                            out_bias, num_heads, norm.eps, precision)
+                            out_bias, num_heads, norm.eps, precision, gamma)
 
 
 def precision_of(layer):

@@ -14,8 +14,10 @@ with `attn` either an nn.MultiheadAttention (open_clip 2.x-3.x: packed `in_proj_
 [3E,E] / `in_proj_bias`, `out_proj`; batch_first True, or False where OpenCLIP's
 Transformer passes [S,B,E]) or OpenCLIP's own `Attention` (later versions: the same
 parameter names, batch first). The first line runs as `vitattn_bwd.module.vision_attention`
-(fused backward, float32-grade math), the second with the stock modules. LayerScale `ls_1`
-is folded into the out projection exactly (its gamma gets its gradient).
+(the fused float32-grade backward, or the stock ops under autocast and for an
+all-bf16/fp16 model, as its precision says), the second with the stock modules.
+LayerScale `ls_1` is applied exactly (folded into the out projection on the fused path;
+its gamma gets its gradient).
 
 The layer keeps its submodules and parameters (state_dict keys, `load_checkpoint`,
 pretrained weights and optimizers unchanged) and gets a subclass of its own class;
