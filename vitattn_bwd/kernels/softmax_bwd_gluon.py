@@ -60,6 +60,22 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
+@gluon.constexpr_function
+def wgmma_layout(num_warps, columns):
+    """The layout of a wgmma accumulator with `columns` columns, num_warps warps
+    stacked along the rows (one warpgroup per 64 rows)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                     instr_shape=[16, columns, 16])
+
+
+@gluon.constexpr_function
+def copy_layout_of(num_warps, head_dim):
+    """The layout the cp.async copies of [rows, head_dim] bf16 tiles use: 8 elements
+    (16 bytes) per thread, a warp across 256 elements."""
+    return gl.BlockedLayout([1, 8], [256 // head_dim, head_dim // 8], [num_warps, 1],
+                            [1, 0])
+
+
 @gluon.jit
 def program_coordinates(BLOCK: gl.constexpr, SEQ_LEN: gl.constexpr,
                         NUM_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr):
@@ -192,14 +208,11 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     # [BN,BM] tiles (P^T, dP^T) and [BN,D] accumulators (dK, dV); A operands of the
     # [BN,D] products come from registers.
-    tile_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                  k_width=2)
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
-                                                 [num_warps, 1], [1, 0])
+    copy_layout: gl.constexpr = copy_layout_of(num_warps, HEAD_DIM)
     key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
     query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
 
@@ -332,14 +345,13 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
-    tile_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16])
+    # [BM,BN] tiles (P, dP) and [BM,D] accumulators (dQ); A operands of the [BM,D]
+    # products come from registers.
+    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                  k_width=2)
-    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
-                                                 [num_warps, 1], [1, 0])
+    copy_layout: gl.constexpr = copy_layout_of(num_warps, HEAD_DIM)
     query_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
     key_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
 
