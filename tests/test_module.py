@@ -2,6 +2,7 @@
 block, gradcheck, training steps, torch.compile, the weight converters, argument checks
 at construction, empty batches, double backward, autocast and bf16/fp16 blocks. (DDP:
 tests/test_distributed.py.)"""
+import contextlib
 import copy
 
 import pytest
@@ -235,23 +236,32 @@ def _saved_bytes(fn):
     return result, sum(saved)
 
 
+def _ours_and_stock(block, x, grad_y, autocast):
+    """[(y, gradients of x and of the parameters, bytes saved for the backward)] of
+    `block` and of the stock block on its parameters, each forward inside a CPU bf16
+    autocast region if `autocast`."""
+    region = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else \
+        contextlib.nullcontext
+    results = []
+    for model in (block, reference.ReferenceBlock(block)):
+        xg = x.detach().requires_grad_()
+        with region():
+            y, saved = _saved_bytes(lambda: model(xg))                 # noqa: B023
+        results.append((y, torch.autograd.grad(y, [xg, *block.parameters()], grad_y),
+                        saved))
+    return results
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_autocast_follows_the_stock_block_by_default(x_dtype):
     """Under autocast (precision None) the block computes what the stock LayerNorm +
     Linear + SDPA block computes there: the same output, bit for bit, the same
     gradients, the same saved activations (bf16 where autocast keeps them so)."""
     block = _randomize(VisionAttentionBlock(32, 4))
-    stock = reference.ReferenceBlock(block)
     x = torch.randn(3, 13, 32).to(x_dtype)
     grad_y = torch.randn(3, 13, 32).to(x_dtype)
-    results = {}
-    for name, model in (("ours", block), ("stock", stock)):
-        xg = x.detach().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y, saved = _saved_bytes(lambda: model(xg))                 # noqa: B023
-        grads = torch.autograd.grad(y, [xg, *block.parameters()], grad_y)
-        results[name] = (y, grads, saved)
-    (y, grads, saved), (want_y, want_grads, want_saved) = results["ours"], results["stock"]
+    (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(
+        block, x, grad_y, autocast=True)
     assert y.dtype == want_y.dtype == x_dtype
     assert saved == want_saved
     assert torch.equal(y, want_y)                         # the same ops on the same views
@@ -290,15 +300,10 @@ def test_half_precision_block_is_native_by_default(dtype):
     precision None, what the stock block computes in that dtype: the same output and
     gradients bit for bit, the same saved activations, no float32 copies."""
     block = _randomize(VisionAttentionBlock(32, 4)).to(dtype)
-    stock = reference.ReferenceBlock(block)
     x = torch.randn(3, 13, 32).to(dtype)
     grad_y = torch.randn(3, 13, 32).to(dtype)
-    results = {}
-    for name, model in (("ours", block), ("stock", stock)):
-        xg = x.detach().requires_grad_()
-        y, saved = _saved_bytes(lambda: model(xg))                     # noqa: B023
-        results[name] = (y, torch.autograd.grad(y, [xg, *block.parameters()], grad_y), saved)
-    (y, grads, saved), (want_y, want_grads, want_saved) = results["ours"], results["stock"]
+    (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(
+        block, x, grad_y, autocast=False)
     assert y.dtype == dtype and saved == want_saved
     assert torch.equal(y, want_y)
     assert all(g.dtype == dtype and torch.equal(g, want) for g, want in zip(grads, want_grads))
