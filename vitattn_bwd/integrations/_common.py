@@ -6,12 +6,41 @@ A library module provides three functions, as vitattn_bwd.integrations.hf does:
 `_match(layer) -> kind or None`, `_check_layer(path, layer, kind) -> num_heads` (raises
 ValueError naming `path` and the reason) and `_fused_class(stock_cls, kind)`.
 """
+import sys
+
 from torch import nn
 
 from ..module import check_config, check_precision, vision_attention
 from .hf import _in_vision_tower, is_swapped
 
 STOCK_CLASS = "_vitattn_stock_class"
+
+
+class ClassRegistry:
+    """The classes a swap matches, by kind ("block", "attention", ...): those registered
+    (vendored copies of a library's code) and, once the library's `module` has been
+    imported by someone else, its own classes of the given names (kind -> names). The
+    library is never imported here."""
+
+    def __init__(self, module, names):
+        self.module, self.names = module, names
+        self.registered = {kind: [] for kind in names}
+
+    def register(self, **classes_by_kind):
+        """kind=class or kind=classes, for kinds of `names`."""
+        for kind, classes in classes_by_kind.items():
+            for cls in (classes,) if isinstance(classes, type) else classes:
+                if cls not in self.registered[kind]:
+                    self.registered[kind].append(cls)
+
+    def known(self, kind):
+        classes = list(self.registered[kind])
+        module = sys.modules.get(self.module)
+        for name in self.names[kind] if module is not None else ():
+            cls = getattr(module, name, None)
+            if isinstance(cls, type) and cls not in classes:
+                classes.append(cls)
+        return classes
 
 
 def _zeros(like, n):

@@ -46,12 +46,10 @@ from . import _common
 __all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped",
            "register_classes"]
 
-_OPEN_CLIP = "open_clip.transformer"
 _FUSED_CLASSES = {}
-_REGISTERED = dict(block=[], attention=[], layer_scale=[], refused=[])
-_OPEN_CLIP_NAMES = dict(block=("ResidualAttentionBlock",), attention=("Attention",),
-                        layer_scale=("LayerScale",),
-                        refused=("CustomResidualAttentionBlock",))
+_CLASSES = _common.ClassRegistry("open_clip.transformer", dict(
+    block=("ResidualAttentionBlock",), attention=("Attention",),
+    layer_scale=("LayerScale",), refused=("CustomResidualAttentionBlock",)))
 is_swapped = _common.is_swapped
 swapped_layers = _common.swapped_layers
 
@@ -61,29 +59,15 @@ def register_classes(*, block=(), attention=(), layer_scale=(), refused=()):
     ResidualAttentionBlock, Attention and LayerScale (see the module docstring), or block
     classes to refuse like CustomResidualAttentionBlock. For vendored copies of
     OpenCLIP's code; classes that compute anything else must not be registered."""
-    for key, classes in (("block", block), ("attention", attention),
-                         ("layer_scale", layer_scale), ("refused", refused)):
-        for cls in (classes,) if isinstance(classes, type) else classes:
-            if cls not in _REGISTERED[key]:
-                _REGISTERED[key].append(cls)
-
-
-def _known(key):
-    classes = list(_REGISTERED[key])
-    mod = sys.modules.get(_OPEN_CLIP)
-    if mod is not None:
-        for name in _OPEN_CLIP_NAMES[key]:
-            cls = getattr(mod, name, None)
-            if isinstance(cls, type) and cls not in classes:
-                classes.append(cls)
-    return classes
+    _CLASSES.register(block=block, attention=attention, layer_scale=layer_scale,
+                      refused=refused)
 
 
 def _match(layer):
     cls = type(layer)
-    if _common.stock_forward_is(cls, _known("block")):
+    if _common.stock_forward_is(cls, _CLASSES.known("block")):
         return "block"
-    if any(issubclass(cls, k) for k in _known("refused")):
+    if any(issubclass(cls, k) for k in _CLASSES.known("refused")):
         return "refused"
     return None
 
@@ -148,7 +132,7 @@ def _check_layer(path, layer, kind):
     is_mha = isinstance(attn, nn.MultiheadAttention) and \
         type(attn).forward is nn.MultiheadAttention.forward
     if not is_mha and not (isinstance(attn, nn.Module) and _common.stock_forward_is(
-            type(attn), _known("attention"))):
+            type(attn), _CLASSES.known("attention"))):
         raise ValueError(f"{path}: attn is {type(attn).__name__}, neither "
                          "nn.MultiheadAttention nor OpenCLIP's Attention")
     if not isinstance(norm, nn.LayerNorm):
@@ -167,7 +151,8 @@ def _check_layer(path, layer, kind):
                          f"{(3 * E,)}")
     _common.check_linear(path, getattr(attn, "out_proj", None), "attn.out_proj", E, E)
     num_heads = _common.check_attention_heads(path, attn, E, norm.eps)
-    _common.check_layer_scale(path, ls, "ls_1", E, _known("layer_scale"), "OpenCLIP")
+    _common.check_layer_scale(path, ls, "ls_1", E, _CLASSES.known("layer_scale"),
+                              "OpenCLIP")
     _common.check_not_hooked(path, layer, {"ln_1": norm, "attn": attn,
                                            "attn.out_proj": attn.out_proj, "ls_1": ls})
     return num_heads

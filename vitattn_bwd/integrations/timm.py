@@ -48,11 +48,10 @@ from . import _common
 __all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped",
            "register_classes"]
 
-_TIMM_VIT = "timm.models.vision_transformer"
 _FUSED_CLASSES = {}
-_REGISTERED = dict(block=[], attention=[], layer_scale=[], drop_path=[])
-_TIMM_NAMES = dict(block="Block", attention="Attention", layer_scale="LayerScale",
-                   drop_path="DropPath")
+_CLASSES = _common.ClassRegistry("timm.models.vision_transformer", dict(
+    block=("Block",), attention=("Attention",), layer_scale=("LayerScale",),
+    drop_path=("DropPath",)))
 is_swapped = _common.is_swapped
 swapped_layers = _common.swapped_layers
 
@@ -62,24 +61,13 @@ def register_classes(*, block=(), attention=(), layer_scale=(), drop_path=()):
     Attention, LayerScale and DropPath (as the module docstring writes them), so that
     swap_attention matches them. For vendored copies of timm's ViT code; classes that
     compute anything else must not be registered."""
-    for key, classes in (("block", block), ("attention", attention),
-                         ("layer_scale", layer_scale), ("drop_path", drop_path)):
-        for cls in (classes,) if isinstance(classes, type) else classes:
-            if cls not in _REGISTERED[key]:
-                _REGISTERED[key].append(cls)
-
-
-def _known(key):
-    classes = list(_REGISTERED[key])
-    vit = sys.modules.get(_TIMM_VIT)
-    cls = getattr(vit, _TIMM_NAMES[key], None) if vit is not None else None
-    if isinstance(cls, type):
-        classes.append(cls)
-    return classes
+    _CLASSES.register(block=block, attention=attention, layer_scale=layer_scale,
+                      drop_path=drop_path)
 
 
 def _match(layer):
-    return "block" if _common.stock_forward_is(type(layer), _known("block")) else None
+    known_blocks = _CLASSES.known("block")
+    return "block" if _common.stock_forward_is(type(layer), known_blocks) else None
 
 
 def _check_layer(path, layer, kind):
@@ -88,7 +76,7 @@ def _check_layer(path, layer, kind):
     norm, attn = getattr(layer, "norm1", None), getattr(layer, "attn", None)
     ls, drop_path = getattr(layer, "ls1", None), getattr(layer, "drop_path1", None)
     if not isinstance(attn, nn.Module) or not _common.stock_forward_is(
-            type(attn), _known("attention")):
+            type(attn), _CLASSES.known("attention")):
         raise ValueError(f"{path}: attn is {type(attn).__name__}, not timm's Attention "
                          "(the fused block computes plain softmax attention)")
     qkv, proj = getattr(attn, "qkv", None), getattr(attn, "proj", None)
@@ -110,9 +98,9 @@ def _check_layer(path, layer, kind):
     if getattr(attn, "gate", None) is not None:
         raise ValueError(f"{path}: attn.gate is set: gated attention is not supported")
     num_heads = _common.check_attention_heads(path, attn, E, norm.eps)
-    _common.check_layer_scale(path, ls, "ls1", E, _known("layer_scale"), "timm")
+    _common.check_layer_scale(path, ls, "ls1", E, _CLASSES.known("layer_scale"), "timm")
     if not isinstance(drop_path, nn.Identity) and not _common.stock_forward_is(
-            type(drop_path), _known("drop_path")):
+            type(drop_path), _CLASSES.known("drop_path")):
         raise ValueError(f"{path}: drop_path1 is {type(drop_path).__name__}, neither "
                          "Identity nor timm's DropPath")
     _common.check_not_hooked(path, layer, {"norm1": norm, "attn": attn, "attn.qkv": qkv,
