@@ -123,18 +123,18 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     # with lse (module mode) attn_output is the block's own O = P v, whose rowsum with
     # dO is delta; the contract's attn_output is drawn apart from its P
     forward_output = attn_output if attn_weights.dim() == 3 else None
-    products = (grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E),
-                out_weight, qkv_weight, attn_weights, forward_output, q, k, v, scale)
+    product_args = (grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E),
+                    out_weight, qkv_weight, attn_weights, forward_output, q, k, v, scale)
     if split_precision:
         (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
-         unscale) = _split_precision_products(*products)
+         unscale) = _split_precision_products(*product_args)
         grad_x, column_sums = layer_norm.fused_layer_norm_backward(
             grad_output, *grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight,
             norm_eps, ln_grad == "exact")
         grad_ln_weight, grad_ln_bias, grad_out_bias = column_sums.unbind(0)
     else:
         grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias = _plain_products(
-            *products)
+            *product_args)
         grad_x, grad_ln_weight, grad_ln_bias = layer_norm.layer_norm_backward(
             grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
             ln_grad)

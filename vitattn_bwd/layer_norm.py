@@ -2,9 +2,10 @@
 gradient, which read the same rows), as PyTorch math and as one CUDA operator.
 
 `layer_norm_backward` is the math of the graph's CPU path (float32 and float64; the
-tests hold both it and the kernel to reference.layer_norm_backward in float64). `fused_layer_norm_backward` is the operator the graph calls on
-CUDA: one pass of kernels/layer_norm_bwd.py over the rows, which also sums the three
-column gradients as per-program partials that are then added in a fixed order. It is a
+tests hold both it and the kernel to reference.layer_norm_backward in float64).
+`fused_layer_norm_backward` is the operator the graph calls on CUDA: one pass of
+kernels/layer_norm_bwd.py over the rows, which also sums the three column gradients as
+per-program partials that are then added in a fixed order. It is a
 `torch.library.triton_op`, so under torch.compile Inductor launches the Triton kernel
 from its generated code like any of its own (public API; nothing of Inductor's private
 API here).

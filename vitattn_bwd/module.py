@@ -224,7 +224,8 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
     device = x.device
     autocast = torch.is_autocast_enabled(device.type)
-    dtypes = {t.dtype for t in (x, *params, *(() if gamma is None else (gamma,)))}
+    layer_scale = () if gamma is None else (gamma,)
+    dtypes = {t.dtype for t in (x, *params, *layer_scale)}
     native_half = len(dtypes) == 1 and x.dtype in HALF_DTYPES
     if precision is None and (autocast or native_half):
         return stock_forward(x, *params, num_heads, eps, gamma)
@@ -237,10 +238,12 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         compute = torch.float64
     else:
         compute = torch.float32
-    args = [t if t.dtype == compute else t.to(compute) for t in (x, *params)]
-    if gamma is not None:                    # out_weight, out_bias: args 5 and 6
+    if gamma is not None:                    # folded into the out projection (above)
         scale = gamma.to(compute)
-        args[5], args[6] = scale[:, None] * args[5], scale * args[6]
+        out_weight = scale[:, None] * out_weight.to(compute)
+        out_bias = scale * out_bias.to(compute)
+    args = [t if t.dtype == compute else t.to(compute)
+            for t in (x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)]
     with _autocast_off(device.type):
         y = VisionAttentionFunction.apply(*args, num_heads, eps)
     return y if y.dtype == x.dtype else y.to(x.dtype)
