@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vitattn_bwd.attention_core import TileConfig  # noqa: E402
+from vitattn_bwd.attention_core import COLUMN_SUM_ROWS, TileConfig  # noqa: E402
 
 SEQ_LEN, NUM_HEADS, HEAD_DIM = 577, 16, 64
 
@@ -56,7 +56,7 @@ def _signature(kernel, constexprs):
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name == "scale":
+        elif name in ("scale", "norm_eps"):
             signature[name] = "fp32"
         elif not name.isupper():
             signature[name] = "i32"
@@ -69,18 +69,28 @@ def _signature(kernel, constexprs):
     return signature
 
 
+def _tile_constexprs(tiles):
+    """The constexprs a launch configuration sets: an attention kernel's TileConfig, or
+    the LayerNorm kernel's LayerNormTiles."""
+    if isinstance(tiles, TileConfig):
+        return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+    return dict(ROWS_PER_CHUNK=tiles.rows_per_chunk, CHUNKS=tiles.chunks)
+
+
 def sm90_resources(kernel, constexprs, tiles, sass_file=None):
-    """Compile `kernel` (Triton or Gluon) with `constexprs` and `tiles` (a TileConfig)
-    for sm_90a; its SASS, without instruction addresses, to `sass_file` if given."""
+    """Compile `kernel` (Triton or Gluon) with `constexprs` and `tiles` (a TileConfig or
+    LayerNormTiles) for sm_90a; its SASS, without instruction addresses, to `sass_file`
+    if given."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    constexprs = dict(constexprs, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+    constexprs = dict(constexprs, **_tile_constexprs(tiles))
+    num_stages = getattr(tiles, "num_stages", 3)               # 3: Triton's default
     source = ASTSource
     if _is_gluon(kernel):
         from triton.experimental.gluon._runtime import GluonASTSource
-        constexprs.update(NUM_STAGES=tiles.num_stages, num_warps=tiles.num_warps)
+        constexprs.update(NUM_STAGES=num_stages, num_warps=tiles.num_warps)
         source = GluonASTSource
     signature = _signature(kernel, constexprs)
     names = kernel.arg_names
@@ -89,7 +99,7 @@ def sm90_resources(kernel, constexprs, tiles, sass_file=None):
     compiled = triton.compile(
         source(kernel, signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
-        options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+        options=dict(num_warps=tiles.num_warps, num_stages=num_stages))
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
@@ -115,23 +125,29 @@ def sm90_resources(kernel, constexprs, tiles, sass_file=None):
 def kernels():
     """(name, kernel, constexprs without the block sizes, configured tiles) of each
     kernel variant we launch."""
-    from vitattn_bwd import attention_fwd, inductor
+    from vitattn_bwd import attention_fwd, inductor, layer_norm
     from vitattn_bwd.kernels.attention_fwd import attention_fwd_kernel
+    from vitattn_bwd.kernels.layer_norm_bwd import layer_norm_bwd_kernel
     from vitattn_bwd.kernels.softmax_bwd import (softmax_bwd_cols_kernel,
                                                  softmax_bwd_rows_kernel)
     shape = dict(SEQ_LEN=SEQ_LEN, NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM)
     variants = [("forward", attention_fwd_kernel, shape,
-                 (attention_fwd.FWD_TILES[HEAD_DIM],))]
+                 (attention_fwd.FWD_TILES[HEAD_DIM],)),
+                ("layer norm", layer_norm_bwd_kernel,
+                 dict(EMBED=NUM_HEADS * HEAD_DIM, BLOCK_E=NUM_HEADS * HEAD_DIM, EXACT=True),
+                 (layer_norm.TILES,))]
     gluon = _gluon_kernels()
     for recompute in (False, True):
         mode = " recompute P" if recompute else ""
         for name, kernel, tiles in (("rows", softmax_bwd_rows_kernel, inductor.TILE_CONFIGS),
                                     ("cols", softmax_bwd_cols_kernel, inductor.TILE_CONFIGS)):
-            variants.append((f"{name}{mode}", kernel, dict(shape, RECOMPUTE_P=recompute),
+            variants.append((f"{name}{mode}", kernel,
+                             dict(shape, RECOMPUTE_P=recompute, SUM_ROWS=COLUMN_SUM_ROWS),
                              tiles))
         for name, kernel, tiles, constexprs in gluon:
             variants.append((f"gluon {name}{mode}", kernel,
-                             dict(shape, **constexprs, RECOMPUTE_P=recompute), tiles))
+                             dict(shape, **constexprs, RECOMPUTE_P=recompute,
+                                  SUM_ROWS=COLUMN_SUM_ROWS), tiles))
     return variants
 
 
@@ -160,7 +176,8 @@ def report(sweep=False, sass_dir=None):
     """(kernel name, tiles, configured?, Resources) of every configured tile (and of
     SWEEP's candidates too with sweep=True); with sass_dir, each one's SASS there."""
     for name, kernel, constexprs, configured in kernels():
-        candidates = tuple(SWEEP) if sweep and not _is_gluon(kernel) else ()
+        sweeps = sweep and not _is_gluon(kernel) and isinstance(configured[0], TileConfig)
+        candidates = tuple(SWEEP) if sweeps else ()
         for tiles in dict.fromkeys(configured + candidates):
             sass_file = None
             if sass_dir is not None:
@@ -185,11 +202,11 @@ def main():
         print(json.dumps([[name, list(tiles), configured, resources._asdict()]
                           for name, tiles, configured, resources in report(args.sweep, args.sass)]))
         return
-    print(f"{'kernel':24} {'tiles (m, n, warps, stages)':28} {'regs':>5} {'spill B':>8} "
+    print(f"{'kernel':24} {'tiles (attention: m, n, warps, stages)':38} {'regs':>5} {'spill B':>8} "
           f"{'smem KB':>8} {'HGMMA':>6} {'HMMA':>5} {'waits':>6} {'L2 pf':>6}   "
           "(* = configured)")
     for name, tiles, configured, r in report(args.sweep, args.sass):
-        print(f"{name:24} {'*' if configured else ' '}{tuple(tiles)!s:27} {r.registers:5} "
+        print(f"{name:24} {'*' if configured else ' '}{tuple(tiles)!s:37} {r.registers:5} "
               f"{r.spill_stores:8} {r.shared_bytes / 1024:8.1f} {r.hgmma:6} {r.hmma:5} "
               f"{r.waits:6} {r.l2_prefetches:6}", flush=True)
 

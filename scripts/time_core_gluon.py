@@ -70,25 +70,30 @@ def gluon_outputs(probs, halves, attn_output, scale, rows_tiles, cols_tiles,
                                 dtype=torch.bfloat16)
     grad_kv16 = torch.full((batch, S, 2 * E), float("nan"), device="cuda",
                            dtype=torch.float16)
+    groups = attention_core.sum_groups(S)
+    grad_q_sums = torch.full((batch, groups, E), float("nan"), device="cuda")
+    grad_kv_sums = torch.full((batch, groups, 2 * E), float("nan"), device="cuda")
     placeholder = probs if attn_output is None else attn_output
 
     def rows():
-        gluon_core.launch_rows(probs, *halves, placeholder, delta, grad_q_halves, grad_q16,
-                               scale, rows_tiles, prefetch=rows_prefetch)
+        gluon_core.launch_rows(probs, *halves, placeholder, delta, grad_q_halves,
+                               grad_q_sums, grad_q16, scale, rows_tiles, prefetch=rows_prefetch)
 
     def cols():
-        gluon_core.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv16, scale,
+        gluon_core.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums,
+                               grad_kv16, scale,
                                cols_tiles, prefetch=cols_prefetch)
-    return (rows, cols), (grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves)
+    return (rows, cols), (grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16,
+                          grad_kv_halves, grad_kv_sums)
 
 
 def triton_outputs(probs, grad_attn, q, k, v, attn_output, scale):
-    grad_q16, grad_q_halves, delta = attention_core.launch_rows(
+    grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.launch_rows(
         probs, grad_attn, q, k, v, attn_output, scale, TRITON_TILES["rows"].block_m,
         TRITON_TILES["rows"].block_n)
-    grad_kv16, grad_kv_halves = attention_core.launch_cols(
+    grad_kv16, grad_kv_halves, grad_kv_sums = attention_core.launch_cols(
         probs, grad_attn, q, k, v, delta, scale)
-    return grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves
+    return grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16, grad_kv_halves, grad_kv_sums
 
 
 def rel(a, b):
@@ -97,7 +102,8 @@ def rel(a, b):
 
 
 def compare(got, ref):
-    names = ("grad_q16", "grad_q", "delta", "grad_kv16", "grad_kv")
+    names = ("grad_q16", "grad_q", "delta", "grad_q_sums", "grad_kv16", "grad_kv",
+             "grad_kv_sums")
     errors = {}
     for name, g, r in zip(names, got, ref):
         if name in ("grad_q", "grad_kv"):
@@ -119,7 +125,7 @@ def float64_check():
         ref = attention_core.attention_backward_math(
             *(t.double() for t in (probs, grad_attn, q, k, v)), scale,
             attn_output=None if out is None else out.double())
-        grad_k, grad_v = attention_core.float32_from_halves(got[4]).chunk(2, dim=-1)
+        grad_k, grad_v = attention_core.float32_from_halves(got[5]).chunk(2, dim=-1)
         results["recompute" if recompute else "P given"] = [
             rel(attention_core.float32_from_halves(got[1]), ref[0]), rel(grad_k, ref[1]),
             rel(grad_v, ref[2])]
@@ -170,10 +176,11 @@ def main():
                 errors, rows_ms, cols_ms = {"error": repr(error)[:300]}, float("nan"), float("nan")
             rows_table.append((mode, "gluon", "rows", tuple(rows_tiles), rows_prefetch, rows_ms,
                                {k: v for k, v in errors.items()
-                                if k in ("grad_q16", "grad_q", "delta", "error")}))
+                                if k in ("grad_q16", "grad_q", "delta", "grad_q_sums",
+                                         "error")}))
             rows_table.append((mode, "gluon", "cols", tuple(cols_tiles), cols_prefetch, cols_ms,
                                {k: v for k, v in errors.items()
-                                if k in ("grad_kv16", "grad_kv", "error")}))
+                                if k in ("grad_kv16", "grad_kv", "grad_kv_sums", "error")}))
     Path(args.out, "core_gluon.json").write_text(json.dumps(rows_table, indent=1))
     print(f"batch {args.batch}")
     print(f"{'mode':10} {'kernel':7} {'pass':5} {'tiles':18} {'pref':>4} {'ms':>7}  errors vs triton")

@@ -39,10 +39,10 @@ def test_operators_write_fp16_copies_and_bf16_halves():
     """Outside Triton the operators round float64 math to the formats the graph's GEMMs
     read: fp16 gradients, and [hi | lo] bf16 halves whose sum keeps ~16 mantissa bits."""
     P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 8)
-    grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(P, grad_attn, q, k,
-                                                                     v, None, scale)
-    grad_kv16, grad_kv_halves = attention_core.softmax_bwd_cols(P, grad_attn, q, k, v,
-                                                                delta, scale)
+    grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.softmax_bwd_rows(
+        P, grad_attn, q, k, v, None, scale)
+    grad_kv16, grad_kv_halves, grad_kv_sums = attention_core.softmax_bwd_cols(
+        P, grad_attn, q, k, v, delta, scale)
     assert (grad_q16.dtype, grad_q_halves.dtype, grad_kv16.dtype) == (
         torch.float16, torch.bfloat16, torch.float16)
     assert grad_q_halves.shape == (2, 17, 48) and grad_kv_halves.shape == (2, 17, 96)
@@ -53,13 +53,18 @@ def test_operators_write_fp16_copies_and_bf16_halves():
         assert (err <= 2 ** -16 * want.abs() + 1e-12).all()
     for copy16, want in ((grad_q16, want_q), (grad_kv16, want_kv)):
         assert torch.equal(copy16, want.half())                # round to nearest fp16
+    # partial sums over rows: [B, cdiv(17, 16), N], adding up to the bias gradient
+    for sums, want in ((grad_q_sums, want_q), (grad_kv_sums, want_kv)):
+        assert sums.dtype == torch.float32 and sums.shape == (2, 2, want.shape[-1])
+        torch.testing.assert_close(sums.double().sum((0, 1)), want.sum((0, 1)),
+                                   rtol=1e-6, atol=1e-6)
     want_delta = (P * (reference.split_heads(grad_attn, 3) @ v.transpose(-1, -2))).sum(-1)
     torch.testing.assert_close(delta, want_delta, rtol=1e-6, atol=1e-6)
 
 
 def test_operators_pass_opcheck():
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, 9, 8)
-    _, _, delta = attention_core.softmax_bwd_rows(P, grad_attn, q, k, v, None, scale)
+    _, _, delta, _ = attention_core.softmax_bwd_rows(P, grad_attn, q, k, v, None, scale)
     torch.library.opcheck(attention_core.softmax_bwd_rows,
                           (P, grad_attn, q, k, v, None, scale))
     torch.library.opcheck(attention_core.softmax_bwd_cols,
@@ -94,13 +99,36 @@ def test_triton_kernels_under_interpreter(triton_interpreter, S, D, block_m, blo
 def test_kernels_fp16_copies_match_their_halves(triton_interpreter):
     """The kernels' two output formats describe the same gradient."""
     P, grad_attn, q, k, v, scale = _core_inputs(1, 2, 21, 16, seed=5)
-    grad_q16, grad_q_halves, delta = attention_core.launch_rows(P, grad_attn, q, k, v, None,
-                                                                scale)
-    grad_kv16, grad_kv_halves = attention_core.launch_cols(P, grad_attn, q, k, v, delta,
-                                                           scale)
+    grad_q16, grad_q_halves, delta, _ = attention_core.launch_rows(P, grad_attn, q, k, v,
+                                                                   None, scale)
+    grad_kv16, grad_kv_halves, _ = attention_core.launch_cols(P, grad_attn, q, k, v, delta,
+                                                              scale)
     for copy16, halves in ((grad_q16, grad_q_halves), (grad_kv16, grad_kv_halves)):
         value = attention_core.float32_from_halves(halves)
         assert ((copy16.float() - value).abs() <= 2 ** -10 * value.abs() + 1e-6).all()
+
+
+@pytest.mark.parametrize("block", [16, 32])
+def test_kernels_partial_sums_add_up_to_the_bias_gradient(triton_interpreter, block):
+    """Each program writes the sum over its rows (rows past S left out) into the first
+    16-row group it owns and zeros into the others; summed over groups, per batch
+    element, they are the gradients' sums over rows."""
+    S = 37                                                 # 3 groups, the last partial
+    P, grad_attn, q, k, v, scale = _core_inputs(2, 2, S, 16, seed=8)
+    _, grad_q_halves, delta, grad_q_sums = attention_core.launch_rows(
+        P, grad_attn, q, k, v, None, scale, block, block)
+    _, grad_kv_halves, grad_kv_sums = attention_core.launch_cols(
+        P, grad_attn, q, k, v, delta, scale, block, block)
+    for sums, halves in ((grad_q_sums, grad_q_halves), (grad_kv_sums, grad_kv_halves)):
+        grad = attention_core.float32_from_halves(halves).double()          # [B,S,N]
+        assert sums.shape == (2, 3, grad.shape[-1])
+        torch.testing.assert_close(sums.double().sum(1), grad.sum(1), rtol=1e-5,
+                                   atol=1e-5 * grad.abs().sum(1).max().item())
+        if block == 32:                       # groups 1 (rows 16-31): zeros of program 0
+            assert torch.equal(sums[:, 1], torch.zeros_like(sums[:, 1]))
+        else:                                 # one program per group: its own rows' sum
+            torch.testing.assert_close(sums[:, 2].double(), grad[:, 32:].sum(1), rtol=1e-5,
+                                       atol=1e-5 * grad.abs().sum(1).max().item())
 
 
 def _log_sum_exp_and_output(q, k, v, scale):
@@ -138,11 +166,11 @@ def test_module_mode_delta_comes_from_the_forward_output():
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
     heads = reference.split_heads
     want = (heads(grad_attn, 2) * heads(attn_output, 2)).sum(-1)          # [B,H,S]
-    _, _, delta = attention_core.softmax_bwd_rows(lse, grad_attn, q, k, v, attn_output,
-                                                  scale)
+    _, _, delta, _ = attention_core.softmax_bwd_rows(lse, grad_attn, q, k, v, attn_output,
+                                                     scale)
     torch.testing.assert_close(delta, want.float(), rtol=1e-6, atol=1e-6)
-    _, _, shifted = attention_core.softmax_bwd_rows(lse, grad_attn, q, k, v,
-                                                    attn_output * 1.01, scale)
+    _, _, shifted, _ = attention_core.softmax_bwd_rows(lse, grad_attn, q, k, v,
+                                                       attn_output * 1.01, scale)
     torch.testing.assert_close(shifted, (want * 1.01).float(), rtol=1e-6, atol=1e-6)
 
 
@@ -163,8 +191,8 @@ def test_rows_kernel_takes_delta_from_the_forward_output(triton_interpreter):
     heads = reference.split_heads
     want = (heads(grad_attn.double(), 2) * heads(attn_output.double(), 2)).sum(-1)
     for factor in (1.0, 1.01):
-        _, _, delta = attention_core.launch_rows(lse, grad_attn, q, k, v,
-                                                 attn_output * factor, scale, 16, 16)
+        _, _, delta, _ = attention_core.launch_rows(lse, grad_attn, q, k, v,
+                                                    attn_output * factor, scale, 16, 16)
         torch.testing.assert_close(delta.double(), want * factor, rtol=1e-4, atol=1e-5)
 
 

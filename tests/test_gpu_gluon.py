@@ -40,7 +40,7 @@ def _halves(grad_attn, q, k, v):
 
 def _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles):
     """Both passes into NaN-poisoned buffers: (grad_q16, grad_q_halves, delta,
-    grad_kv16, grad_kv_halves)."""
+    grad_q_sums, grad_kv16, grad_kv_halves, grad_kv_sums)."""
     B, H, S, _ = q.shape
     E = H * D
     nan = dict(device="cuda", fill_value=float("nan"))
@@ -49,12 +49,16 @@ def _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles):
     grad_q16 = torch.full((B, S, E), dtype=torch.float16, **nan)
     grad_kv_halves = torch.full((B, S, 4 * E), dtype=torch.bfloat16, **nan)
     grad_kv16 = torch.full((B, S, 2 * E), dtype=torch.float16, **nan)
+    groups = attention_core.sum_groups(S)
+    grad_q_sums = torch.full((B, groups, E), **nan)
+    grad_kv_sums = torch.full((B, groups, 2 * E), **nan)
     halves = _halves(grad_attn, q, k, v)
     gluon_core.launch_rows(probs, *halves, probs if attn_output is None else attn_output,
-                           delta, grad_q_halves, grad_q16, scale, rows_tiles)
-    gluon_core.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv16, scale,
-                           cols_tiles)
-    return grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves
+                           delta, grad_q_halves, grad_q_sums, grad_q16, scale, rows_tiles)
+    gluon_core.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums, grad_kv16,
+                           scale, cols_tiles)
+    return (grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16, grad_kv_halves,
+            grad_kv_sums)
 
 
 def _terms(probs, grad_attn, q, k, v, attn_output, scale):
@@ -81,8 +85,10 @@ def _float64(probs, grad_attn, q, k, v, attn_output, scale):
 @pytest.mark.parametrize("B,H,S", [(2, 16, 577), (1, 2, 1), (3, 1, 100), (1, 3, 64)])
 def test_gluon_kernels_match_float64(recompute, tiles, B, H, S):
     case = _case(B, H, S, recompute)
-    grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves = _run(*case, *tiles)
-    for out in (grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves):
+    outputs = _run(*case, *tiles)
+    grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16, grad_kv_halves, grad_kv_sums = (
+        outputs)
+    for out in outputs:
         assert not out.isnan().any()                       # every element written
     grad_q = attention_core.float32_from_halves(grad_q_halves)
     grad_k, grad_v = attention_core.float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
@@ -97,6 +103,14 @@ def test_gluon_kernels_match_float64(recompute, tiles, B, H, S):
     torch.testing.assert_close(grad_q16.float(), grad_q, rtol=2e-3, atol=1e-3)
     torch.testing.assert_close(grad_kv16.float(), torch.cat([grad_k, grad_v], -1),
                                rtol=2e-3, atol=1e-3)
+    # the partial sums over rows add up, per batch element, to the float64 gradients'
+    # sums over rows (the QKV bias gradient), within the terms' size
+    for sums, wants, terms in ((grad_q_sums, want[:1], scales[:1]),
+                               (grad_kv_sums, want[1:], scales[1:])):
+        for got_sum, w, scale in zip(sums.double().sum(1).chunk(len(wants), dim=-1), wants,
+                                     terms):
+            error = (got_sum - w.sum(1)).norm().item()
+            assert error < 5e-5 * scale * math.sqrt(S), error
 
 
 def test_gluon_kernels_are_bitwise_repeatable():
@@ -114,10 +128,10 @@ def test_operators_of_the_compiled_graph(recompute):
     halves = _halves(grad_attn, q, k, v)
     rows_tiles, cols_tiles = gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0]
     placeholder = probs if attn_output is None else attn_output
-    grad_q16, grad_q_halves, delta = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows(
-        probs, *halves, placeholder, scale, *rows_tiles)
-    grad_kv16, grad_kv_halves = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols(
-        probs, *halves, delta, scale, *cols_tiles)
+    rows = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows(probs, *halves, placeholder, scale,
+                                                        *rows_tiles)
+    cols = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols(probs, *halves, rows[2], scale,
+                                                        *cols_tiles)
     expected = _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles)
-    got = (grad_q16, grad_q_halves, delta, grad_kv16, grad_kv_halves)
+    got = (*rows, *cols)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -2,10 +2,16 @@
 consumers read:
 
     softmax_bwd_rows(probs, grad_attn, q, k, v, attn_output, scale)
-        -> grad_q16 [B,S,E] fp16, grad_q_halves [B,S,2E] bf16 ([hi | lo]), delta [B,H,S]
+        -> grad_q16 [B,S,E] fp16, grad_q_halves [B,S,2E] bf16 ([hi | lo]), delta [B,H,S],
+           grad_q_sums [B,G,E] float32
     softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale)
         -> grad_kv16 [B,S,2E] fp16 (dK | dV), grad_kv_halves [B,S,4E] bf16
-           ([k_hi v_hi | k_lo v_lo])
+           ([k_hi v_hi | k_lo v_lo]), grad_kv_sums [B,G,2E] float32
+
+The sums are partial sums over rows of the gradients, per group of COLUMN_SUM_ROWS rows
+(G = sum_groups(S) groups per batch element): written by the kernels that make the
+gradients, they sum over G and B to the QKV bias gradient, which the graph adds in a
+fixed order.
 
 probs is the attention matrix P [B,H,S,S] (the benchmark contract gives it; attn_output
 None), or its row log-sum-exp lse [B,H,S] (VisionAttentionBlock's forward saves only
@@ -44,6 +50,25 @@ class TileConfig(NamedTuple):
     block_n: int
     num_warps: int
     num_stages: int
+
+
+# The partial sums over rows of grad_q_sums / grad_kv_sums are per group of this many
+# rows: the smallest block of rows a kernel program owns. A program owning several
+# groups writes its sum into the first and zeros into the others.
+COLUMN_SUM_ROWS = 16
+
+
+def sum_groups(seq_len):
+    """The number of partial sums over rows per batch element: cdiv(S, COLUMN_SUM_ROWS)."""
+    return -(-seq_len // COLUMN_SUM_ROWS)
+
+
+def column_sums(grad):
+    """float [B,S,N] -> float32 [B,G,N]: sums over each COLUMN_SUM_ROWS rows (a valid
+    filling of the kernels' partial sums: their totals over G are the same)."""
+    B, S, N = grad.shape
+    padded = torch.nn.functional.pad(grad, (0, 0, 0, sum_groups(S) * COLUMN_SUM_ROWS - S))
+    return padded.view(B, sum_groups(S), COLUMN_SUM_ROWS, N).sum(2).float()
 
 
 # Tiles of the eager launch (the compiled path autotunes its own, inductor.py). The
@@ -128,14 +153,15 @@ def launch_rows(probs, grad_attn, q, k, v, attn_output, scale, block_m=None, blo
     grad_q16 = k.new_empty(B, S, H * D, dtype=torch.float16)
     grad_q_halves = k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16)
     delta = k.new_empty(B, H, S)
+    grad_q_sums = k.new_empty(B, sum_groups(S), H * D)
     grid = (-(-S // tiles.block_m), B * H)
     attn_output = probs if attn_output is None else attn_output.contiguous()  # unread if P
     softmax_bwd_rows_kernel[grid](
         probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), attn_output, grad_q16,
-        grad_q_halves, delta, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n, RECOMPUTE_P=probs.dim() == 3, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
-    return grad_q16, grad_q_halves, delta
+        grad_q_halves, delta, grad_q_sums, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, RECOMPUTE_P=probs.dim() == 3,
+        SUM_ROWS=COLUMN_SUM_ROWS, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return grad_q16, grad_q_halves, delta, grad_q_sums
 
 
 def launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m=None, block_n=None):
@@ -145,13 +171,14 @@ def launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m=None, block_n=N
     tiles = _tiles(D, block_m, block_n)
     grad_kv16 = q.new_empty(B, S, 2 * H * D, dtype=torch.float16)
     grad_kv_halves = q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16)
+    grad_kv_sums = q.new_empty(B, sum_groups(S), 2 * H * D)
     grid = (-(-S // tiles.block_n), B * H)
     softmax_bwd_cols_kernel[grid](
         probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), delta.contiguous(),
-        grad_kv16, grad_kv_halves, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
+        grad_kv16, grad_kv_halves, grad_kv_sums, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
         BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, RECOMPUTE_P=probs.dim() == 3,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
-    return grad_kv16, grad_kv_halves
+        SUM_ROWS=COLUMN_SUM_ROWS, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return grad_kv16, grad_kv_halves, grad_kv_sums
 
 
 def _kernel_operands(grad_attn, q, k, v):
@@ -162,7 +189,8 @@ def _kernel_operands(grad_attn, q, k, v):
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())
 def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, attn_output: Optional[torch.Tensor],
-                     scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     scale: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     check_forward_output(probs, attn_output)
     if _use_triton(k):
         return launch_rows(probs, grad_attn, q, k, v, attn_output, scale)
@@ -171,7 +199,7 @@ def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
     probs, grad_attn, q, k, v = (t.double() for t in (probs, grad_attn, q, k, v))
     grad_q, _, _, delta = _backward_math_and_delta(probs, grad_attn, q, k, v, scale,
                                                    attn_output)
-    return grad_q.half(), _halves([grad_q]), delta.squeeze(-1).float()
+    return grad_q.half(), _halves([grad_q]), delta.squeeze(-1).float(), column_sums(grad_q)
 
 
 @softmax_bwd_rows.register_fake
@@ -179,26 +207,29 @@ def _(probs, grad_attn, q, k, v, attn_output, scale):
     check_forward_output(probs, attn_output)              # at trace time, not in a graph
     B, H, S, D = k.shape
     return (k.new_empty(B, S, H * D, dtype=torch.float16),
-            k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16), k.new_empty(B, H, S))
+            k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16), k.new_empty(B, H, S),
+            k.new_empty(B, sum_groups(S), H * D))
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_cols", mutates_args=())
 def softmax_bwd_cols(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, scale: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if _use_triton(q):
         return launch_cols(probs, grad_attn, q, k, v, delta, scale)
     # dK and dV need delta, which the math recomputes from P and dP itself
     _, grad_k, grad_v = attention_backward_math(
         *(t.double() for t in (probs, grad_attn, q, k, v)), scale)
-    return torch.cat([grad_k, grad_v], dim=-1).half(), _halves([grad_k, grad_v])
+    grad_kv = torch.cat([grad_k, grad_v], dim=-1)                          # [B,S,2E]
+    return grad_kv.half(), _halves([grad_k, grad_v]), column_sums(grad_kv)
 
 
 @softmax_bwd_cols.register_fake
 def _(probs, grad_attn, q, k, v, delta, scale):
     B, H, S, D = q.shape
     return (q.new_empty(B, S, 2 * H * D, dtype=torch.float16),
-            q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16))
+            q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16),
+            q.new_empty(B, sum_groups(S), 2 * H * D))
 
 
 def float32_from_halves(halves):
@@ -213,13 +244,13 @@ def attention_backward(probs, grad_attn, q, k, v, scale, *, attn_output=None,
     sizes), as float32 grad_q, grad_k, grad_v [B,S,E] rebuilt from the bf16 halves.
     probs: P [B,H,S,S], or its log-sum-exp [B,H,S] with attn_output, O [B,S,E]."""
     if _use_triton(q):
-        _, grad_q_halves, delta = launch_rows(probs, grad_attn, q, k, v, attn_output, scale,
-                                              block_m, block_n)
-        _, grad_kv_halves = launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m,
-                                        block_n)
+        _, grad_q_halves, delta, _ = launch_rows(probs, grad_attn, q, k, v, attn_output,
+                                                 scale, block_m, block_n)
+        _, grad_kv_halves, _ = launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m,
+                                           block_n)
     else:
-        _, grad_q_halves, delta = softmax_bwd_rows(probs, grad_attn, q, k, v, attn_output,
-                                                   scale)
-        _, grad_kv_halves = softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale)
+        _, grad_q_halves, delta, _ = softmax_bwd_rows(probs, grad_attn, q, k, v, attn_output,
+                                                      scale)
+        _, grad_kv_halves, _ = softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale)
     grad_k, grad_v = float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
     return float32_from_halves(grad_q_halves), grad_k, grad_v

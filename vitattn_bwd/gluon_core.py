@@ -5,10 +5,14 @@ The launchers take what the Inductor templates take (inductor.py): P or its log-
 grad_attn, q, k and v as bf16 (hi, lo) pairs, the forward's output with the log-sum-exp
 (else any placeholder), and the output buffers, which they fill:
 
-    launch_rows(probs, *halves, attn_output, delta, grad_q_halves, grad_q16, scale, tiles)
-        -> delta [B,H,S] float32, grad_q_halves [B,S,2E] bf16, grad_q16 [B,S,E] fp16
-    launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv16, scale, tiles)
-        -> grad_kv_halves [B,S,4E] bf16, grad_kv16 [B,S,2E] fp16
+    launch_rows(probs, *halves, attn_output, delta, grad_q_halves, grad_q_sums, grad_q16,
+                scale, tiles)
+        -> delta [B,H,S] float32, grad_q_halves [B,S,2E] bf16, grad_q_sums [B,G,E]
+           float32, grad_q16 [B,S,E] fp16
+    launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
+                tiles)
+        -> grad_kv_halves [B,S,4E] bf16, grad_kv_sums [B,G,2E] float32, grad_kv16
+           [B,S,2E] fp16
 
 `halves` is (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo): grad_attn
 [B,S,E] with heads merged, q, k, v [B,H,S,D], all contiguous. max-autotune weighs these
@@ -19,7 +23,7 @@ import functools
 
 import torch
 
-from .attention_core import TileConfig
+from .attention_core import COLUMN_SUM_ROWS, TileConfig, sum_groups
 
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
 # num_warps = 4 per 64 rows the program owns). Each compiles for sm_90 without spills
@@ -65,28 +69,29 @@ def _constexprs(probs, q, tiles, products, prefetch):
     return dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
                 RECOMPUTE_P=probs.dim() == 3, PRODUCTS=products, PREFETCH=prefetch,
-                OPERAND_SMEM=_operand_smem_layout(head_dim), num_warps=tiles.num_warps)
+                SUM_ROWS=COLUMN_SUM_ROWS, OPERAND_SMEM=_operand_smem_layout(head_dim), num_warps=tiles.num_warps)
 
 
 def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-                attn_output, delta, grad_q_halves, grad_q16, scale, tiles, products=3,
-                prefetch=ROWS_PREFETCH):
+                attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
+                products=3, prefetch=ROWS_PREFETCH):
     from .kernels.softmax_bwd_gluon import softmax_bwd_rows_kernel
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_m), batch * num_heads)
     softmax_bwd_rows_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
                                   v_hi, v_lo, attn_output, grad_q16, grad_q_halves, delta,
-                                  scale, **_constexprs(probs, q_hi, tiles, products, prefetch))
+                                  grad_q_sums, scale, **_constexprs(probs, q_hi, tiles, products, prefetch))
 
 
 def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-                delta, grad_kv_halves, grad_kv16, scale, tiles, products=3,
+                delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, products=3,
                 prefetch=COLS_PREFETCH):
     from .kernels.softmax_bwd_gluon import softmax_bwd_cols_kernel
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_n), batch * num_heads)
     softmax_bwd_cols_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
-                                  v_hi, v_lo, delta, grad_kv16, grad_kv_halves, scale,
+                                  v_hi, v_lo, delta, grad_kv16, grad_kv_halves,
+                                  grad_kv_sums, scale,
                                   **_constexprs(probs, q_hi, tiles, products, prefetch))
 
 
@@ -96,17 +101,18 @@ def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
 # of the kernel as an output of the node it schedules (inductor.py).
 
 def rows_out(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-             attn_output, delta, grad_q_halves, *, out, scale, block_m, block_n, num_warps,
-             num_stages):
+             attn_output, delta, grad_q_halves, grad_q_sums, *, out, scale, block_m, block_n,
+             num_warps, num_stages):
     launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-                attn_output, delta, grad_q_halves, out, scale,
+                attn_output, delta, grad_q_halves, grad_q_sums, out, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages))
 
 
 def cols_out(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta,
-             grad_kv_halves, *, out, scale, block_m, block_n, num_warps, num_stages):
+             grad_kv_halves, grad_kv_sums, *, out, scale, block_m, block_n, num_warps,
+             num_stages):
     launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-                delta, grad_kv_halves, out, scale,
+                delta, grad_kv_halves, grad_kv_sums, out, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages))
 
 
@@ -115,14 +121,16 @@ def _rows_outputs(q_hi):
     embed_dim = num_heads * head_dim
     return (q_hi.new_empty(batch, seq_len, embed_dim, dtype=torch.float16),
             q_hi.new_empty(batch, seq_len, 2 * embed_dim, dtype=torch.bfloat16),
-            q_hi.new_empty(batch, num_heads, seq_len, dtype=torch.float32))
+            q_hi.new_empty(batch, num_heads, seq_len, dtype=torch.float32),
+            q_hi.new_empty(batch, sum_groups(seq_len), embed_dim, dtype=torch.float32))
 
 
 def _cols_outputs(q_hi):
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
     return (q_hi.new_empty(batch, seq_len, 2 * embed_dim, dtype=torch.float16),
-            q_hi.new_empty(batch, seq_len, 4 * embed_dim, dtype=torch.bfloat16))
+            q_hi.new_empty(batch, seq_len, 4 * embed_dim, dtype=torch.bfloat16),
+            q_hi.new_empty(batch, sum_groups(seq_len), 2 * embed_dim, dtype=torch.float32))
 
 
 # The operators are defined through torch.library.Library, not custom_op: the graph calls
@@ -135,30 +143,31 @@ _OPERANDS = ("Tensor probs, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_h
              "Tensor q_lo, Tensor k_hi, Tensor k_lo, Tensor v_hi, Tensor v_lo")
 _TILES = "float scale, int block_m, int block_n, int num_warps, int num_stages"
 _LIBRARY.define(f"gluon_softmax_bwd_rows({_OPERANDS}, Tensor attn_output, {_TILES}) "
-                "-> (Tensor, Tensor, Tensor)")
+                "-> (Tensor, Tensor, Tensor, Tensor)")
 _LIBRARY.define(f"gluon_softmax_bwd_cols({_OPERANDS}, Tensor delta, {_TILES}) "
-                "-> (Tensor, Tensor)")
+                "-> (Tensor, Tensor, Tensor)")
 
 
 def gluon_softmax_bwd_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
                            v_lo, attn_output, scale, block_m, block_n, num_warps,
                            num_stages):
-    """The rows pass on pre-split operands -> grad_q16, grad_q_halves, delta."""
-    grad_q16, grad_q_halves, delta = _rows_outputs(q_hi)
+    """The rows pass on pre-split operands -> grad_q16, grad_q_halves, delta,
+    grad_q_sums."""
+    grad_q16, grad_q_halves, delta, grad_q_sums = _rows_outputs(q_hi)
     launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-                attn_output, delta, grad_q_halves, grad_q16, scale,
+                attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages))
-    return grad_q16, grad_q_halves, delta
+    return grad_q16, grad_q_halves, delta, grad_q_sums
 
 
 def gluon_softmax_bwd_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
                            v_lo, delta, scale, block_m, block_n, num_warps, num_stages):
-    """The cols pass on pre-split operands -> grad_kv16, grad_kv_halves."""
-    grad_kv16, grad_kv_halves = _cols_outputs(q_hi)
+    """The cols pass on pre-split operands -> grad_kv16, grad_kv_halves, grad_kv_sums."""
+    grad_kv16, grad_kv_halves, grad_kv_sums = _cols_outputs(q_hi)
     launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-                delta, grad_kv_halves, grad_kv16, scale,
+                delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages))
-    return grad_kv16, grad_kv_halves
+    return grad_kv16, grad_kv_halves, grad_kv_sums
 
 
 _LIBRARY.impl("gluon_softmax_bwd_rows", gluon_softmax_bwd_rows, "CUDA")

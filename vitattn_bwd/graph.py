@@ -8,8 +8,9 @@ QKV weight gradient is one fp16 GEMM, of operands brought to fp16's range by a
 power-of-two scale of the upstream gradient; the LayerNorm backward, with the sums over
 rows of its parameters' and the out-projection bias's gradients, is one Triton kernel
 (layer_norm.py) that reads the QKV input gradient as the four GEMM outputs it is the sum
-of. Elsewhere (the CPU, float64) the products are plain and the LayerNorm backward is
-PyTorch math, left to Inductor to fuse. The QKV bias sums are left to Inductor.
+of. The QKV bias gradient adds the partial sums over rows that the attention core
+writes beside its gradients. Elsewhere (the CPU, float64) the products are plain and the
+LayerNorm backward is PyTorch math, left to Inductor to fuse.
 
 `compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
 num_heads, scale, norm_eps, ln_grad, batch bucket, CUDA graphs). Batch 1 gets a static
@@ -66,11 +67,12 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
     grad_out_weight = matmul_halves_transposed(grad_rows_halves, bf16_halves(attn_rows))
     grad_attn = matmul_halves_by_weight(grad_rows_halves, out_weight).view(B, S, E)
 
-    grad_q16, grad_q_halves, delta = attention_core.softmax_bwd_rows(
+    # the core's gradients in fp16 and as bf16 halves, and their partial sums over rows
+    grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.softmax_bwd_rows(
         attn_weights, grad_attn, q, k, v, forward_output,
-        scale)                                              # [B,S,E], [B,S,2E], [B,H,S]
-    grad_kv16, grad_kv_halves = attention_core.softmax_bwd_cols(
-        attn_weights, grad_attn, q, k, v, delta, scale)     # [B,S,2E], [B,S,4E]
+        scale)                                    # [B,S,E], [B,S,2E], [B,H,S], [B,G,E]
+    grad_kv16, grad_kv_halves, grad_kv_sums = attention_core.softmax_bwd_cols(
+        attn_weights, grad_attn, q, k, v, delta, scale)    # [B,S,2E], [B,S,4E], [B,G,2E]
     grad_q_halves = grad_q_halves.view(rows, 2 * E)
     grad_kv_halves = grad_kv_halves.view(rows, 4 * E)
 
@@ -80,8 +82,7 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
     grad_qkv_weight = torch.cat([                                              # [3E,E]
         matmul_fp16_transposed(grad_q16.view(rows, E), x_norm16),
         matmul_fp16_transposed(grad_kv16.view(rows, 2 * E), x_norm16)])
-    grad_qkv_bias = torch.cat([attention_core.float32_from_halves(grad_q_halves).sum(0),
-                               attention_core.float32_from_halves(grad_kv_halves).sum(0)])
+    grad_qkv_bias = torch.cat([grad_q_sums.sum((0, 1)), grad_kv_sums.sum((0, 1))])  # [3E]
     unscale = 1 / scale_up
     return (grad_out_weight * unscale, grad_x_norm_parts, grad_qkv_weight * unscale,
             grad_qkv_bias * unscale, unscale)
@@ -128,10 +129,10 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     if split_precision:
         (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
          unscale) = _split_precision_products(*product_args)
-        grad_x, column_sums = layer_norm.fused_layer_norm_backward(
-            grad_output, *grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight,
-            norm_eps, ln_grad == "exact")
-        grad_ln_weight, grad_ln_bias, grad_out_bias = column_sums.unbind(0)
+        grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias = (
+            layer_norm.fused_layer_norm_backward(
+                grad_output, *grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight,
+                norm_eps, ln_grad == "exact"))
     else:
         grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias = _plain_products(
             *product_args)

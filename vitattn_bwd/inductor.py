@@ -89,9 +89,10 @@ def compile_options(tag, *, max_autotune):
 
 # Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, SCALE, RECOMPUTE_P
 # (PROBS is P, or its log-sum-exp when True; the rows pass then reads the forward's
-# output ATTN_OUT, which is a 1-element placeholder when P is given).
+# output ATTN_OUT, which is a 1-element placeholder when P is given), SUM_ROWS (the rows
+# per partial sum in GRAD_Q_SUMS / GRAD_KV_SUMS).
 _ROWS_ENTRY = r'''
-{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "ATTN_OUT", "DELTA", "GRAD_Q_HALVES")}}
+{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "ATTN_OUT", "DELTA", "GRAD_Q_HALVES", "GRAD_Q_SUMS")}}
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
@@ -102,6 +103,9 @@ _ROWS_ENTRY = r'''
     store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
+    store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start,
+                      head * HEAD_DIM + tl.arange(0, HEAD_DIM), SEQ_LEN, BLOCK_M, HEAD_DIM,
+                      NUM_HEADS * HEAD_DIM, SUM_ROWS)
     grad_q16 = grad_q.to(tl.float16)
     rows = m_start + tl.arange(0, BLOCK_M)[:, None]
     cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
@@ -111,7 +115,7 @@ _ROWS_ENTRY = r'''
 '''
 
 _COLS_ENTRY = r'''
-{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES")}}
+{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES", "GRAD_KV_SUMS")}}
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
@@ -123,6 +127,9 @@ _COLS_ENTRY = r'''
     grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)
     store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
                          NUM_HEADS, HEAD_DIM, BLOCK_N)
+    store_column_sums(GRAD_KV_SUMS, grad_kv, batch, n_start,
+                      kv_columns(head, NUM_HEADS, HEAD_DIM), SEQ_LEN, BLOCK_N, 2 * HEAD_DIM,
+                      2 * NUM_HEADS * HEAD_DIM, SUM_ROWS)
     grad_kv16 = grad_kv.to(tl.float16)
     rows = n_start + tl.arange(0, BLOCK_N)[:, None]
     cols = kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :]
@@ -321,7 +328,14 @@ def _operands(probs, grad_attn, q, k, v):
 
 def _constexprs(probs, num_heads, seq_len, head_dim, scale):
     return dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale,
-                RECOMPUTE_P=len(probs.get_size()) == 3)
+                RECOMPUTE_P=len(probs.get_size()) == 3,
+                SUM_ROWS=attention_core.COLUMN_SUM_ROWS)
+
+
+def _column_sums_buffer(batch, seq_len, width, device):
+    """The float32 partial sums over rows a pass writes: [B, sum_groups(S), width]."""
+    return empty_strided([batch, attention_core.sum_groups(seq_len), width], None,
+                         dtype=torch.float32, device=device)
 
 
 @register_lowering(_ROWS_OP, type_promotion_kind=None)
@@ -337,18 +351,18 @@ def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale):
                           device=device)                                  # [B,H,S]
     grad_q_halves = empty_strided([batch, seq_len, 2 * embed_dim], None,
                                   dtype=torch.bfloat16, device=device)    # [B,S,2E]
+    grad_q_sums = _column_sums_buffer(batch, seq_len, embed_dim, device)  # [B,G,E]
     layout = ir.FixedLayout(device, torch.float16, [batch, seq_len, embed_dim])  # [B,S,E]
     inputs = [*_operands(probs, grad_attn, q, k, v), _contiguous(attn_output), delta,
-              grad_q_halves]
+              grad_q_halves, grad_q_sums]
     constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     rows_template, _ = _templates()
-    choices = _tile_choices(rows_template, inputs, layout, [delta, grad_q_halves],
+    choices = _tile_choices(rows_template, inputs, layout, [delta, grad_q_halves, grad_q_sums],
                             [batch, num_heads, seq_len], constexprs)
     choices += _gluon_tile_choices(_gluon_choices()[0], gluon_core.ROWS_TILES, k, head_dim,
                                    inputs, layout, scale)
-    grad_q16, grad_q_halves, delta = _selected_outputs(
-        rows_template, choices, inputs, layout, (grad_q_halves, delta), delta)
-    return grad_q16, grad_q_halves, delta
+    return _selected_outputs(rows_template, choices, inputs, layout,
+                             (grad_q_halves, delta, grad_q_sums), delta)
 
 
 @register_lowering(_COLS_OP, type_promotion_kind=None)
@@ -360,16 +374,16 @@ def _lower_cols(probs, grad_attn, q, k, v, delta, scale):
     device, embed_dim = q.get_device(), num_heads * head_dim
     grad_kv_halves = empty_strided([batch, seq_len, 4 * embed_dim], None,
                                    dtype=torch.bfloat16, device=device)   # [B,S,4E]
+    grad_kv_sums = _column_sums_buffer(batch, seq_len, 2 * embed_dim, device)  # [B,G,2E]
     layout = ir.FixedLayout(device, torch.float16,
                             [batch, seq_len, 2 * embed_dim])              # [B,S,2E]
     inputs = [*_operands(probs, grad_attn, q, k, v),
-              ir.ExternKernel.require_contiguous(delta), grad_kv_halves]
+              ir.ExternKernel.require_contiguous(delta), grad_kv_halves, grad_kv_sums]
     constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     _, cols_template = _templates()
-    choices = _tile_choices(cols_template, inputs, layout, [grad_kv_halves],
+    choices = _tile_choices(cols_template, inputs, layout, [grad_kv_halves, grad_kv_sums],
                             [batch, num_heads, seq_len], constexprs)
     choices += _gluon_tile_choices(_gluon_choices()[1], gluon_core.COLS_TILES, q, head_dim,
                                    inputs, layout, scale)
-    grad_kv16, grad_kv_halves = _selected_outputs(
-        cols_template, choices, inputs, layout, (grad_kv_halves,), grad_kv_halves)
-    return grad_kv16, grad_kv_halves
+    return _selected_outputs(cols_template, choices, inputs, layout,
+                             (grad_kv_halves, grad_kv_sums), grad_kv_halves)

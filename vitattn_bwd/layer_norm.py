@@ -12,8 +12,7 @@ API here).
 
     fused_layer_norm_backward(grad_output, part0, part1, part2, part3, unscale, x, x_mean,
                               x_var, ln_weight, norm_eps, exact)
-        -> grad_x [B,S,E], column_sums [3,E] (grad_ln_weight, grad_ln_bias,
-           grad_out_bias)
+        -> grad_x [B,S,E], grad_ln_weight [E], grad_ln_bias [E], grad_out_bias [E]
 
 grad_x_norm, the gradient at the LayerNorm's output, arrives as the four GEMM outputs
 [B*S,E] it is the sum of, ((part0 + part1) + (part2 + part3)) * unscale (graph.py), so
@@ -37,11 +36,13 @@ class LayerNormTiles(NamedTuple):
         return self.rows_per_chunk * self.chunks
 
 
-# Measured on the H200 (scripts/time_layer_norm.py, docs/performance.md, session 9): at
-# batch 32 0.143 ms (3.7 TB/s), against 0.219 with 2 x 8 rows and 4 warps and 0.69-0.75
-# with fewer, longer programs; 0.016 ms at batch 1, 0.048 at batch 8. What Inductor
-# made of the same math took 0.231 ms at batch 32.
-TILES = LayerNormTiles(rows_per_chunk=4, chunks=4, num_warps=8)
+# Measured on the H200 (scripts/time_layer_norm.py, docs/performance.md, session 9), raw
+# kernel at batch 32: 0.143 ms (3.6 TB/s), as 4 x 4 rows with 8 warps (0.144), against
+# 0.219 with 2 x 8 rows and 0.69-0.75 with fewer, longer programs. These tiles compile
+# for sm_90 to 128 registers without spills at E = 1024 (4 x 4 x 8: 255 and 28 B of
+# spills; tests/test_kernel_resources.py). What Inductor made of the same math took
+# 0.231 ms at batch 32.
+TILES = LayerNormTiles(rows_per_chunk=2, chunks=2, num_warps=4)
 
 
 def layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, norm_eps,
@@ -89,8 +90,11 @@ def fused_layer_norm_backward(grad_output: torch.Tensor, part0: torch.Tensor,
                               part1: torch.Tensor, part2: torch.Tensor, part3: torch.Tensor,
                               unscale: torch.Tensor, x: torch.Tensor, x_mean: torch.Tensor,
                               x_var: torch.Tensor, ln_weight: torch.Tensor, norm_eps: float,
-                              exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                              exact: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_x, partial_sums = launch(grad_output, part0, part1, part2, part3, unscale, x,
                                   x_mean, x_var, ln_weight, norm_eps, exact,
                                   launcher=wrap_triton)
-    return grad_x, partial_sums.sum(1)                                          # [3,E]
+    # three tensors of their own (not views of one [3,E] sum: they become three .grad)
+    grad_ln_weight, grad_ln_bias, grad_out_bias = (sums.sum(0) for sums in partial_sums)
+    return grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias

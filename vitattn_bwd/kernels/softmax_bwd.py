@@ -32,8 +32,10 @@ straight to the tensor cores; only the S x S tiles (P and the products with it) 
 split here, in registers.
 
 The outputs are written in the formats their consumers read, so no kernel reads them
-again to convert them: each gradient as fp16 (the QKV weight-gradient GEMM's operand)
-and as bf16 [hi | lo] halves of one row (the QKV input-gradient GEMM's bf16x3 operand).
+again to convert them: each gradient as fp16 (the QKV weight-gradient GEMM's operand),
+as bf16 [hi | lo] halves of one row (the QKV input-gradient GEMM's bf16x3 operand), and
+and as float32 sums over each program's rows (partial sums of the QKV bias gradient,
+which the graph adds in a fixed order).
 
 The `*_tile` and store functions hold the algorithm. They are shared verbatim by the raw
 kernels below (used eagerly and tested under TRITON_INTERPRET=1) and by the Inductor
@@ -299,14 +301,34 @@ def store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start,
                       (offs_n < SEQ_LEN)[:, None])
 
 
+@triton.jit
+def store_column_sums(SUMS, grad, batch, row_start, cols, SEQ_LEN: tl.constexpr,
+                      BLOCK: tl.constexpr, WIDTH: tl.constexpr, SUMS_WIDTH: tl.constexpr,
+                      SUM_ROWS: tl.constexpr):
+    """The sum over rows of a gradient tile grad [BLOCK, WIDTH] of rows [row_start,
+    +BLOCK) of one batch element (rows past SEQ_LEN left out), a partial sum of the QKV
+    bias gradient, into SUMS [B, cdiv(SEQ_LEN, SUM_ROWS), SUMS_WIDTH] at columns `cols`
+    [WIDTH]: at the group of SUM_ROWS rows where the tile starts, and zeros at the other
+    groups it covers, so that every block size fills the same buffer."""
+    tl.static_assert(BLOCK % SUM_ROWS == 0)
+    GROUPS: tl.constexpr = (SEQ_LEN + SUM_ROWS - 1) // SUM_ROWS
+    rows = row_start + tl.arange(0, BLOCK)
+    sums = tl.sum(tl.where((rows < SEQ_LEN)[:, None], grad, 0.0), axis=0)  # [WIDTH]
+    for part in tl.static_range(BLOCK // SUM_ROWS):
+        group = row_start // SUM_ROWS + part
+        tl.store(SUMS + (batch * GROUPS + group) * SUMS_WIDTH + cols,
+                 sums if part == 0 else tl.zeros_like(sums), mask=group < GROUPS)
+
+
 # ---- raw kernels: one program per (row or column block, batch * head) ----------------
 
 @triton.jit
 def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA, scale,
-                            SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
+                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
+                            GRAD_Q_SUMS, scale, SEQ_LEN: tl.constexpr,
+                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            RECOMPUTE_P: tl.constexpr, SUM_ROWS: tl.constexpr):
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
@@ -317,6 +339,9 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
+    store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start,
+                      head * HEAD_DIM + tl.arange(0, HEAD_DIM), SEQ_LEN, BLOCK_M, HEAD_DIM,
+                      NUM_HEADS * HEAD_DIM, SUM_ROWS)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     tl.store(GRAD_Q16 + head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
                                   NUM_HEADS * HEAD_DIM),
@@ -325,10 +350,11 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
 
 @triton.jit
 def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, scale,
-                            SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
+                            scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
+                            BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
+                            SUM_ROWS: tl.constexpr):
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
@@ -339,6 +365,9 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)                  # [BN,2D]
     store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
                          NUM_HEADS, HEAD_DIM, BLOCK_N)
+    store_column_sums(GRAD_KV_SUMS, grad_kv, batch, n_start,
+                      kv_columns(head, NUM_HEADS, HEAD_DIM), SEQ_LEN, BLOCK_N, 2 * HEAD_DIM,
+                      2 * NUM_HEADS * HEAD_DIM, SUM_ROWS)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     tl.store(GRAD_KV16 + (batch * SEQ_LEN + offs_n[:, None]).to(tl.int64)
              * (2 * NUM_HEADS * HEAD_DIM) + kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :],

@@ -193,17 +193,39 @@ def store_gradient(GRAD16, HALVES, value, batch, row_start, col, SEQ_LEN: gl.con
 
 
 @gluon.jit
+def store_column_sums(SUMS, value, batch, row_start, col, SEQ_LEN: gl.constexpr,
+                      SUMS_WIDTH: gl.constexpr, SUM_ROWS: gl.constexpr, BLOCK: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, layout: gl.constexpr):
+    """The sum over rows of a float32 [BLOCK, HEAD_DIM] gradient tile of rows [row_start,
+    +BLOCK) of one batch element (rows past SEQ_LEN left out), at column `col` of SUMS
+    [B, cdiv(SEQ_LEN, SUM_ROWS), SUMS_WIDTH]: kernels/softmax_bwd.py's
+    store_column_sums (the group where the tile starts gets the sum, the other groups it
+    covers zeros)."""
+    gl.static_assert(BLOCK % SUM_ROWS == 0)
+    GROUPS: gl.constexpr = (SEQ_LEN + SUM_ROWS - 1) // SUM_ROWS
+    rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    cols = col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    sums = gl.sum(gl.where((rows < SEQ_LEN)[:, None], value, 0.0), axis=0)  # [HEAD_DIM]
+    for part in gl.static_range(BLOCK // SUM_ROWS):
+        group = row_start // SUM_ROWS + part
+        if group < GROUPS:
+            gl.store(SUMS + (batch * GROUPS + group) * SUMS_WIDTH + cols,
+                     sums if part == 0 else gl.zeros_like(sums))
+
+
+@gluon.jit
 def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, scale,
-                            SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
+                            scale, SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             RECOMPUTE_P: gl.constexpr, PRODUCTS: gl.constexpr,
-                            PREFETCH: gl.constexpr, OPERAND_SMEM: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
+                            OPERAND_SMEM: gl.constexpr, num_warps: gl.constexpr):
     """dK, dV of keys [n_start, n_start + BLOCK_N) of one (batch, head): program ids
     (key block, batch * NUM_HEADS + head). Outputs as kernels/softmax_bwd.py's cols
-    kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16."""
+    kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16, GRAD_KV_SUMS
+    [B,G,2E] float32."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     # [BN,BM] tiles (P^T, dP^T) and [BN,D] accumulators (dK, dV); A operands of the
@@ -321,27 +343,32 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         0, deps=(grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
     async_copy.wait_group(0)
 
-    store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_k * scale, batch, n_start,
-                   head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED, 2 * EMBED, BLOCK_N,
-                   HEAD_DIM, acc_layout)
+    grad_k = grad_k * scale
+    store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_k, batch, n_start, head * HEAD_DIM,
+                   SEQ_LEN, 2 * EMBED, 4 * EMBED, 2 * EMBED, BLOCK_N, HEAD_DIM, acc_layout)
     store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_v, batch, n_start,
                    EMBED + head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED, 2 * EMBED,
                    BLOCK_N, HEAD_DIM, acc_layout)
+    store_column_sums(GRAD_KV_SUMS, grad_k, batch, n_start, head * HEAD_DIM, SEQ_LEN,
+                      2 * EMBED, SUM_ROWS, BLOCK_N, HEAD_DIM, acc_layout)
+    store_column_sums(GRAD_KV_SUMS, grad_v, batch, n_start, EMBED + head * HEAD_DIM,
+                      SEQ_LEN, 2 * EMBED, SUM_ROWS, BLOCK_N, HEAD_DIM, acc_layout)
 
 
 @gluon.jit
 def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA, scale,
-                            SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
+                            GRAD_Q_SUMS, scale, SEQ_LEN: gl.constexpr,
+                            NUM_HEADS: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             RECOMPUTE_P: gl.constexpr, PRODUCTS: gl.constexpr,
-                            PREFETCH: gl.constexpr, OPERAND_SMEM: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
+                            OPERAND_SMEM: gl.constexpr, num_warps: gl.constexpr):
     """dQ and delta of queries [m_start, m_start + BLOCK_M) of one (batch, head):
     program ids (query block, batch * NUM_HEADS + head). Outputs as
     kernels/softmax_bwd.py's rows kernel: GRAD_Q16 [B,S,E] fp16, GRAD_Q_HALVES [B,S,2E]
-    bf16, DELTA [B,H,S]. With RECOMPUTE_P, PROBS is lse and delta = rowsum(dO * O) comes
+    bf16, DELTA [B,H,S], GRAD_Q_SUMS [B,G,E] float32. With RECOMPUTE_P, PROBS is lse and delta = rowsum(dO * O) comes
     from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
@@ -471,3 +498,5 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     gl.store(DELTA + batch_head * SEQ_LEN + delta_rows, delta, mask=delta_rows < SEQ_LEN)
     store_gradient(GRAD_Q16, GRAD_Q_HALVES, grad_q, batch, m_start, head * HEAD_DIM,
                    SEQ_LEN, EMBED, 2 * EMBED, EMBED, BLOCK_M, HEAD_DIM, acc_layout)
+    store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start, head * HEAD_DIM, SEQ_LEN, EMBED,
+                      SUM_ROWS, BLOCK_M, HEAD_DIM, acc_layout)
