@@ -6,12 +6,15 @@ vitattn_bwd.integrations.hf.swap_attention: fwd+bwd ms of a training step, memor
 for the backward per image, and the step's peak memory.
 
     python scripts/bench_module.py [--batch-sizes 1 8 32] [--hf-layers 4] [--no-hf]
-                                   [--autocast]
+                                   [--autocast] [--precisions highest high]
 
 float32 parameters; TF32 is left as the process has it (off by default) and printed.
-With --autocast every forward runs under torch.autocast(bfloat16) (backward outside it,
-as in a training loop), and the block table adds VisionAttentionBlock(precision="high"),
-which keeps its float32-grade fused path there; the default follows autocast.
+The block table has a VisionAttentionBlock per precision in --precisions (default
+"highest" and "high"; "default" is precision None, which follows torch's float32 matmul
+precision, "highest" unless the process set it) beside the plain block. With --autocast
+every forward runs under torch.autocast(bfloat16) (backward outside it, as in a training
+loop) and the default precisions are None (follows autocast: the stock ops) and "high"
+(keeps the float32-grade fused path). The tower is swapped with precision None.
 """
 import argparse
 import contextlib
@@ -160,20 +163,27 @@ def main():
                         help="skip the Hugging Face comparison")
     parser.add_argument("--autocast", action="store_true",
                         help="forwards under torch.autocast(bfloat16)")
+    parser.add_argument("--precisions", nargs="+",
+                        choices=("default", "highest", "high"),
+                        help="the blocks' precisions (default: highest high; with "
+                        "--autocast: default high)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     seq_len, embed_dim, heads = (577, 1024, 16) if device == "cuda" else (65, 128, 4)
     batch_sizes = args.batch_sizes or ((1, 8, 32) if device == "cuda" else (1, 4))
     amp = (functools.partial(torch.autocast, device, torch.bfloat16) if args.autocast
            else NO_AUTOCAST)
+    precisions = args.precisions or (("default", "high") if args.autocast
+                                     else ("highest", "high"))
     torch.manual_seed(0)
     block = VisionAttentionBlock(embed_dim, heads).to(device)
-    models = {"vitattn": block, "plain_sdpa": reference.ReferenceBlock(block)}
-    if args.autocast:
-        high = VisionAttentionBlock(embed_dim, heads, precision="high").to(device)
-        high.load_state_dict(block.state_dict())
-        models = {"vitattn": block, "vitattn high": high,
-                  "plain_sdpa": reference.ReferenceBlock(block)}
+    models = {}
+    for precision in precisions:
+        model = VisionAttentionBlock(embed_dim, heads,
+                                     precision=None if precision == "default" else precision)
+        model.load_state_dict(block.state_dict())
+        models[f"vitattn {precision}"] = model.to(device)
+    models["plain_sdpa"] = reference.ReferenceBlock(block)
     print(f"{device}: {seq_len} tokens, {embed_dim} wide, {heads} heads; float32 "
           f"parameters{AUTOCAST_NOTE if args.autocast else ''} (TF32 "
           f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'} for torch matmuls)")

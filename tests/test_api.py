@@ -135,6 +135,7 @@ BAD_INPUTS = [
     ("norm_eps", ValueError, lambda i, k: i.update(norm_eps=math.inf)),
     ("norm_eps", ValueError, lambda i, k: i.update(norm_eps=-1.0)),
     ("ln_grad", ValueError, lambda i, k: k.update(ln_grad="true")),
+    ("precision", ValueError, lambda i, k: k.update(precision="medium")),
     ("attn_weights", ValueError, lambda i, k: k.update(check_finite=True)
      or i["attn_weights"].__setitem__((0, 0, 0, 0), math.nan)),
 ]
@@ -146,6 +147,16 @@ def test_bad_input_raises_an_error_naming_the_argument(argument, error, change):
     inputs, kwargs = _bad(change)
     with pytest.raises(error, match=argument):
         vitattn_bwd.attention_block_backward(**inputs, **kwargs)
+
+
+def test_precision_highest_is_accepted_and_plain_on_the_cpu():
+    """The contract entry point runs "high" whatever torch's setting; "highest" is
+    accepted, and on the CPU both are the same plain float32 math."""
+    inputs = make_case(2, 5, 2, 8)
+    high = vitattn_bwd.attention_block_backward(**inputs, num_heads=2)
+    highest = vitattn_bwd.attention_block_backward(**inputs, num_heads=2,
+                                                   precision="highest")
+    assert all(torch.equal(a, b) for a, b in zip(high, highest))
 
 
 def test_nan_inputs_propagate_by_default():

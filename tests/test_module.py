@@ -272,14 +272,68 @@ def test_autocast_follows_the_stock_block_by_default(x_dtype):
         assert relative_errors([y], [truth])[0] > 1e-3
 
 
-@pytest.mark.parametrize("precision", ["highest", "medium", "fast", 3])
+@pytest.mark.parametrize("precision", ["medium", "fast", "High", 3])
 def test_unknown_precision_is_refused(precision):
-    with pytest.raises(ValueError, match=r"precision must be one of \(None, 'high'\)"):
+    with pytest.raises(ValueError,
+                       match=r"precision must be one of \(None, 'highest', 'high'\)"):
         VisionAttentionBlock(32, 4, precision=precision)
     block = VisionAttentionBlock(32, 4)
     params = [p.detach() for p in block.parameters()]
     with pytest.raises(ValueError, match="precision must be one of"):
         vision_attention(torch.randn(1, 3, 32), *params, 4, 1e-5, precision=precision)
+
+
+def _recorded_precisions(monkeypatch):
+    """[(forward's precision, backward's precision)] of each fused call, recorded at the
+    compiled graphs' entry points."""
+    from vitattn_bwd import graph, module
+    calls = []
+    forward, backward = module.attention_block_forward, graph.compiled_backward
+
+    def recording_forward(*args):
+        calls.append([args[-1]])
+        return forward(*args)
+
+    def recording_backward(inputs, **options):
+        calls[-1].append(options["precision"])
+        return backward(inputs, **options)
+    monkeypatch.setattr(module, "attention_block_forward", recording_forward)
+    monkeypatch.setattr(graph, "compiled_backward", recording_backward)
+    return calls
+
+
+@pytest.mark.parametrize("torch_precision,runs", [("highest", "highest"), ("high", "high"),
+                                                  ("medium", "high")])
+def test_default_precision_follows_torch_at_each_call(monkeypatch, torch_precision, runs):
+    """precision None reads torch.get_float32_matmul_precision() when the block runs
+    (not when it is made): "medium", whose map is not built, runs "high"; an explicit
+    precision ignores torch's setting."""
+    calls = _recorded_precisions(monkeypatch)
+    default, explicit = (_randomize(VisionAttentionBlock(32, 4, precision=p))
+                         for p in (None, "highest"))
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(torch_precision)
+    try:
+        default(x).sum().backward()
+        explicit(x).sum().backward()
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert calls == [[runs, runs], ["highest", "highest"]]
+
+
+def test_precisions_compute_the_same_plain_math_on_the_cpu():
+    """On the CPU the fused path's products are plain float32 matmuls at every
+    precision: the same output and gradients, bit for bit."""
+    torch.manual_seed(3)
+    results = []
+    for precision in ("highest", "high"):
+        block = _randomize(VisionAttentionBlock(32, 4, precision=precision), seed=1)
+        x = torch.randn(2, 7, 32, generator=torch.Generator().manual_seed(2),
+                        requires_grad=True)
+        y = block(x)
+        results.append([y, *torch.autograd.grad(y.square().sum(), [x, *block.parameters()])])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -351,11 +405,11 @@ def test_cuda_forward_graph_compiled_for_the_cpu_is_float32_grade():
 
     def split_forward(**tensors):
         return forward_graph.block_forward(**tensors, num_heads=4, eps=1e-5,
-                                           split_precision=True)
+                                           split_precision="high")
     compiled = graph.compile_graph(split_forward, "cpu", "test-", None, (), cuda_graph=False)
     got = compiled(x=x, **params)
     want = forward_graph.block_forward(x=x.double(), **{n: p.double() for n, p in params.items()},
-                                       num_heads=4, eps=1e-5, split_precision=False)
+                                       num_heads=4, eps=1e-5, split_precision=None)
     names = ("y", "x_mean", "x_var", "qkv", "lse", "attn_output")
     errors = dict(zip(names, relative_errors(list(got), list(want))))
     assert all(err < 8e-6 for err in errors.values()), errors
@@ -377,7 +431,7 @@ def test_split_forward_hands_the_kernel_split_operands_only_where_it_applies(
     params = [p.detach() for p in block.parameters()]
     x = torch.randn(2, 9, E)
     _, _, _, qkv, lse, attn_output = forward_graph.block_forward(
-        x, *params, num_heads=H, eps=1e-5, split_precision=True)
+        x, *params, num_heads=H, eps=1e-5, split_precision="high")
     q, k, v = (split_heads(t, H) for t in qkv.chunk(3, dim=-1))
     float32_output, _ = attention_fwd.attention_fwd(q, k, v, head_dim ** -0.5)
     assert torch.equal(attn_output, float32_output) != split_attention

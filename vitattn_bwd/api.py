@@ -9,6 +9,7 @@ import torch
 
 from .graph import compiled_backward
 from .layout import LN_GRAD_MODES
+from .precision import FUSED_PRECISIONS
 
 
 class BlockGrads(NamedTuple):
@@ -149,7 +150,8 @@ def validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad, check_finite=F
 
 def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight,
                              q, k, v, attn_weights, attn_output, out_weight, scale, norm_eps,
-                             *, num_heads=16, ln_grad="exact", check_finite=False):
+                             *, num_heads=16, ln_grad="exact", check_finite=False,
+                             precision="high"):
     """Backward of a pre-LayerNorm ViT attention block (see README for the forward).
 
     Shapes: grad_output, x, x_norm, attn_output [B,S,E]; x_mean, x_var [B,S,1] (biased
@@ -160,11 +162,17 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
     ln_grad="exact" is the true LayerNorm gradient; "contract" is the benchmark's formula.
     NaN/Inf inputs propagate to the outputs like in the eager math; check_finite=True
     rejects them with a ValueError instead (one extra pass over every input).
+    precision: "high" (the default, whatever torch's float32 matmul precision: the
+    fastest products the benchmark's tolerance allows) or "highest" (float32-faithful:
+    bf16x3 from rounded splits everywhere, the QKV weight gradient too); on the CPU the
+    products are plain matmuls either way.
     """
+    if precision not in FUSED_PRECISIONS:
+        raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got {precision!r}")
     tensors = dict(grad_output=grad_output, x=x, x_mean=x_mean, x_var=x_var, x_norm=x_norm,
                    ln_weight=ln_weight, qkv_weight=qkv_weight, q=q, k=k, v=v,
                    attn_weights=attn_weights, attn_output=attn_output, out_weight=out_weight)
     inputs, scale, norm_eps, _ = validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad,
                                                  check_finite)
     return BlockGrads(*compiled_backward(inputs, scale=scale, norm_eps=norm_eps,
-                                         ln_grad=ln_grad))
+                                         ln_grad=ln_grad, precision=precision))

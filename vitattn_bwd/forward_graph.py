@@ -7,12 +7,14 @@
 
 LayerNorm, the QKV projection, the fused attention operator (attention_fwd.py: no S x S
 tensor, saves the log-sum-exp) and the out projection with the residual. With
-split_precision (CUDA, float32) both projections are bf16x3 GEMMs (precision.py): the
+split_precision "high" or "highest" (CUDA, float32) both projections are bf16x3 GEMMs
+from rounded splits (precision.py): the
 activation is split into its bf16 halves by the kernel that makes it (Inductor fuses the
 split into the LayerNorm kernel), the weights once per call; likewise the attention
-operator gets q, k and v split by the kernel that adds up the QKV GEMMs. cuBLAS float32 GEMMs
+operator gets q, k and v split by the kernel that adds up the QKV GEMMs (truncated, or
+rounded for "highest"). cuBLAS float32 GEMMs
 without TF32, what F.linear runs, take about fifteen times as long per FLOP (at batch 32
-the two projections are ~2.4 ms of float32 GEMM). Without split_precision (the CPU,
+the two projections are ~2.4 ms of float32 GEMM). With split_precision None (the CPU,
 float64) the projections are F.linear in the inputs' dtype.
 
 `attention_block_forward` is what VisionAttentionFunction calls: on CUDA (float32) the
@@ -31,7 +33,7 @@ from . import graph
 from .attention_core import triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_split
 from .layout import split_heads
-from .precision import linear_bf16x3, split_bf16_truncated
+from .precision import linear_bf16x3, split_bf16_rounded, split_bf16_truncated
 
 
 def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias, *,
@@ -47,7 +49,8 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     scale = 1.0 / math.sqrt(head_dim)
     if split_precision and triton_supports("cuda", x.dtype, head_dim):
         # the attention kernel's bf16 split, fused where qkv is made
-        attn_output, lse = attention_fwd_split(*split_bf16_truncated(qkv), num_heads,
+        split = split_bf16_rounded if split_precision == "highest" else split_bf16_truncated
+        attn_output, lse = attention_fwd_split(*split(qkv), num_heads,
                                                scale)               # [B,S,E], [B,H,S]
     else:
         q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))   # [B,H,S,D]
@@ -57,19 +60,22 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
 
 
 @functools.cache
-def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph):
+def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph,
+             precision):
     """The compiled forward of one configuration and batch bucket (CUDA); the arguments
     are the cache key."""
     del dtype, seq_len, embed_dim                              # they key the cache only
 
     def forward_graph(**tensors):
-        return block_forward(**tensors, num_heads=num_heads, eps=eps, split_precision=True)
-    return graph.compile_graph(forward_graph, "cuda", "forward-", batch_bucket, ("x",),
+        return block_forward(**tensors, num_heads=num_heads, eps=eps,
+                             split_precision=precision)
+    name = "forward-" if precision == "high" else f"forward-{precision}-"
+    return graph.compile_graph(forward_graph, "cuda", name, batch_bucket, ("x",),
                                cuda_graph)
 
 
 def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
-                            out_bias, num_heads, eps):
+                            out_bias, num_heads, eps, precision="high"):
     """y, the tensors saved for the backward (in VisionAttentionFunction.backward's
     order) and the softmax scale, for validated tensors of one device and dtype."""
     tensors = dict(x=x, ln_weight=ln_weight, ln_bias=ln_bias, qkv_weight=qkv_weight,
@@ -77,11 +83,11 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
     B, S, E = x.shape
     if x.is_cuda and x.dtype == torch.float32 and x.numel() > 0:
         fn = _compile(x.dtype, S, E, num_heads, eps, graph.batch_bucket(B),
-                      graph.uses_cuda_graph("cuda", B))
+                      graph.uses_cuda_graph("cuda", B), precision)
         outputs = _run_compiled(fn, tensors)
     else:
         outputs = block_forward(**tensors, num_heads=num_heads, eps=eps,
-                                split_precision=False)
+                                split_precision=None)
     y, x_mean, x_var, qkv, lse, attn_output = outputs
     saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse, attn_output,
              out_weight)

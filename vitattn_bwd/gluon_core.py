@@ -80,7 +80,8 @@ def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
     grid = (-(-seq_len // tiles.block_m), batch * num_heads)
     softmax_bwd_rows_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
                                   v_hi, v_lo, attn_output, grad_q16, grad_q_halves, delta,
-                                  grad_q_sums, scale, **_constexprs(probs, q_hi, tiles, products, prefetch))
+                                  grad_q_sums, scale,
+                                  **_constexprs(probs, q_hi, tiles, products, prefetch))
 
 
 def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,

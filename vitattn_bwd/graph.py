@@ -32,9 +32,10 @@ import torch
 from . import attention_core, cache, layer_norm
 from .cuda_graphs import GraphedCall
 from .layout import split_heads
-from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
-                        matmul_halves_transposed, power_of_two_scale,
-                        products_halves_by_weight)
+from .precision import (FUSED_PRECISIONS, bf16_halves, matmul_fp16_transposed,
+                        matmul_halves_by_weight, matmul_halves_transposed,
+                        power_of_two_scale, products_halves_by_weight, split_bf16_rounded,
+                        split_bf16_truncated)
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
@@ -46,12 +47,16 @@ BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v"
 
 
 def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                              attn_weights, forward_output, q, k, v, scale):
+                              attn_weights, forward_output, q, k, v, scale, precision):
     """Out projection, attention core and QKV projection from split operands (CUDA):
     returns grad_out_weight, grad_x_norm_parts (four [B*S,E] GEMM outputs, whose sum
     times `unscale` is grad_x_norm), grad_qkv_weight, grad_qkv_bias, unscale.
     forward_output: the attention output [B,S,E] where it goes with attn_weights (the
-    module's log-sum-exp), else None."""
+    module's log-sum-exp), else None. precision (precision.FUSED_PRECISIONS): "high"
+    splits the GEMMs' float32 operands by truncation and takes the QKV weight gradient
+    as one fp16 product; "highest" splits them rounded to nearest and takes every
+    product, the QKV weight gradient's too, as bf16x3."""
+    split = split_bf16_rounded if precision == "highest" else split_bf16_truncated
     B, H, S, D = q.shape
     E = H * D
     rows = B * S
@@ -63,9 +68,10 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
     # scaled back exactly at the end.
     scale_up = power_of_two_scale(grad_rows)
     grad_rows = grad_rows * scale_up
-    grad_rows_halves = bf16_halves(grad_rows)                                  # [B*S,2E]
-    grad_out_weight = matmul_halves_transposed(grad_rows_halves, bf16_halves(attn_rows))
-    grad_attn = matmul_halves_by_weight(grad_rows_halves, out_weight).view(B, S, E)
+    grad_rows_halves = bf16_halves(grad_rows, split)                           # [B*S,2E]
+    grad_out_weight = matmul_halves_transposed(grad_rows_halves,
+                                               bf16_halves(attn_rows, split))
+    grad_attn = matmul_halves_by_weight(grad_rows_halves, out_weight, split).view(B, S, E)
 
     # the core's gradients in fp16 and as bf16 halves, and their partial sums over rows
     grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.softmax_bwd_rows(
@@ -76,12 +82,18 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
     grad_q_halves = grad_q_halves.view(rows, 2 * E)
     grad_kv_halves = grad_kv_halves.view(rows, 4 * E)
 
-    grad_x_norm_parts = (products_halves_by_weight(grad_q_halves, qkv_weight[:E])
-                         + products_halves_by_weight(grad_kv_halves, qkv_weight[E:]))
-    x_norm16 = x_norm_rows.half()
-    grad_qkv_weight = torch.cat([                                              # [3E,E]
-        matmul_fp16_transposed(grad_q16.view(rows, E), x_norm16),
-        matmul_fp16_transposed(grad_kv16.view(rows, 2 * E), x_norm16)])
+    grad_x_norm_parts = (products_halves_by_weight(grad_q_halves, qkv_weight[:E], split)
+                         + products_halves_by_weight(grad_kv_halves, qkv_weight[E:], split))
+    if precision == "highest":
+        x_norm_halves = bf16_halves(x_norm_rows, split)                        # [B*S,2E]
+        grad_qkv_weight = torch.cat([                                          # [3E,E]
+            matmul_halves_transposed(grad_q_halves, x_norm_halves),
+            matmul_halves_transposed(grad_kv_halves, x_norm_halves)])
+    else:
+        x_norm16 = x_norm_rows.half()
+        grad_qkv_weight = torch.cat([                                          # [3E,E]
+            matmul_fp16_transposed(grad_q16.view(rows, E), x_norm16),
+            matmul_fp16_transposed(grad_kv16.view(rows, 2 * E), x_norm16)])
     grad_qkv_bias = torch.cat([grad_q_sums.sum((0, 1)), grad_kv_sums.sum((0, 1))])  # [3E]
     unscale = 1 / scale_up
     return (grad_out_weight * unscale, grad_x_norm_parts, grad_qkv_weight * unscale,
@@ -108,6 +120,10 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
                    q=None, k=None, v=None, qkv=None, x_norm=None, ln_bias=None):
     """The seven gradients (the math of reference.attention_block_backward).
 
+    split_precision: None for plain products in the inputs' dtype (the CPU, float64),
+    else the precision of the split products (CUDA float32): "high" or "highest"
+    (_split_precision_products).
+
     attn_weights is P [B,H,S,S], or its row log-sum-exp [B,H,S] (VisionAttentionBlock
     saves only that; the attention core recomputes P). q, k, v [B,H,S,D] may instead come
     whole as the QKV projection qkv [B,S,3E] (the module saves it so: one contiguous
@@ -128,7 +144,7 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
                     out_weight, qkv_weight, attn_weights, forward_output, q, k, v, scale)
     if split_precision:
         (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
-         unscale) = _split_precision_products(*product_args)
+         unscale) = _split_precision_products(*product_args, split_precision)
         grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias = (
             layer_norm.fused_layer_norm_backward(
                 grad_output, *grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight,
@@ -197,16 +213,17 @@ def _with_own_code(fn):
 
 @functools.cache
 def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
-             batch_bucket, cuda_graph, input_names):
+             batch_bucket, cuda_graph, input_names, split_precision):
     """One compiled backward; the arguments are the cache key (input_names: the
     contract's inputs, or the module's: qkv for q, k, v, ln_bias for x_norm)."""
     del dtype, seq_len, embed_dim, num_heads, input_names     # they key the cache only
     constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
-                     split_precision=device_type == "cuda")
+                     split_precision=split_precision)
 
     def backward_graph(**tensors):
         return block_backward(**tensors, **constants)
-    return compile_graph(backward_graph, device_type, "", batch_bucket, BATCHED_INPUTS,
+    name = "" if split_precision in (None, "high") else f"{split_precision}-"
+    return compile_graph(backward_graph, device_type, name, batch_bucket, BATCHED_INPUTS,
                          cuda_graph)
 
 
@@ -217,8 +234,17 @@ def batch_bucket(batch):
     return next(b for b in BATCH_BUCKETS if b[0] <= batch <= b[1])
 
 
+def split_precision_of(device_type, precision):
+    """What block_backward's split_precision is for a precision of FUSED_PRECISIONS: the
+    split products on CUDA, plain products elsewhere (float32 or float64 math, as
+    faithful as "highest" asks)."""
+    if precision not in FUSED_PRECISIONS:
+        raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got {precision!r}")
+    return precision if device_type == "cuda" else None
+
+
 @torch.compiler.disable
-def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
+def compiled_backward(inputs, *, scale, norm_eps, ln_grad, precision="high"):
     """Run the compiled graph on a dict of validated tensors. Opaque to an enclosing
     torch.compile (of a model using VisionAttentionBlock): our graph is compiled on its
     own, with its own options, and called from there."""
@@ -226,5 +252,6 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad):
     B, S, E = x.shape
     num_heads = inputs["attn_weights"].shape[1]
     fn = _compile(x.device.type, x.dtype, S, E, num_heads, scale, norm_eps, ln_grad,
-                  batch_bucket(B), uses_cuda_graph(x.device.type, B), tuple(inputs))
+                  batch_bucket(B), uses_cuda_graph(x.device.type, B), tuple(inputs),
+                  split_precision_of(x.device.type, precision))
     return fn(**inputs)

@@ -36,13 +36,13 @@ class LayerNormTiles(NamedTuple):
         return self.rows_per_chunk * self.chunks
 
 
-# Measured on the H200 (scripts/time_layer_norm.py, docs/performance.md, session 9), raw
-# kernel at batch 32: 0.143 ms (3.6 TB/s), as 4 x 4 rows with 8 warps (0.144), against
-# 0.219 with 2 x 8 rows and 0.69-0.75 with fewer, longer programs. These tiles compile
-# for sm_90 to 128 registers without spills at E = 1024 (4 x 4 x 8: 255 and 28 B of
-# spills; tests/test_kernel_resources.py). What Inductor made of the same math took
-# 0.231 ms at batch 32.
-TILES = LayerNormTiles(rows_per_chunk=2, chunks=2, num_warps=4)
+# Measured on the H200 (scripts/time_layer_norm.py, docs/performance.md, session 10), at
+# batch 32: 0.139 ms for the kernel (3.8 TB/s), 0.150 with its partial sums [3, 1154, E]
+# added; 2 x 2 rows with 4 warps 0.143 / 0.171 (four times the partial sums), 2-4 x 8-16
+# rows 0.141-0.157 / 0.156-0.180. The chunks are a loop, so these tiles compile for sm_90
+# to 128 registers without spills (tests/test_kernel_resources.py). What Inductor made of
+# the same math took 0.231-0.320 ms at batch 32.
+TILES = LayerNormTiles(rows_per_chunk=4, chunks=4, num_warps=8)
 
 
 def layer_norm_backward(grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, norm_eps,

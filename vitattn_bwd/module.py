@@ -15,26 +15,34 @@ the log-sum-exp inside the attention-core templates.
 integrations (vitattn_bwd.integrations) call: it applies the precision and dtype policy
 below, then VisionAttentionFunction.
 
-Precision (`precision=`, PRECISIONS):
-- None (the default) follows torch.autocast and the tensors' dtype: inside an autocast
-  region (cpu or cuda, bfloat16 or float16), and for a block whose input and parameters
-  are all bfloat16 or all float16 (a `.bfloat16()` model), the block computes what the
-  stock LayerNorm + Linear + SDPA + Linear block computes there, with the same ops
-  (`stock_forward`): products in the autocast (or the tensors') dtype, the activations
-  autograd saves in that dtype, the same output dtypes and gradients, and the stock
-  block's speed. (The fused backward is float32-grade only; a half-precision fused path
-  is not built yet.) Otherwise: the fused, float32-grade path below.
-- "high": the fused float32-grade path everywhere, inside autocast and for half
-  precision blocks too.
-PyTorch's "highest" (float32-faithful) and "medium" (one bf16 product) are not built
-yet and are refused (ValueError).
+Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precision:
+- None (the default) follows PyTorch. Inside an autocast region (cpu or cuda, bfloat16
+  or float16), and for a block whose input and parameters are all bfloat16 or all
+  float16 (a `.bfloat16()` model), the block computes what the stock LayerNorm + Linear
+  + SDPA + Linear block computes there, with the same ops (`stock_forward`): products in
+  the autocast (or the tensors') dtype, the activations autograd saves in that dtype,
+  the same output dtypes and gradients, and the stock block's speed. (The fused backward
+  is float32-grade only; a half-precision fused path is not built yet.) Otherwise the
+  fused path runs at torch.get_float32_matmul_precision(), read at each call: "highest"
+  (PyTorch's default) as "highest" below, "high" as "high", and "medium" as "high" too
+  (a one-bf16-product map is not built; "high" is more precise than "medium" asks).
+- "highest": the fused path, float32-faithful: every product bf16x3 from operands split
+  rounded to nearest, the QKV weight gradient's too (three bf16 GEMMs where "high" takes
+  one fp16 product).
+- "high": the fused path with the fastest map the benchmark's tolerance allows
+  (truncated splits, one fp16 product for the QKV weight gradient; the contract entry
+  point, vitattn_bwd.attention_block_backward, runs this by default).
+An explicit "highest" or "high" runs the fused path everywhere, inside autocast and for
+half-precision blocks too. On the CPU the fused path's products are plain float32 (or
+float64) matmuls whatever the precision.
 
 Dtypes of the fused path. The fused backward runs in float32 (float64 too on the CPU).
 So it computes in float32 whatever its parameters and input are:
-- under torch.autocast with precision="high" its inputs are cast to float32 and it runs
+- under torch.autocast with precision="highest" or "high" its inputs are cast to
+  float32 and it runs
   with autocast off, as custom kernels do (torch.amp.custom_fwd(cast_inputs=
   torch.float32));
-- bfloat16/float16 parameters or input with precision="high", or of mixed dtypes (a
+- bfloat16/float16 parameters or input with an explicit precision, or of mixed dtypes (a
   float32 input into a bf16 block), are cast to float32 in the forward; the casts are
   ordinary autograd ops, so every gradient comes back in its own tensor's dtype (a bf16
   parameter gets a bf16 .grad, rounded once from float32);
@@ -54,9 +62,10 @@ from torch.nn import functional as F
 from . import graph
 from .forward_graph import attention_block_forward
 from .layout import merge_heads, split_heads
+from .precision import FUSED_PRECISIONS
 
 # The accepted values of `precision` (module docstring).
-PRECISIONS = (None, "high")
+PRECISIONS = (None, *FUSED_PRECISIONS)
 
 DOUBLE_BACKWARD_MESSAGE = (
     "VisionAttentionBlock does not support double backward (create_graph=True): its "
@@ -85,11 +94,22 @@ def check_precision(precision):
     """`precision` if it is one of PRECISIONS, else ValueError naming them."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r} "
-                         "(PyTorch's 'highest' and 'medium' are not implemented yet)")
+                         "(PyTorch's 'medium' is not implemented: None with "
+                         "torch.set_float32_matmul_precision('medium') runs 'high')")
     return precision
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def fused_precision(precision):
+    """The precision the fused path runs at: `precision`, or for None PyTorch's float32
+    matmul precision read now ("medium", whose one-bf16-product map is not built, runs
+    "high")."""
+    if precision is not None:
+        return precision
+    torch_precision = torch.get_float32_matmul_precision()
+    return "highest" if torch_precision == "highest" else "high"
 
 
 def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
@@ -158,10 +178,13 @@ class VisionAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                num_heads, eps):
+                num_heads, eps, precision="high"):
         params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
         _check_tensors(x, params, num_heads)
         _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
+        if precision not in FUSED_PRECISIONS:
+            raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got "
+                             f"{precision!r}")
         allowed = _supported_dtypes(x.device)
         if x.dtype not in allowed:
             raise TypeError(f"x must be one of {allowed} on {x.device.type}, got "
@@ -172,9 +195,9 @@ class VisionAttentionFunction(torch.autograd.Function):
         # The math runs as written, whatever autocast region the caller is in: an
         # autocast linear would hand bf16 q, k, v to the float32 backward.
         with _autocast_off(x.device.type):
-            y, saved, scale = attention_block_forward(x, *params, num_heads, eps)
+            y, saved, scale = attention_block_forward(x, *params, num_heads, eps, precision)
         ctx.save_for_backward(*saved)
-        ctx.num_heads, ctx.eps, ctx.scale = num_heads, eps, scale
+        ctx.num_heads, ctx.eps, ctx.scale, ctx.precision = num_heads, eps, scale, precision
         return y
 
     @staticmethod
@@ -190,16 +213,16 @@ class VisionAttentionFunction(torch.autograd.Function):
             E = x.shape[-1]
             zeros = [x.new_zeros(shape) for shape in
                      ((E,), (E,), (3 * E, E), (3 * E,), (E, E), (E,))]
-            return (torch.zeros_like(x), *zeros, None, None)
+            return (torch.zeros_like(x), *zeros, None, None, None)
         # A backward called inside an autocast region (on the CPU it runs on the caller's
         # thread) must not turn our float32 math into bf16 either.
         with _autocast_off(x.device.type):
             (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
              grad_ln_weight, grad_ln_bias) = graph.compiled_backward(
                 dict(grad_output=grad_y.contiguous(), **saved), scale=ctx.scale,
-                norm_eps=ctx.eps, ln_grad="exact")
+                norm_eps=ctx.eps, ln_grad="exact", precision=ctx.precision)
         return (grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
-                grad_out_weight, grad_out_bias, None, None)
+                grad_out_weight, grad_out_bias, None, None, None)
 
 
 def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
@@ -245,7 +268,8 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     args = [t if t.dtype == compute else t.to(compute)
             for t in (x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)]
     with _autocast_off(device.type):
-        y = VisionAttentionFunction.apply(*args, num_heads, eps)
+        y = VisionAttentionFunction.apply(*args, num_heads, eps,
+                                          fused_precision(precision))
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
@@ -259,8 +283,9 @@ class VisionAttentionBlock(nn.Module):
     Any floating dtype and torch.autocast work. precision None (the default) follows
     autocast inside an autocast region, and the dtype of a block that is all bfloat16 or
     all float16 (the stock block's computation, in both), and runs the fused
-    float32-grade path otherwise; precision="high" runs the fused path everywhere (see
-    vitattn_bwd.module). On the fused path the math is float32 (float64 on the CPU for a
+    float32-grade path otherwise, at torch.get_float32_matmul_precision() ("highest":
+    float32-faithful, "high": faster); precision="highest" or "high" runs the fused path
+    at that precision everywhere (see vitattn_bwd.module). On the fused path the math is float32 (float64 on the CPU for a
     float64 block), the output has x's dtype and each gradient its tensor's dtype;
     float64 on CUDA is refused in the forward, and double backward (create_graph=True)
     raises a RuntimeError (the stock path supports it, as the stock block does).

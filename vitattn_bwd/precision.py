@@ -28,6 +28,12 @@ bf16 or fp16 values: the CPU reproduces the GPU's arithmetic up to summation ord
 """
 import torch
 
+# The precisions of the fused float32 path, PyTorch's names for float32 matmul precision
+# (torch.set_float32_matmul_precision): "highest" float32-faithful, every product bf16x3
+# from splits rounded to nearest; "high" the fastest map the benchmark's tolerance
+# allows, truncated splits and one fp16 product for the QKV weight gradient.
+FUSED_PRECISIONS = ("highest", "high")
+
 # float32 bits of the bf16 part of a value: sign, exponent and the top 7 mantissa bits
 BF16_HI_MASK = -65536            # 0xFFFF0000 as an int32
 BF16_ROUNDING_BIAS = 0x7FFF      # added below the bf16 bits: round half to even

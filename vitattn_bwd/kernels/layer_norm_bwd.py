@@ -13,11 +13,13 @@ scaled back by the power of two the upstream gradient was scaled by:
 
 and, summed over rows, grad_ln_weight = sum(grad_x_norm * xhat), grad_ln_bias =
 sum(grad_x_norm) and grad_out_bias = sum(grad_output). Program p takes CHUNKS chunks of
-ROWS_PER_CHUNK rows from row p * CHUNKS * ROWS_PER_CHUNK on and writes its three column
-sums to PARTIAL_SUMS [3, programs, E]; the caller adds those rows in a fixed order. No
-atomics: the same bits on every run. This replaces what Inductor made of the
-same math: a pointwise kernel adding the four parts into grad_x_norm, the row kernel,
-and split reductions that read grad_x_norm, x and grad_output again (docs/performance.md).
+ROWS_PER_CHUNK rows from row p * CHUNKS * ROWS_PER_CHUNK on, in a loop (not unrolled:
+the registers do not grow with CHUNKS, which only sets how many partial sums there
+are), and writes its three column sums to PARTIAL_SUMS [3, programs, E]; the caller adds
+those rows in a fixed order. No atomics: the same bits on every run. This replaces what
+Inductor made of the same math: a pointwise kernel adding the four parts into
+grad_x_norm, the row kernel, and split reductions that read grad_x_norm, x and
+grad_output again (docs/performance.md).
 """
 import triton
 import triton.language as tl
@@ -39,7 +41,7 @@ def layer_norm_bwd_kernel(GRAD_OUTPUT, PART0, PART1, PART2, PART3, UNSCALE, X, X
     sum_grad_x_norm_xhat = tl.zeros([BLOCK_E], tl.float32)
     sum_grad_x_norm = tl.zeros([BLOCK_E], tl.float32)
     sum_grad_output = tl.zeros([BLOCK_E], tl.float32)
-    for chunk in tl.static_range(CHUNKS):
+    for chunk in range(CHUNKS):
         row = ((program * CHUNKS + chunk) * ROWS_PER_CHUNK
                + tl.arange(0, ROWS_PER_CHUNK))                                 # [R]
         row_ok = row < rows
@@ -52,7 +54,10 @@ def layer_norm_bwd_kernel(GRAD_OUTPUT, PART0, PART1, PART2, PART3, UNSCALE, X, X
         grad_output = tl.load(GRAD_OUTPUT + offsets, mask=mask, other=0.0)
         x = tl.load(X + offsets, mask=mask, other=0.0)
         mean = tl.load(X_MEAN + row, mask=row_ok, other=0.0)
-        rstd = tl.rsqrt(tl.load(X_VAR + row, mask=row_ok, other=1.0) + norm_eps)
+        # float32 (Inductor launches the operator with norm_eps as fp64, which would
+        # promote everything after it)
+        rstd = tl.rsqrt((tl.load(X_VAR + row, mask=row_ok, other=1.0) + norm_eps
+                         ).to(tl.float32))
         xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         grad_xhat = grad_x_norm * ln_weight[None, :]
         mean_grad = tl.sum(grad_xhat, axis=1) / EMBED                          # [R]

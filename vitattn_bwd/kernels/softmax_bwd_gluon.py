@@ -35,9 +35,10 @@ S x S tiles never leave the registers: split into bf16 halves (hi
 by truncation, an integer mask: a float -> bf16 conversion per element was the loop's
 costliest instruction), they are the A operands of the next products. The caller's
 operand halves are rounded, so each product has one rounded and one truncated operand
-(the neglected lo * lo term stays at 2^-15). Waits name the register operands of the
-products still in flight (`deps`), so the compiler keeps them until those products
-have read them.
+(the neglected lo * lo term stays at 2^-15; rounded S x S splits measured 25% less
+error against float64 and a 15% slower cols pass on the H200: docs/performance.md,
+session 10). Waits name the register operands of the products still in flight
+(`deps`), so the compiler keeps them until those products have read them.
 
 Measured on the H200 (docs/performance.md, sessions 8 and 9), batch 32: rows 0.55-0.60
 and cols 0.66-0.68 ms (the Triton templates 0.622 and 0.734); ncu puts the bound in
