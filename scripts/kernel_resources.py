@@ -14,8 +14,10 @@ runs far below the tensor cores' rate; HGMMA counts Hopper's warpgroup matrix
 instructions, HMMA the older per-warp ones (tiles under 64 rows), waits the warpgroup
 MMA waits (WARPGROUP.DEPBAR): the Gluon kernels issue their products asynchronously and
 wait three times per tile where Triton's tl.dot waits after each product; L2 prefetches
-count the Gluon kernels' requests for P tiles ahead of their loads (CCTL.E.PF2). Each kernel is
-compiled as a real launch specializes it: pointers and integer arguments divisible by 16.
+count the Gluon kernels' requests for P tiles ahead of their loads (CCTL.E.PF2), fp64 ops
+the float64 arithmetic (DADD, DMUL, DFMA). Each kernel is compiled as a real launch
+specializes it: pointers and integer arguments divisible by 16, and the LayerNorm
+kernel's norm_eps a float64 scalar, as Inductor launches the LayerNorm operator.
 """
 import argparse
 import itertools
@@ -42,6 +44,7 @@ class Resources(NamedTuple):
     hmma: int           # per-warp MMA instructions in the SASS
     waits: int          # warpgroup MMA waits (WARPGROUP.DEPBAR) in the SASS
     l2_prefetches: int  # L2 prefetches (CCTL.E.PF2, from prefetch.global.L2) in the SASS
+    fp64_ops: int       # float64 adds, multiplies and FMAs (DADD, DMUL, DFMA) in the SASS
 
 
 def _is_gluon(kernel):
@@ -56,8 +59,10 @@ def _signature(kernel, constexprs):
     for name in kernel.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in ("scale", "norm_eps"):
+        elif name == "scale":
             signature[name] = "fp32"
+        elif name == "norm_eps":            # as Inductor launches the LayerNorm operator
+            signature[name] = "fp64"
         elif not name.isupper():
             signature[name] = "i32"
         elif name.endswith(("_HI", "_LO", "_HALVES")):
@@ -119,7 +124,8 @@ def sm90_resources(kernel, constexprs, tiles, sass_file=None):
                      hgmma=len(re.findall(r"\bHGMMA\b", sass)),
                      hmma=len(re.findall(r"\bHMMA\b", sass)),
                      waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
-                     l2_prefetches=len(re.findall(r"CCTL\.E\.PF2", sass)))
+                     l2_prefetches=len(re.findall(r"CCTL\.E\.PF2", sass)),
+                     fp64_ops=len(re.findall(r"\bD(?:ADD|MUL|FMA)\b", sass)))
 
 
 def kernels():
