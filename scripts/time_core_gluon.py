@@ -108,6 +108,8 @@ def compare(got, ref):
     for name, g, r in zip(names, got, ref):
         if name in ("grad_q", "grad_kv"):
             g, r = attention_core.float32_from_halves(g), attention_core.float32_from_halves(r)
+        if name.endswith("_sums"):           # where a program puts its sum depends on
+            g, r = g.sum(1), r.sum(1)        # its block of rows; their totals do not
         errors[name] = float("nan") if torch.isnan(g.float()).any() else rel(g, r)
     return errors
 

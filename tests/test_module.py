@@ -322,6 +322,26 @@ def test_default_precision_follows_torch_at_each_call(monkeypatch, torch_precisi
     assert calls == [[runs, runs], ["highest", "highest"]]
 
 
+@pytest.mark.parametrize("cuda_precision,runs", [("tf32", "high"), ("ieee", "highest")])
+def test_default_precision_follows_torchs_per_backend_setting(monkeypatch, cuda_precision,
+                                                              runs):
+    """Set through the per-backend API (torch.backends.cuda.matmul.fp32_precision), where
+    torch.get_float32_matmul_precision() raises once the legacy and new settings are
+    mixed, precision None still follows torch: "tf32" runs "high", "ieee" "highest"."""
+    calls = _recorded_precisions(monkeypatch)
+    block = _randomize(VisionAttentionBlock(32, 4))
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    matmul = torch.backends.cuda.matmul
+    before, before_legacy = matmul.fp32_precision, torch.get_float32_matmul_precision()
+    matmul.fp32_precision = cuda_precision
+    try:
+        block(x).sum().backward()
+    finally:
+        matmul.fp32_precision = before
+        torch.set_float32_matmul_precision(before_legacy)
+    assert calls == [[runs, runs]]
+
+
 def test_precisions_compute_the_same_plain_math_on_the_cpu():
     """On the CPU the fused path's products are plain float32 matmuls at every
     precision: the same output and gradients, bit for bit."""

@@ -207,8 +207,9 @@ def _(probs, grad_attn, q, k, v, attn_output, scale):
     check_forward_output(probs, attn_output)              # at trace time, not in a graph
     B, H, S, D = k.shape
     return (k.new_empty(B, S, H * D, dtype=torch.float16),
-            k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16), k.new_empty(B, H, S),
-            k.new_empty(B, sum_groups(S), H * D))
+            k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16),
+            k.new_empty(B, H, S, dtype=torch.float32),
+            k.new_empty(B, sum_groups(S), H * D, dtype=torch.float32))
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_cols", mutates_args=())
@@ -229,7 +230,7 @@ def _(probs, grad_attn, q, k, v, delta, scale):
     B, H, S, D = q.shape
     return (q.new_empty(B, S, 2 * H * D, dtype=torch.float16),
             q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16),
-            q.new_empty(B, sum_groups(S), 2 * H * D))
+            q.new_empty(B, sum_groups(S), 2 * H * D, dtype=torch.float32))
 
 
 def float32_from_halves(halves):

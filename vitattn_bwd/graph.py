@@ -5,18 +5,19 @@ operands split once (precision.py): cuBLAS bf16 GEMMs around the two attention-c
 operators (attention_core.py), which Inductor lowers to our Triton templates
 (inductor.py) and which write their gradients in the formats the next GEMMs read; the
 QKV weight gradient is one fp16 GEMM, of operands brought to fp16's range by a
-power-of-two scale of the upstream gradient; the LayerNorm backward, with the sums over
-rows of its parameters' and the out-projection bias's gradients, is one Triton kernel
-(layer_norm.py) that reads the QKV input gradient as the four GEMM outputs it is the sum
-of. The QKV bias gradient adds the partial sums over rows that the attention core
+power-of-two scale of the upstream gradient (precision "high"; "highest" takes it as
+bf16x3 and splits the GEMMs' operands rounded to nearest); the LayerNorm backward, with
+the sums over rows of its parameters' and the out-projection bias's gradients, is one
+Triton kernel (layer_norm.py) that reads the QKV input gradient as the four GEMM outputs
+it is the sum of. The QKV bias gradient adds the partial sums over rows that the attention core
 writes beside its gradients. Elsewhere (the CPU, float64) the products are plain and the
 LayerNorm backward is PyTorch math, left to Inductor to fuse.
 
 `compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
-num_heads, scale, norm_eps, ln_grad, batch bucket, CUDA graphs). Batch 1 gets a static
-graph (dynamo specializes size-1 dimensions); batches 2-15 and 16 and up get one
-dynamic-batch graph each (Inductor compiles a bucket once more when a size fails a
-guard of its first compile: batch 10 after batch 2 on the H200). Max-autotune times its
+num_heads, scale, norm_eps, ln_grad, batch bucket, CUDA graphs, inputs, precision). Batch
+1 gets a static graph (dynamo specializes size-1 dimensions); batches 2-15 and 16 and up
+get one dynamic-batch graph each (Inductor compiles a bucket once more when a size fails
+a guard of its first compile: batch 10 after batch 2 on the H200). Max-autotune times its
 candidates at the first batch size a graph sees, so the buckets keep small and large
 batches from sharing one choice of tiles and GEMM kernels. Each graph is compiled with
 fullgraph=True, so exceeding dynamo's recompile limit raises instead of silently running

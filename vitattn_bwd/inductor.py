@@ -104,7 +104,7 @@ _ROWS_ENTRY = r'''
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
     store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start,
-                      head * HEAD_DIM + tl.arange(0, HEAD_DIM), SEQ_LEN, BLOCK_M, HEAD_DIM,
+                      head * HEAD_DIM + tl.arange(0, HEAD_DIM), SEQ_LEN, BLOCK_M,
                       NUM_HEADS * HEAD_DIM, SUM_ROWS)
     grad_q16 = grad_q.to(tl.float16)
     rows = m_start + tl.arange(0, BLOCK_M)[:, None]
@@ -128,7 +128,7 @@ _COLS_ENTRY = r'''
     store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
                          NUM_HEADS, HEAD_DIM, BLOCK_N)
     store_column_sums(GRAD_KV_SUMS, grad_kv, batch, n_start,
-                      kv_columns(head, NUM_HEADS, HEAD_DIM), SEQ_LEN, BLOCK_N, 2 * HEAD_DIM,
+                      kv_columns(head, NUM_HEADS, HEAD_DIM), SEQ_LEN, BLOCK_N,
                       2 * NUM_HEADS * HEAD_DIM, SUM_ROWS)
     grad_kv16 = grad_kv.to(tl.float16)
     rows = n_start + tl.arange(0, BLOCK_N)[:, None]

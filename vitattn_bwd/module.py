@@ -26,9 +26,11 @@ Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precisi
   fused path runs at torch.get_float32_matmul_precision(), read at each call: "highest"
   (PyTorch's default) as "highest" below, "high" as "high", and "medium" as "high" too
   (a one-bf16-product map is not built; "high" is more precise than "medium" asks).
-- "highest": the fused path, float32-faithful: every product bf16x3 from operands split
-  rounded to nearest, the QKV weight gradient's too (three bf16 GEMMs where "high" takes
-  one fp16 product).
+- "highest": the fused path, as float32-faithful as bf16x3 goes: every GEMM bf16x3 from
+  operands split rounded to nearest, the QKV weight gradient's too (three bf16 GEMMs
+  where "high" takes one fp16 product); the attention core is the same bf16x3 at both
+  precisions (the Gluon kernels split its S x S tiles by truncation, the Triton
+  templates round them; max-autotune picks).
 - "high": the fused path with the fastest map the benchmark's tolerance allows
   (truncated splits, one fp16 product for the QKV weight gradient; the contract entry
   point, vitattn_bwd.attention_block_backward, runs this by default).
@@ -102,14 +104,25 @@ def check_precision(precision):
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def torch_float32_precision():
+    """PyTorch's float32 matmul precision, "highest", "high" or "medium", from whichever
+    setting the process used: the legacy one (torch.set_float32_matmul_precision) or the
+    per-backend one (torch.backends.cuda.matmul.fp32_precision = "tf32" or "ieee"), where
+    torch.get_float32_matmul_precision() raises once the two are mixed."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        cuda_precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
+        return {"tf32": "high", "bf16": "medium"}.get(cuda_precision, "highest")
+
+
 def fused_precision(precision):
     """The precision the fused path runs at: `precision`, or for None PyTorch's float32
     matmul precision read now ("medium", whose one-bf16-product map is not built, runs
     "high")."""
     if precision is not None:
         return precision
-    torch_precision = torch.get_float32_matmul_precision()
-    return "highest" if torch_precision == "highest" else "high"
+    return "highest" if torch_float32_precision() == "highest" else "high"
 
 
 def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
@@ -173,8 +186,10 @@ def _check_tensors(x, params, num_heads, gamma=None):
 class VisionAttentionFunction(torch.autograd.Function):
     """The autograd Function: forward math + the fused backward. All seven tensors must
     share one device and one dtype, float32 (or float64 on the CPU); use
-    `vision_attention` for any other dtype or under autocast. Errors are raised here, in
-    the forward, never later in the backward. Not twice differentiable."""
+    `vision_attention` for any other dtype or under autocast. precision: "highest" or
+    "high" (the default here; `vision_attention` resolves None from torch's setting).
+    Errors are raised here, in the forward, never later in the backward. Not twice
+    differentiable."""
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,

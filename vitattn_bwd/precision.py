@@ -17,7 +17,8 @@ are separate GEMMs added small terms first, which stays accurate at large K (CON
     a^T @ c  =  ([a_hi | a_lo]^T @ c_hi  ->  a_hi^T c_hi ; a_lo^T c_hi)  +  a_hi^T @ c_lo
 
 The QKV weight gradient, which the contract's tolerance lets run on one product, is ONE
-GEMM of round-to-nearest fp16 operands (unbiased, unlike truncating TF32).
+GEMM of round-to-nearest fp16 operands (unbiased, unlike truncating TF32) at precision
+"high"; "highest" takes it as bf16x3 like the others (graph.py).
 
 Splits are written with integer masking, not with casts: Inductor folds a float32 ->
 bf16 -> float32 round trip inside a fused kernel, which would make lo == 0 silently.
@@ -29,9 +30,10 @@ bf16 or fp16 values: the CPU reproduces the GPU's arithmetic up to summation ord
 import torch
 
 # The precisions of the fused float32 path, PyTorch's names for float32 matmul precision
-# (torch.set_float32_matmul_precision): "highest" float32-faithful, every product bf16x3
-# from splits rounded to nearest; "high" the fastest map the benchmark's tolerance
-# allows, truncated splits and one fp16 product for the QKV weight gradient.
+# (torch.set_float32_matmul_precision): "highest", every GEMM bf16x3 from splits rounded
+# to nearest, the QKV weight gradient's too; "high" the fastest map the benchmark's
+# tolerance allows, truncated splits and one fp16 product for the QKV weight gradient.
+# The attention core is bf16x3 at both (graph.py).
 FUSED_PRECISIONS = ("highest", "high")
 
 # float32 bits of the bf16 part of a value: sign, exponent and the top 7 mantissa bits

@@ -34,7 +34,7 @@ split here, in registers.
 The outputs are written in the formats their consumers read, so no kernel reads them
 again to convert them: each gradient as fp16 (the QKV weight-gradient GEMM's operand),
 as bf16 [hi | lo] halves of one row (the QKV input-gradient GEMM's bf16x3 operand), and
-and as float32 sums over each program's rows (partial sums of the QKV bias gradient,
+as float32 sums over each program's rows (partial sums of the QKV bias gradient,
 which the graph adds in a fixed order).
 
 The `*_tile` and store functions hold the algorithm. They are shared verbatim by the raw
@@ -303,17 +303,17 @@ def store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start,
 
 @triton.jit
 def store_column_sums(SUMS, grad, batch, row_start, cols, SEQ_LEN: tl.constexpr,
-                      BLOCK: tl.constexpr, WIDTH: tl.constexpr, SUMS_WIDTH: tl.constexpr,
+                      BLOCK: tl.constexpr, SUMS_WIDTH: tl.constexpr,
                       SUM_ROWS: tl.constexpr):
-    """The sum over rows of a gradient tile grad [BLOCK, WIDTH] of rows [row_start,
-    +BLOCK) of one batch element (rows past SEQ_LEN left out), a partial sum of the QKV
-    bias gradient, into SUMS [B, cdiv(SEQ_LEN, SUM_ROWS), SUMS_WIDTH] at columns `cols`
-    [WIDTH]: at the group of SUM_ROWS rows where the tile starts, and zeros at the other
-    groups it covers, so that every block size fills the same buffer."""
+    """The sum over rows of a gradient tile grad [BLOCK, N] of rows [row_start, +BLOCK)
+    of one batch element (rows past SEQ_LEN left out), a partial sum of the QKV bias
+    gradient, into SUMS [B, cdiv(SEQ_LEN, SUM_ROWS), SUMS_WIDTH] at columns `cols` [N]:
+    at the group of SUM_ROWS rows where the tile starts, and zeros at the other groups it
+    covers, so that every block size fills the same buffer."""
     tl.static_assert(BLOCK % SUM_ROWS == 0)
     GROUPS: tl.constexpr = (SEQ_LEN + SUM_ROWS - 1) // SUM_ROWS
     rows = row_start + tl.arange(0, BLOCK)
-    sums = tl.sum(tl.where((rows < SEQ_LEN)[:, None], grad, 0.0), axis=0)  # [WIDTH]
+    sums = tl.sum(tl.where((rows < SEQ_LEN)[:, None], grad, 0.0), axis=0)  # [N]
     for part in tl.static_range(BLOCK // SUM_ROWS):
         group = row_start // SUM_ROWS + part
         tl.store(SUMS + (batch * GROUPS + group) * SUMS_WIDTH + cols,
@@ -340,7 +340,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
     store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start,
-                      head * HEAD_DIM + tl.arange(0, HEAD_DIM), SEQ_LEN, BLOCK_M, HEAD_DIM,
+                      head * HEAD_DIM + tl.arange(0, HEAD_DIM), SEQ_LEN, BLOCK_M,
                       NUM_HEADS * HEAD_DIM, SUM_ROWS)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     tl.store(GRAD_Q16 + head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
@@ -366,7 +366,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
                          NUM_HEADS, HEAD_DIM, BLOCK_N)
     store_column_sums(GRAD_KV_SUMS, grad_kv, batch, n_start,
-                      kv_columns(head, NUM_HEADS, HEAD_DIM), SEQ_LEN, BLOCK_N, 2 * HEAD_DIM,
+                      kv_columns(head, NUM_HEADS, HEAD_DIM), SEQ_LEN, BLOCK_N,
                       2 * NUM_HEADS * HEAD_DIM, SUM_ROWS)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     tl.store(GRAD_KV16 + (batch * SEQ_LEN + offs_n[:, None]).to(tl.int64)
