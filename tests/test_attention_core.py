@@ -108,11 +108,12 @@ def test_kernels_fp16_copies_match_their_halves(triton_interpreter):
         assert ((copy16.float() - value).abs() <= 2 ** -10 * value.abs() + 1e-6).all()
 
 
-@pytest.mark.parametrize("block", [16, 32])
+@pytest.mark.parametrize("block", [16, 32, 64])
 def test_kernels_partial_sums_add_up_to_the_bias_gradient(triton_interpreter, block):
     """Each program writes the sum over its rows (rows past S left out) into the first
-    16-row group it owns and zeros into the others; summed over groups, per batch
-    element, they are the gradients' sums over rows."""
+    16-row group it owns and zeros into the others (up to the last group: a 64-row
+    program covers all 37 rows, groups 0-3, of which group 3 does not exist); summed over
+    groups, per batch element, they are the gradients' sums over rows."""
     S = 37                                                 # 3 groups, the last partial
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, S, 16, seed=8)
     _, grad_q_halves, delta, grad_q_sums = attention_core.launch_rows(
@@ -124,9 +125,11 @@ def test_kernels_partial_sums_add_up_to_the_bias_gradient(triton_interpreter, bl
         assert sums.shape == (2, 3, grad.shape[-1])
         torch.testing.assert_close(sums.double().sum(1), grad.sum(1), rtol=1e-5,
                                    atol=1e-5 * grad.abs().sum(1).max().item())
-        if block == 32:                       # groups 1 (rows 16-31): zeros of program 0
+        if block > 16:                        # group 1 (rows 16-31): zeros of program 0
             assert torch.equal(sums[:, 1], torch.zeros_like(sums[:, 1]))
-        else:                                 # one program per group: its own rows' sum
+        if block == 64:                       # and group 2 (rows 32-36) too
+            assert torch.equal(sums[:, 2], torch.zeros_like(sums[:, 2]))
+        if block < 64:                        # group 2 holds the sum of rows 32-36
             torch.testing.assert_close(sums[:, 2].double(), grad[:, 32:].sum(1), rtol=1e-5,
                                        atol=1e-5 * grad.abs().sum(1).max().item())
 
