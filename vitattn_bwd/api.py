@@ -9,7 +9,7 @@ import torch
 
 from .graph import compiled_backward
 from .layout import LN_GRAD_MODES
-from .precision import FUSED_PRECISIONS
+from .precision import check_fused_precision
 
 
 class BlockGrads(NamedTuple):
@@ -167,8 +167,7 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
     bf16x3 from rounded splits everywhere, the QKV weight gradient too); on the CPU the
     products are plain matmuls either way.
     """
-    if precision not in FUSED_PRECISIONS:
-        raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got {precision!r}")
+    check_fused_precision(precision)
     tensors = dict(grad_output=grad_output, x=x, x_mean=x_mean, x_var=x_var, x_norm=x_norm,
                    ln_weight=ln_weight, qkv_weight=qkv_weight, q=q, k=k, v=v,
                    attn_weights=attn_weights, attn_output=attn_output, out_weight=out_weight)

@@ -33,7 +33,7 @@ from . import graph
 from .attention_core import triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_split
 from .layout import split_heads
-from .precision import linear_bf16x3, split_bf16_rounded, split_bf16_truncated
+from .precision import linear_bf16x3, operand_split
 
 
 def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias, *,
@@ -49,9 +49,8 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     scale = 1.0 / math.sqrt(head_dim)
     if split_precision and triton_supports("cuda", x.dtype, head_dim):
         # the attention kernel's bf16 split, fused where qkv is made
-        split = split_bf16_rounded if split_precision == "highest" else split_bf16_truncated
-        attn_output, lse = attention_fwd_split(*split(qkv), num_heads,
-                                               scale)               # [B,S,E], [B,H,S]
+        attn_output, lse = attention_fwd_split(*operand_split(split_precision)(qkv),
+                                               num_heads, scale)    # [B,S,E], [B,H,S]
     else:
         q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))   # [B,H,S,D]
         attn_output, lse = attention_fwd(q, k, v, scale)

@@ -33,10 +33,9 @@ import torch
 from . import attention_core, cache, layer_norm
 from .cuda_graphs import GraphedCall
 from .layout import split_heads
-from .precision import (FUSED_PRECISIONS, bf16_halves, matmul_fp16_transposed,
-                        matmul_halves_by_weight, matmul_halves_transposed,
-                        power_of_two_scale, products_halves_by_weight, split_bf16_rounded,
-                        split_bf16_truncated)
+from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
+                        matmul_halves_transposed, operand_split, power_of_two_scale,
+                        products_halves_by_weight)
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
@@ -57,7 +56,7 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
     splits the GEMMs' float32 operands by truncation and takes the QKV weight gradient
     as one fp16 product; "highest" splits them rounded to nearest and takes every
     product, the QKV weight gradient's too, as bf16x3."""
-    split = split_bf16_rounded if precision == "highest" else split_bf16_truncated
+    split = operand_split(precision)
     B, H, S, D = q.shape
     E = H * D
     rows = B * S
@@ -236,11 +235,10 @@ def batch_bucket(batch):
 
 
 def split_precision_of(device_type, precision):
-    """What block_backward's split_precision is for a precision of FUSED_PRECISIONS: the
-    split products on CUDA, plain products elsewhere (float32 or float64 math, as
-    faithful as "highest" asks)."""
-    if precision not in FUSED_PRECISIONS:
-        raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got {precision!r}")
+    """What block_backward's split_precision is for a precision of FUSED_PRECISIONS
+    (checked by the callers, in the forward or before any work): the split products on
+    CUDA, plain products elsewhere (float32 or float64 math, as faithful as "highest"
+    asks)."""
     return precision if device_type == "cuda" else None
 
 

@@ -64,7 +64,7 @@ from torch.nn import functional as F
 from . import graph
 from .forward_graph import attention_block_forward
 from .layout import merge_heads, split_heads
-from .precision import FUSED_PRECISIONS
+from .precision import FUSED_PRECISIONS, check_fused_precision
 
 # The accepted values of `precision` (module docstring).
 PRECISIONS = (None, *FUSED_PRECISIONS)
@@ -197,9 +197,7 @@ class VisionAttentionFunction(torch.autograd.Function):
         params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
         _check_tensors(x, params, num_heads)
         _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
-        if precision not in FUSED_PRECISIONS:
-            raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got "
-                             f"{precision!r}")
+        check_fused_precision(precision)
         allowed = _supported_dtypes(x.device)
         if x.dtype not in allowed:
             raise TypeError(f"x must be one of {allowed} on {x.device.type}, got "

@@ -36,6 +36,13 @@ import torch
 # The attention core is bf16x3 at both (graph.py).
 FUSED_PRECISIONS = ("highest", "high")
 
+
+def check_fused_precision(precision):
+    """`precision` if it is one of FUSED_PRECISIONS, else ValueError naming them."""
+    if precision not in FUSED_PRECISIONS:
+        raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got {precision!r}")
+    return precision
+
 # float32 bits of the bf16 part of a value: sign, exponent and the top 7 mantissa bits
 BF16_HI_MASK = -65536            # 0xFFFF0000 as an int32
 BF16_ROUNDING_BIAS = 0x7FFF      # added below the bf16 bits: round half to even
@@ -61,6 +68,12 @@ def power_of_two_scale(t):
     off the exponent bits, so no log or pow rounds it."""
     exponent_bits = t.detach().abs().amax().float().view(torch.int32) & 0x7F800000
     return (0x7F000000 - exponent_bits).view(torch.float32)
+
+
+def operand_split(precision):
+    """How a precision of FUSED_PRECISIONS splits the GEMMs' float32 operands: rounded to
+    nearest for "highest", truncated for "high"."""
+    return split_bf16_rounded if precision == "highest" else split_bf16_truncated
 
 
 def bf16_halves(t, split=split_bf16_truncated):
