@@ -51,12 +51,20 @@ def _is_gluon(kernel):
     return type(kernel).__name__ == "GluonJITFunction"
 
 
-def _signature(kernel, constexprs):
+def _signature(kernel, constexprs, operand_dtype=None):
     """Triton signature of `kernel`: bf16 pointers for the *_HI/*_LO/*_HALVES operands,
     fp16 for *16 outputs, fp32 for other pointers (upper case), fp32 `scale`, i32
-    strides; the given constexprs."""
+    strides; the given constexprs. With operand_dtype ("bf16" or "fp16": the one-product
+    kernels of half-precision inputs) the *_HI/*_LO operands, the *16 outputs and the
+    forward's output ATTN_OUT have that type."""
     signature = {}
+    if operand_dtype is not None:
+        for name in kernel.arg_names:
+            if name.endswith(("_HI", "_LO", "16")) or name == "ATTN_OUT":
+                signature[name] = f"*{operand_dtype}"
     for name in kernel.arg_names:
+        if name in signature:
+            continue
         if name in constexprs:
             signature[name] = "constexpr"
         elif name == "scale":
@@ -85,19 +93,21 @@ def _tile_constexprs(tiles):
 def sm90_resources(kernel, constexprs, tiles, sass_file=None):
     """Compile `kernel` (Triton or Gluon) with `constexprs` and `tiles` (a TileConfig or
     LayerNormTiles) for sm_90a; its SASS, without instruction addresses, to `sass_file`
-    if given."""
+    if given. An OPERAND_DTYPE entry of constexprs is _signature's operand_dtype, not a
+    constexpr."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     constexprs = dict(constexprs, **_tile_constexprs(tiles))
+    operand_dtype = constexprs.pop("OPERAND_DTYPE", None)
     num_stages = getattr(tiles, "num_stages", 3)               # 3: Triton's default
     source = ASTSource
     if _is_gluon(kernel):
         from triton.experimental.gluon._runtime import GluonASTSource
         constexprs.update(NUM_STAGES=num_stages, num_warps=tiles.num_warps)
         source = GluonASTSource
-    signature = _signature(kernel, constexprs)
+    signature = _signature(kernel, constexprs, operand_dtype)
     names = kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]]
              for name, kind in signature.items() if kind not in ("fp32", "constexpr")}
@@ -140,7 +150,7 @@ def kernels():
     variants = [("forward", attention_fwd_kernel, shape,
                  (attention_fwd.FWD_TILES[HEAD_DIM],)),
                 ("layer norm", layer_norm_bwd_kernel,
-                 dict(EMBED=NUM_HEADS * HEAD_DIM, BLOCK_E=NUM_HEADS * HEAD_DIM, EXACT=True),
+                 dict(EMBED=NUM_HEADS * HEAD_DIM, BLOCK_E=NUM_HEADS * HEAD_DIM, EXACT=True, PARTS=4),
                  (layer_norm.TILES,))]
     gluon = _gluon_kernels()
     for recompute in (False, True):
@@ -153,6 +163,14 @@ def kernels():
         for name, kernel, tiles, constexprs in gluon:
             variants.append((f"gluon {name}{mode}", kernel,
                              dict(shape, **constexprs, RECOMPUTE_P=recompute,
+                                  SUM_ROWS=COLUMN_SUM_ROWS), tiles))
+    # the half-precision path (VisionAttentionBlock under autocast, precision "medium"):
+    # one product per matmul of bf16 / fp16 operands, P recomputed
+    for dtype in ("bf16", "fp16"):
+        for name, kernel, tiles, constexprs in gluon:
+            variants.append((f"gluon {name} recompute P {dtype}", kernel,
+                             dict(shape, **dict(constexprs, PRODUCTS=1),
+                                  OPERAND_DTYPE=dtype, RECOMPUTE_P=True,
                                   SUM_ROWS=COLUMN_SUM_ROWS), tiles))
     return variants
 

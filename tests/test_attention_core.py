@@ -62,6 +62,34 @@ def test_operators_write_fp16_copies_and_bf16_halves():
     torch.testing.assert_close(delta, want_delta, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_operators_of_half_precision_operands(dtype):
+    """bf16 / fp16 operands (the module's one-product path, with the log-sum-exp): the
+    gradients in the operands' dtype, rounded once from the math on their values, empty
+    halves, float32 partial sums and delta."""
+    P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 8)
+    q, k, v, grad_attn = (t.to(dtype) for t in (q, k, v, grad_attn))
+    lse, attn_output = _log_sum_exp_and_output(q.double(), k.double(), v.double(), scale)
+    attn_output = attn_output.to(dtype)
+    grad_q, grad_q_halves, delta, grad_q_sums = attention_core.softmax_bwd_rows(
+        lse.float(), grad_attn, q, k, v, attn_output, scale)
+    grad_kv, grad_kv_halves, grad_kv_sums = attention_core.softmax_bwd_cols(
+        lse.float(), grad_attn, q, k, v, delta, scale)
+    assert grad_q.dtype == grad_kv.dtype == dtype
+    assert grad_q_halves.shape == (2, 17, 0) and grad_kv_halves.shape == (2, 17, 0)
+    assert delta.dtype == grad_q_sums.dtype == grad_kv_sums.dtype == torch.float32
+    # (the rows pass takes delta from attn_output, the cols pass's math from P and dP)
+    operands = (lse.float().double(), grad_attn.double(), q.double(), k.double(), v.double())
+    want_q = attention_core.attention_backward_math(*operands, scale, attn_output.double())[0]
+    _, want_k, want_v = attention_core.attention_backward_math(*operands, scale)
+    for got, want in ((grad_q, want_q), (grad_kv, torch.cat([want_k, want_v], dim=-1))):
+        torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
+    torch.library.opcheck(attention_core.softmax_bwd_rows,
+                          (lse.float(), grad_attn, q, k, v, attn_output, scale))
+    torch.library.opcheck(attention_core.softmax_bwd_cols,
+                          (lse.float(), grad_attn, q, k, v, delta, scale))
+
+
 def test_operators_pass_opcheck():
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, 9, 8)
     _, _, delta, _ = attention_core.softmax_bwd_rows(P, grad_attn, q, k, v, None, scale)

@@ -64,6 +64,23 @@ def test_kernel_matches_float64(triton_interpreter, B, S, E, tiles, ln_grad):
         assert err < 2e-6, f"{name}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("ln_grad", ["exact", "contract"])
+def test_kernel_with_two_parts(triton_interpreter, ln_grad):
+    """grad_x_norm as two GEMM outputs (the graph's one-product path): part2 and part3
+    None, nothing else read."""
+    grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(2, 7, 32)
+    unscale = torch.tensor(1.0)
+    grad_x, partial_sums = layer_norm.launch(grad_output, *parts[:2], None, None, unscale, x,
+                                             x_mean, x_var, ln_weight, 1e-5,
+                                             ln_grad == "exact", LayerNormTiles(2, 2, 4))
+    got = (grad_x, *partial_sums.sum(1).unbind(0))
+    want = _want(grad_output, parts[:2], x, x_mean, x_var, ln_weight, 1.0, ln_grad)
+    for name, g, w in zip(("grad_x", "grad_ln_weight", "grad_ln_bias", "grad_out_bias"),
+                          got, want):
+        err = ((g.double() - w).abs().max() / w.abs().max()).item()
+        assert err < 2e-6, f"{name}: relative error {err:.2e}"
+
+
 def test_operator_sums_the_partials(triton_interpreter):
     """The operator (what the graph calls) returns the partials summed, and each program's
     row of partials holds only its own rows."""

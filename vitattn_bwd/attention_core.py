@@ -19,9 +19,17 @@ that): then every P tile is recomputed from q and k as exp(scale * q k^T - lse),
 attn_output, the forward's O = P v [B,S,E], is required: it gives delta = rowsum(dO * O)
 before the rows pass sweeps (the contract's attn_output is drawn apart from its P, so
 there it is not used). grad_attn (the out-projection gradient) is [B,S,E] with heads
-merged; q, k, v are [B,H,S,D]. float32. The fp16 copies feed the QKV weight-gradient
-GEMM, the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the
-gradient to about 16 mantissa bits.
+merged; q, k, v are [B,H,S,D].
+
+The operand dtype sets the products (`products_of`):
+- float32: every product bf16x3. The fp16 copies feed the QKV weight-gradient GEMM, the
+  bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the gradient to
+  about 16 mantissa bits.
+- bfloat16 or float16 (VisionAttentionBlock under autocast, or at precision "medium";
+  with the log-sum-exp): one product per matmul in that dtype with float32
+  accumulation, as torch's own flash-attention backward computes. grad_q16 and
+  grad_kv16 are then the gradients in that dtype (what both QKV GEMMs read), and the
+  halves are empty ([B,S,0]).
 
 Eagerly they run the Triton kernels (kernels/softmax_bwd.py) on CUDA and under
 TRITON_INTERPRET=1, after splitting grad_attn, q, k and v into bf16 hi/lo pairs, which
@@ -112,11 +120,33 @@ def _delta(attn_weights, grad_p, grad_attn, attn_output):
     return (grad_attn * attn_output).sum(-1, keepdim=True)
 
 
-def _halves(grads):
+def _halves(grads, dtype):
     """float [.., N] tensors -> bf16 [.., 2N]: all hi parts, then all lo parts (rounded
-    split, as the kernels store them)."""
+    split, as the kernels store them); [.., 0] for operands of a half `dtype`."""
+    if products_of(dtype) == 1:
+        return grads[0].new_empty(*grads[0].shape[:-1], 0, dtype=torch.bfloat16)
     pairs = [split_bf16_rounded(g.float()) for g in grads]
     return torch.cat([hi for hi, _ in pairs] + [lo for _, lo in pairs], dim=-1)
+
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def products_of(dtype):
+    """Products per matmul of operands of `dtype`: 3 (bf16x3) for float32 and float64
+    (whose CPU math is exact anyway), 1 for bfloat16 and float16."""
+    return 1 if dtype in HALF_DTYPES else 3
+
+
+def gradient_dtype(dtype):
+    """The dtype of the grad_q16 / grad_kv16 outputs for operands of `dtype`."""
+    return dtype if dtype in HALF_DTYPES else torch.float16
+
+
+def halves_width(dtype, width):
+    """The width of the bf16 halves of a `width`-column gradient: 2 * width, or 0 with
+    one product."""
+    return 2 * width if products_of(dtype) == 3 else 0
 
 
 def triton_supports(device_type, dtype, head_dim):
@@ -194,20 +224,22 @@ def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
     check_forward_output(probs, attn_output)
     if _use_triton(k):
         return launch_rows(probs, grad_attn, q, k, v, attn_output, scale)
+    dtype = k.dtype
     if attn_output is not None:
         attn_output = attn_output.double()
     probs, grad_attn, q, k, v = (t.double() for t in (probs, grad_attn, q, k, v))
     grad_q, _, _, delta = _backward_math_and_delta(probs, grad_attn, q, k, v, scale,
                                                    attn_output)
-    return grad_q.half(), _halves([grad_q]), delta.squeeze(-1).float(), column_sums(grad_q)
+    return (grad_q.to(gradient_dtype(dtype)), _halves([grad_q], dtype),
+            delta.squeeze(-1).float(), column_sums(grad_q))
 
 
 @softmax_bwd_rows.register_fake
 def _(probs, grad_attn, q, k, v, attn_output, scale):
     check_forward_output(probs, attn_output)              # at trace time, not in a graph
     B, H, S, D = k.shape
-    return (k.new_empty(B, S, H * D, dtype=torch.float16),
-            k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16),
+    return (k.new_empty(B, S, H * D, dtype=gradient_dtype(k.dtype)),
+            k.new_empty(B, S, halves_width(k.dtype, H * D), dtype=torch.bfloat16),
             k.new_empty(B, H, S, dtype=torch.float32),
             k.new_empty(B, sum_groups(S), H * D, dtype=torch.float32))
 
@@ -219,17 +251,19 @@ def softmax_bwd_cols(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
     if _use_triton(q):
         return launch_cols(probs, grad_attn, q, k, v, delta, scale)
     # dK and dV need delta, which the math recomputes from P and dP itself
+    dtype = q.dtype
     _, grad_k, grad_v = attention_backward_math(
         *(t.double() for t in (probs, grad_attn, q, k, v)), scale)
     grad_kv = torch.cat([grad_k, grad_v], dim=-1)                          # [B,S,2E]
-    return grad_kv.half(), _halves([grad_k, grad_v]), column_sums(grad_kv)
+    return (grad_kv.to(gradient_dtype(dtype)), _halves([grad_k, grad_v], dtype),
+            column_sums(grad_kv))
 
 
 @softmax_bwd_cols.register_fake
 def _(probs, grad_attn, q, k, v, delta, scale):
     B, H, S, D = q.shape
-    return (q.new_empty(B, S, 2 * H * D, dtype=torch.float16),
-            q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16),
+    return (q.new_empty(B, S, 2 * H * D, dtype=gradient_dtype(q.dtype)),
+            q.new_empty(B, S, halves_width(q.dtype, 2 * H * D), dtype=torch.bfloat16),
             q.new_empty(B, sum_groups(S), 2 * H * D, dtype=torch.float32))
 
 

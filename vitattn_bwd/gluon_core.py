@@ -15,15 +15,20 @@ grad_attn, q, k and v as bf16 (hi, lo) pairs, the forward's output with the log-
            [B,S,2E] fp16
 
 `halves` is (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo): grad_attn
-[B,S,E] with heads merged, q, k, v [B,H,S,D], all contiguous. max-autotune weighs these
-kernels against the Triton templates (inductor.py) on the GPUs where `available` says
-they run.
+[B,S,E] with heads merged, q, k, v [B,H,S,D], all contiguous. `products` is 3 for the
+bf16 halves of float32 tensors (bf16x3), or 1 for bf16 / fp16 tensors given as they are
+(each tensor twice: its lo is never read); with one product grad_q16 / grad_kv16 are in
+the operands' dtype and the halves buffers are empty (attention_core.py). max-autotune
+weighs these kernels against the Triton templates (inductor.py) on the GPUs where
+`available` says they run; for bf16 / fp16 operands, which the templates do not take,
+they are the only candidates.
 """
 import functools
 
 import torch
 
-from .attention_core import COLUMN_SUM_ROWS, TileConfig, sum_groups
+from .attention_core import (COLUMN_SUM_ROWS, HALF_DTYPES, TileConfig, gradient_dtype,
+                             sum_groups)
 
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
 # num_warps = 4 per 64 rows the program owns). Each compiles for sm_90 without spills
@@ -51,9 +56,11 @@ def _gluon_importable():
 
 
 def available(device, dtype, head_dim):
-    """The Gluon kernels run on Hopper (compute capability 9.x) CUDA devices, for float32
-    inputs and the head dims in HEAD_DIMS, with a Triton that has Gluon."""
-    if device.type != "cuda" or dtype != torch.float32 or head_dim not in HEAD_DIMS:
+    """The Gluon kernels run on Hopper (compute capability 9.x) CUDA devices, for float32,
+    bfloat16 and float16 inputs and the head dims in HEAD_DIMS, with a Triton that has
+    Gluon."""
+    if (device.type != "cuda" or dtype not in (torch.float32, *HALF_DTYPES)
+            or head_dim not in HEAD_DIMS):
         return False
     return torch.cuda.get_device_capability(device)[0] == 9 and _gluon_importable()
 
@@ -76,6 +83,8 @@ def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
                 products=3, prefetch=ROWS_PREFETCH):
     from .kernels.softmax_bwd_gluon import softmax_bwd_rows_kernel
+    if not grad_q_halves.numel():        # one product: never written, any real pointer
+        grad_q_halves = grad_q_sums
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_m), batch * num_heads)
     softmax_bwd_rows_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
@@ -88,6 +97,8 @@ def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, products=3,
                 prefetch=COLS_PREFETCH):
     from .kernels.softmax_bwd_gluon import softmax_bwd_cols_kernel
+    if not grad_kv_halves.numel():       # one product: never written, any real pointer
+        grad_kv_halves = grad_kv_sums
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_n), batch * num_heads)
     softmax_bwd_cols_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
@@ -103,34 +114,43 @@ def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
 
 def rows_out(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
              attn_output, delta, grad_q_halves, grad_q_sums, *, out, scale, block_m, block_n,
-             num_warps, num_stages):
+             num_warps, num_stages, products):
     launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, out, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages))
+                TileConfig(block_m, block_n, num_warps, num_stages), products)
 
 
 def cols_out(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta,
              grad_kv_halves, grad_kv_sums, *, out, scale, block_m, block_n, num_warps,
-             num_stages):
+             num_stages, products):
     launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, out, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages))
+                TileConfig(block_m, block_n, num_warps, num_stages), products)
 
 
-def _rows_outputs(q_hi):
+def _operand_dtype(q_hi, products):
+    """The dtype the operands stand for: float32 for bf16x3 halves, else their own."""
+    return torch.float32 if products == 3 else q_hi.dtype
+
+
+def _rows_outputs(q_hi, products):
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
-    return (q_hi.new_empty(batch, seq_len, embed_dim, dtype=torch.float16),
-            q_hi.new_empty(batch, seq_len, 2 * embed_dim, dtype=torch.bfloat16),
+    halves_width = 2 * embed_dim if products == 3 else 0
+    return (q_hi.new_empty(batch, seq_len, embed_dim,
+                           dtype=gradient_dtype(_operand_dtype(q_hi, products))),
+            q_hi.new_empty(batch, seq_len, halves_width, dtype=torch.bfloat16),
             q_hi.new_empty(batch, num_heads, seq_len, dtype=torch.float32),
             q_hi.new_empty(batch, sum_groups(seq_len), embed_dim, dtype=torch.float32))
 
 
-def _cols_outputs(q_hi):
+def _cols_outputs(q_hi, products):
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
-    return (q_hi.new_empty(batch, seq_len, 2 * embed_dim, dtype=torch.float16),
-            q_hi.new_empty(batch, seq_len, 4 * embed_dim, dtype=torch.bfloat16),
+    halves_width = 4 * embed_dim if products == 3 else 0
+    return (q_hi.new_empty(batch, seq_len, 2 * embed_dim,
+                           dtype=gradient_dtype(_operand_dtype(q_hi, products))),
+            q_hi.new_empty(batch, seq_len, halves_width, dtype=torch.bfloat16),
             q_hi.new_empty(batch, sum_groups(seq_len), 2 * embed_dim, dtype=torch.float32))
 
 
@@ -142,7 +162,8 @@ def _cols_outputs(q_hi):
 _LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
 _OPERANDS = ("Tensor probs, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_hi, "
              "Tensor q_lo, Tensor k_hi, Tensor k_lo, Tensor v_hi, Tensor v_lo")
-_TILES = "float scale, int block_m, int block_n, int num_warps, int num_stages"
+_TILES = ("float scale, int block_m, int block_n, int num_warps, int num_stages, "
+          "int products")
 _LIBRARY.define(f"gluon_softmax_bwd_rows({_OPERANDS}, Tensor attn_output, {_TILES}) "
                 "-> (Tensor, Tensor, Tensor, Tensor)")
 _LIBRARY.define(f"gluon_softmax_bwd_cols({_OPERANDS}, Tensor delta, {_TILES}) "
@@ -151,23 +172,24 @@ _LIBRARY.define(f"gluon_softmax_bwd_cols({_OPERANDS}, Tensor delta, {_TILES}) "
 
 def gluon_softmax_bwd_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
                            v_lo, attn_output, scale, block_m, block_n, num_warps,
-                           num_stages):
+                           num_stages, products):
     """The rows pass on pre-split operands -> grad_q16, grad_q_halves, delta,
     grad_q_sums."""
-    grad_q16, grad_q_halves, delta, grad_q_sums = _rows_outputs(q_hi)
+    grad_q16, grad_q_halves, delta, grad_q_sums = _rows_outputs(q_hi, products)
     launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages))
+                TileConfig(block_m, block_n, num_warps, num_stages), products)
     return grad_q16, grad_q_halves, delta, grad_q_sums
 
 
 def gluon_softmax_bwd_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
-                           v_lo, delta, scale, block_m, block_n, num_warps, num_stages):
+                           v_lo, delta, scale, block_m, block_n, num_warps, num_stages,
+                           products):
     """The cols pass on pre-split operands -> grad_kv16, grad_kv_halves, grad_kv_sums."""
-    grad_kv16, grad_kv_halves, grad_kv_sums = _cols_outputs(q_hi)
+    grad_kv16, grad_kv_halves, grad_kv_sums = _cols_outputs(q_hi, products)
     launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages))
+                TileConfig(block_m, block_n, num_warps, num_stages), products)
     return grad_kv16, grad_kv_halves, grad_kv_sums
 
 
@@ -177,11 +199,11 @@ _LIBRARY.impl("gluon_softmax_bwd_cols", gluon_softmax_bwd_cols, "CUDA")
 
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_rows", lib=_LIBRARY)
 def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output,
-      scale, block_m, block_n, num_warps, num_stages):
-    return _rows_outputs(q_hi)
+      scale, block_m, block_n, num_warps, num_stages, products):
+    return _rows_outputs(q_hi, products)
 
 
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_cols", lib=_LIBRARY)
 def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta, scale,
-      block_m, block_n, num_warps, num_stages):
-    return _cols_outputs(q_hi)
+      block_m, block_n, num_warps, num_stages, products):
+    return _cols_outputs(q_hi, products)

@@ -212,9 +212,9 @@ _GLUON_WINNERS = {}
 
 def _gluon_node(op, operand_count):
     """kernel_creator of a Gluon choice: the operator on the first operand_count inputs."""
-    def create(*input_nodes, scale, block_m, block_n, num_warps, num_stages):
+    def create(*input_nodes, scale, block_m, block_n, num_warps, num_stages, products):
         outputs = ir.FallbackKernel.create(op, *input_nodes[:operand_count], scale, block_m,
-                                           block_n, num_warps, num_stages)
+                                           block_n, num_warps, num_stages, products)
         _GLUON_WINNERS[input_nodes[operand_count].get_name()] = outputs
         return outputs[0]
     return create
@@ -232,12 +232,16 @@ def _gluon_choices():
 
 
 def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, layout, scale):
-    """The Gluon candidates where the kernels run (Hopper, float32, head_dim 64)."""
-    if not gluon_core.available(tensor_node.get_device(), tensor_node.get_dtype(), head_dim):
+    """The Gluon candidates where the kernels run (Hopper, head_dim 64), with the
+    products of the operands' dtype."""
+    dtype = tensor_node.get_dtype()
+    if not gluon_core.available(tensor_node.get_device(), dtype, head_dim):
         return []
     return [choice.bind(inputs, layout, scale=scale, block_m=tiles.block_m,
                         block_n=tiles.block_n, num_warps=tiles.num_warps,
-                        num_stages=tiles.num_stages) for tiles in tile_configs]
+                        num_stages=tiles.num_stages,
+                        products=attention_core.products_of(dtype))
+            for tiles in tile_configs]
 
 
 def _selected_outputs(template, choices, inputs, layout, template_outputs, mutated):
@@ -253,6 +257,15 @@ def _selected_outputs(template, choices, inputs, layout, template_outputs, mutat
 def _template_applies(tensor_node, head_dim):
     return attention_core.triton_supports(tensor_node.get_device().type,
                                           tensor_node.get_dtype(), head_dim)
+
+
+def _kernels_apply(tensor_node, head_dim):
+    """Whether any of our kernels takes these operands: the templates (float32), or the
+    Gluon kernels (Hopper; float32, bf16 and fp16). Elsewhere the operator's own
+    implementation runs."""
+    return (_template_applies(tensor_node, head_dim)
+            or gluon_core.available(tensor_node.get_device(), tensor_node.get_dtype(),
+                                    head_dim))
 
 
 def _contiguous(node):
@@ -321,7 +334,11 @@ _COLS_OP = torch.ops.vitattn_bwd.softmax_bwd_cols.default
 
 
 def _operands(probs, grad_attn, q, k, v):
-    """Template inputs PROBS .. V_LO: probs contiguous, the rest as bf16 (hi, lo) pairs."""
+    """Kernel inputs PROBS .. V_LO: probs contiguous, the rest as bf16 (hi, lo) pairs of
+    float32 tensors, or bf16 / fp16 tensors as they are, each twice (hi; lo unread)."""
+    if attention_core.products_of(k.get_dtype()) == 1:
+        return [_contiguous(probs), *(_contiguous(t) for t in (grad_attn, q, k, v)
+                                      for _ in range(2))]
     return [_contiguous(probs), *_split_bf16(grad_attn), *_split_bf16(q), *_split_bf16(k),
             *_split_bf16(v)]
 
@@ -341,24 +358,29 @@ def _column_sums_buffer(batch, seq_len, width, device):
 @register_lowering(_ROWS_OP, type_promotion_kind=None)
 def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale):
     batch, (num_heads, seq_len, head_dim) = _static_sizes(k)
-    if not _template_applies(k, head_dim):
+    if not _kernels_apply(k, head_dim):
         return fallback_handler(_ROWS_OP, add_to_fallback_set=False)(
             probs, grad_attn, q, k, v, attn_output, scale)
-    device, embed_dim = k.get_device(), num_heads * head_dim
+    device, embed_dim, dtype = k.get_device(), num_heads * head_dim, k.get_dtype()
     if attn_output is None:          # P given: ATTN_OUT is not read, a placeholder
         attn_output = empty_strided([1], None, dtype=torch.float32, device=device)
     delta = empty_strided([batch, num_heads, seq_len], None, dtype=torch.float32,
                           device=device)                                  # [B,H,S]
-    grad_q_halves = empty_strided([batch, seq_len, 2 * embed_dim], None,
-                                  dtype=torch.bfloat16, device=device)    # [B,S,2E]
+    grad_q_halves = empty_strided(
+        [batch, seq_len, attention_core.halves_width(dtype, embed_dim)], None,
+        dtype=torch.bfloat16, device=device)                              # [B,S,2E]
     grad_q_sums = _column_sums_buffer(batch, seq_len, embed_dim, device)  # [B,G,E]
-    layout = ir.FixedLayout(device, torch.float16, [batch, seq_len, embed_dim])  # [B,S,E]
+    layout = ir.FixedLayout(device, attention_core.gradient_dtype(dtype),
+                            [batch, seq_len, embed_dim])                  # [B,S,E]
     inputs = [*_operands(probs, grad_attn, q, k, v), _contiguous(attn_output), delta,
               grad_q_halves, grad_q_sums]
     constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     rows_template, _ = _templates()
-    choices = _tile_choices(rows_template, inputs, layout, [delta, grad_q_halves, grad_q_sums],
-                            [batch, num_heads, seq_len], constexprs)
+    choices = []
+    if _template_applies(k, head_dim):
+        choices = _tile_choices(rows_template, inputs, layout,
+                                [delta, grad_q_halves, grad_q_sums],
+                                [batch, num_heads, seq_len], constexprs)
     choices += _gluon_tile_choices(_gluon_choices()[0], gluon_core.ROWS_TILES, k, head_dim,
                                    inputs, layout, scale)
     return _selected_outputs(rows_template, choices, inputs, layout,
@@ -368,21 +390,24 @@ def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale):
 @register_lowering(_COLS_OP, type_promotion_kind=None)
 def _lower_cols(probs, grad_attn, q, k, v, delta, scale):
     batch, (num_heads, seq_len, head_dim) = _static_sizes(q)
-    if not _template_applies(q, head_dim):
+    if not _kernels_apply(q, head_dim):
         return fallback_handler(_COLS_OP, add_to_fallback_set=False)(
             probs, grad_attn, q, k, v, delta, scale)
-    device, embed_dim = q.get_device(), num_heads * head_dim
-    grad_kv_halves = empty_strided([batch, seq_len, 4 * embed_dim], None,
-                                   dtype=torch.bfloat16, device=device)   # [B,S,4E]
+    device, embed_dim, dtype = q.get_device(), num_heads * head_dim, q.get_dtype()
+    grad_kv_halves = empty_strided(
+        [batch, seq_len, attention_core.halves_width(dtype, 2 * embed_dim)], None,
+        dtype=torch.bfloat16, device=device)                              # [B,S,4E]
     grad_kv_sums = _column_sums_buffer(batch, seq_len, 2 * embed_dim, device)  # [B,G,2E]
-    layout = ir.FixedLayout(device, torch.float16,
+    layout = ir.FixedLayout(device, attention_core.gradient_dtype(dtype),
                             [batch, seq_len, 2 * embed_dim])              # [B,S,2E]
     inputs = [*_operands(probs, grad_attn, q, k, v),
               ir.ExternKernel.require_contiguous(delta), grad_kv_halves, grad_kv_sums]
     constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     _, cols_template = _templates()
-    choices = _tile_choices(cols_template, inputs, layout, [grad_kv_halves, grad_kv_sums],
-                            [batch, num_heads, seq_len], constexprs)
+    choices = []
+    if _template_applies(q, head_dim):
+        choices = _tile_choices(cols_template, inputs, layout, [grad_kv_halves, grad_kv_sums],
+                                [batch, num_heads, seq_len], constexprs)
     choices += _gluon_tile_choices(_gluon_choices()[1], gluon_core.COLS_TILES, q, head_dim,
                                    inputs, layout, scale)
     return _selected_outputs(cols_template, choices, inputs, layout,

@@ -15,10 +15,11 @@ API here).
         -> grad_x [B,S,E], grad_ln_weight [E], grad_ln_bias [E], grad_out_bias [E]
 
 grad_x_norm, the gradient at the LayerNorm's output, arrives as the four GEMM outputs
-[B*S,E] it is the sum of, ((part0 + part1) + (part2 + part3)) * unscale (graph.py), so
-it is never written whole.
+[B*S,E] it is the sum of, ((part0 + part1) + (part2 + part3)) * unscale (graph.py's
+bf16x3 products), or as two, (part0 + part1) * unscale, with part2 and part3 None (its
+one-product path), so it is never written whole.
 """
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch.library import triton_op, wrap_triton
@@ -72,6 +73,9 @@ def launch(grad_output, part0, part1, part2, part3, unscale, x, x_mean, x_var, l
     from .kernels.layer_norm_bwd import layer_norm_bwd_kernel
     if x.dtype != torch.float32:
         raise TypeError(f"x must be float32 (the kernel's dtype), got {x.dtype}")
+    parts = 2 if part2 is None else 4
+    if parts == 2:                      # not read: any tensor of the kernel's type
+        part2 = part3 = part0
     B, S, E = x.shape
     grad_x = x.new_empty(B, S, E)               # row-major, as the kernel writes it
     programs = -(-B * S // tiles.rows_per_program)
@@ -81,13 +85,14 @@ def launch(grad_output, part0, part1, part2, part3, unscale, x, x_mean, x_var, l
         part3.contiguous(), unscale, x.contiguous(), x_mean.contiguous(), x_var.contiguous(),
         ln_weight.contiguous(), grad_x, partial_sums, B * S, norm_eps, EMBED=E,
         BLOCK_E=triton.next_power_of_2(E), ROWS_PER_CHUNK=tiles.rows_per_chunk,
-        CHUNKS=tiles.chunks, EXACT=exact, num_warps=tiles.num_warps)
+        CHUNKS=tiles.chunks, EXACT=exact, PARTS=parts, num_warps=tiles.num_warps)
     return grad_x, partial_sums
 
 
 @triton_op("vitattn_bwd::fused_layer_norm_backward", mutates_args=())
 def fused_layer_norm_backward(grad_output: torch.Tensor, part0: torch.Tensor,
-                              part1: torch.Tensor, part2: torch.Tensor, part3: torch.Tensor,
+                              part1: torch.Tensor, part2: Optional[torch.Tensor],
+                              part3: Optional[torch.Tensor],
                               unscale: torch.Tensor, x: torch.Tensor, x_mean: torch.Tensor,
                               x_var: torch.Tensor, ln_weight: torch.Tensor, norm_eps: float,
                               exact: bool

@@ -1,10 +1,11 @@
 """Triton device code for the block's LayerNorm backward, with its sums over rows.
 
 One pass over the rows (tokens) of x [rows, E]. Per row, with xhat = (x - mean) * rstd
-and the QKV input gradient given as the four GEMM outputs it is the sum of (graph.py),
-scaled back by the power of two the upstream gradient was scaled by:
+and the QKV input gradient given as the PARTS (4 or 2) GEMM outputs it is the sum of
+(graph.py), scaled back by the power of two the upstream gradient was scaled by:
 
-    grad_x_norm = ((part0 + part1) + (part2 + part3)) * unscale
+    grad_x_norm = ((part0 + part1) + (part2 + part3)) * unscale     (PARTS = 4)
+    grad_x_norm = (part0 + part1) * unscale                         (PARTS = 2)
     grad_xhat   = grad_x_norm * ln_weight
     grad_x      = grad_output + (grad_xhat - mean(grad_xhat) - xhat * mean(grad_xhat * xhat)) * rstd
                                                                       (EXACT, the true gradient)
@@ -30,9 +31,10 @@ def layer_norm_bwd_kernel(GRAD_OUTPUT, PART0, PART1, PART2, PART3, UNSCALE, X, X
                           X_VAR, LN_WEIGHT, GRAD_X, PARTIAL_SUMS, rows, norm_eps,
                           EMBED: tl.constexpr, BLOCK_E: tl.constexpr,
                           ROWS_PER_CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
-                          EXACT: tl.constexpr):
+                          EXACT: tl.constexpr, PARTS: tl.constexpr):
     """GRAD_OUTPUT, PART0..3, X, GRAD_X [rows, EMBED]; X_MEAN, X_VAR [rows];
-    LN_WEIGHT [EMBED]; UNSCALE a 1-element tensor; float32, contiguous."""
+    LN_WEIGHT [EMBED]; UNSCALE a 1-element tensor; float32, contiguous. PART2 and PART3
+    are not read when PARTS is 2."""
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < EMBED
@@ -47,10 +49,12 @@ def layer_norm_bwd_kernel(GRAD_OUTPUT, PART0, PART1, PART2, PART3, UNSCALE, X, X
         row_ok = row < rows
         offsets = row[:, None].to(tl.int64) * EMBED + cols[None, :]           # [R,BE]
         mask = row_ok[:, None] & col_ok[None, :]
-        grad_x_norm = ((tl.load(PART0 + offsets, mask=mask, other=0.0)
-                        + tl.load(PART1 + offsets, mask=mask, other=0.0))
-                       + (tl.load(PART2 + offsets, mask=mask, other=0.0)
-                          + tl.load(PART3 + offsets, mask=mask, other=0.0))) * unscale
+        grad_x_norm = (tl.load(PART0 + offsets, mask=mask, other=0.0)
+                       + tl.load(PART1 + offsets, mask=mask, other=0.0))
+        if PARTS == 4:
+            grad_x_norm += (tl.load(PART2 + offsets, mask=mask, other=0.0)
+                            + tl.load(PART3 + offsets, mask=mask, other=0.0))
+        grad_x_norm = grad_x_norm * unscale
         grad_output = tl.load(GRAD_OUTPUT + offsets, mask=mask, other=0.0)
         x = tl.load(X + offsets, mask=mask, other=0.0)
         mean = tl.load(X_MEAN + row, mask=row_ok, other=0.0)

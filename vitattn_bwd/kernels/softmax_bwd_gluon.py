@@ -45,9 +45,15 @@ and cols 0.66-0.68 ms (the Triton templates 0.622 and 0.734); ncu puts the bound
 load latency at 2-3 blocks of 4 warps per SM, not in the waits. The L2 prefetch took
 the cols pass from 0.775 ms (32 x 64 tiles) and left the rows pass within its spread.
 
-PRODUCTS is the number of bf16 products per matmul: 3 is bf16x3 (a_lo b_hi + a_hi b_lo
-+ a_hi b_hi, small terms first, float32 accumulation), 1 is a single bf16 product of
-the hi parts. The outputs are those of kernels/softmax_bwd.py, in the same formats.
+PRODUCTS is the number of products per matmul: 3 is bf16x3 (a_lo b_hi + a_hi b_lo +
+a_hi b_hi, small terms first, float32 accumulation) on the bf16 halves of float32
+tensors, with the outputs of kernels/softmax_bwd.py in the same formats; 1 is one
+product of operands in their own dtype, bf16 or fp16 (the operand pointers' element
+type; VisionAttentionBlock under autocast), where only the hi tiles are copied, the
+S x S tiles are rounded to that dtype, and a gradient is stored once, in that dtype, in
+GRAD16 (HALVES_WIDTH 0: no halves). Measured on the H200 at batch 32, bf16, P recomputed
+(docs/performance.md, session 11): rows 0.225 ms, cols 0.366, against 0.716 for torch's
+flash-attention backward and 0.446 for cuDNN's at the same errors against float64.
 No atomics: every output element is written by one program (deterministic).
 """
 from triton.experimental import gluon
@@ -92,13 +98,19 @@ def program_coordinates(BLOCK: gl.constexpr, SEQ_LEN: gl.constexpr,
 
 
 @gluon.jit
-def split_bf16(x, layout: gl.constexpr):
-    """float32 tile -> (hi, lo) bf16 tiles in `layout`: hi = x truncated to bf16 (an
-    integer mask, exact in bf16), lo = the rest rounded."""
-    hi32 = (x.to(gl.int32, bitcast=True) & -65536).to(gl.float32, bitcast=True)
-    hi = hi32.to(gl.bfloat16)
-    lo = (x - hi32).to(gl.bfloat16)
-    return gl.convert_layout(hi, layout), gl.convert_layout(lo, layout)
+def split_operand(x, dtype: gl.constexpr, PRODUCTS: gl.constexpr, layout: gl.constexpr):
+    """float32 tile -> (hi, lo) tiles of the operand dtype in `layout`. For 3 products
+    (bf16): hi = x truncated to bf16 (an integer mask, exact in bf16), lo = the rest
+    rounded. For 1 product: hi = x rounded to `dtype` (bf16 or fp16), and lo is hi (no
+    product reads it)."""
+    if PRODUCTS == 3:
+        hi32 = (x.to(gl.int32, bitcast=True) & -65536).to(gl.float32, bitcast=True)
+        hi = gl.convert_layout(hi32.to(dtype), layout)
+        lo = gl.convert_layout((x - hi32).to(dtype), layout)
+    else:
+        hi = gl.convert_layout(x.to(dtype), layout)
+        lo = hi
+    return hi, lo
 
 
 @gluon.jit
@@ -128,12 +140,22 @@ def copy_rows(smem, base, row_start, row_stride, SEQ_LEN: gl.constexpr,
 
 @gluon.jit
 def copy_pair(smem, index, HI, LO, row_start, row_stride, SEQ_LEN: gl.constexpr,
-              BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
-    """The (hi, lo) halves of one tile into smem.index(2 * index) and (2 * index + 1)."""
-    copy_rows(smem.index(2 * index), HI, row_start, row_stride, SEQ_LEN, BLOCK, HEAD_DIM,
-              layout)
-    copy_rows(smem.index(2 * index + 1), LO, row_start, row_stride, SEQ_LEN, BLOCK,
+              BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, PARTS: gl.constexpr,
+              layout: gl.constexpr):
+    """The PARTS parts of one operand tile (hi and lo; hi alone for one product) into
+    smem.index(PARTS * index) onwards."""
+    copy_rows(smem.index(PARTS * index), HI, row_start, row_stride, SEQ_LEN, BLOCK,
               HEAD_DIM, layout)
+    if PARTS == 2:
+        copy_rows(smem.index(2 * index + 1), LO, row_start, row_stride, SEQ_LEN, BLOCK,
+                  HEAD_DIM, layout)
+
+
+@gluon.jit
+def tile_parts(smem, index, PARTS: gl.constexpr):
+    """The (hi, lo) shared-memory tiles copy_pair filled at `index` (lo is hi for one
+    part)."""
+    return smem.index(PARTS * index), smem.index(PARTS * index + PARTS - 1)
 
 
 @gluon.jit
@@ -180,17 +202,21 @@ def store_gradient(GRAD16, HALVES, value, batch, row_start, col, SEQ_LEN: gl.con
                    LO_OFFSET: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
                    layout: gl.constexpr):
     """A float32 [BLOCK, HEAD_DIM] gradient tile of rows [row_start, +BLOCK) of one
-    batch element: as fp16 at column `col` of GRAD16 [B,S,ROW_WIDTH16], and as bf16 hi
-    at column `col` and lo at `col + LO_OFFSET` of HALVES [B,S,HALVES_WIDTH]."""
+    batch element: rounded to GRAD16's dtype (fp16 with float32 operands, else the
+    operands' dtype) at column `col` of GRAD16 [B,S,ROW_WIDTH16], and, where HALVES_WIDTH
+    > 0 (float32 operands), as bf16 hi at column `col` and lo at `col + LO_OFFSET` of
+    HALVES [B,S,HALVES_WIDTH]."""
     rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
     cols = col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     token = (batch * SEQ_LEN + rows[:, None]).to(gl.int64)
     mask = (rows < SEQ_LEN)[:, None]
-    gl.store(GRAD16 + token * ROW_WIDTH16 + cols[None, :], value.to(gl.float16), mask=mask)
-    hi = value.to(gl.bfloat16)
-    lo = (value - hi.to(gl.float32)).to(gl.bfloat16)
-    gl.store(HALVES + token * HALVES_WIDTH + cols[None, :], hi, mask=mask)
-    gl.store(HALVES + token * HALVES_WIDTH + LO_OFFSET + cols[None, :], lo, mask=mask)
+    gl.store(GRAD16 + token * ROW_WIDTH16 + cols[None, :],
+             value.to(GRAD16.dtype.element_ty), mask=mask)
+    if HALVES_WIDTH > 0:
+        hi = value.to(gl.bfloat16)
+        lo = (value - hi.to(gl.float32)).to(gl.bfloat16)
+        gl.store(HALVES + token * HALVES_WIDTH + cols[None, :], hi, mask=mask)
+        gl.store(HALVES + token * HALVES_WIDTH + LO_OFFSET + cols[None, :], lo, mask=mask)
 
 
 @gluon.jit
@@ -229,6 +255,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     [B,G,2E] float32."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
+    dtype: gl.constexpr = GRAD_ATTN_HI.dtype.element_ty      # the operands' bf16 / fp16
+    PARTS: gl.constexpr = 2 if PRODUCTS == 3 else 1         # hi and lo, or hi alone
     # [BN,BM] tiles (P^T, dP^T) and [BN,D] accumulators (dK, dV); A operands of the
     # [BN,D] products come from registers.
     tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)
@@ -243,23 +271,23 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         BLOCK_N, SEQ_LEN, NUM_HEADS, HEAD_DIM)
 
     # this program's keys: v (and k) once; the query-side tiles dO_j, q_j in a ring
-    own = gl.allocate_shared_memory(gl.bfloat16, [2 + 2 * RECOMPUTE_P, BLOCK_N, HEAD_DIM],
+    own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_N, HEAD_DIM],
                                     OPERAND_SMEM)
-    ring_grad_attn = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_M,
-                                                             HEAD_DIM], OPERAND_SMEM)
-    ring_q = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_M, HEAD_DIM],
+    ring_grad_attn = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_M,
+                                                       HEAD_DIM], OPERAND_SMEM)
+    ring_q = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_M, HEAD_DIM],
                                        OPERAND_SMEM)
     copy_pair(own, 0, V_HI + head_start, V_LO + head_start, n_start, HEAD_DIM, SEQ_LEN,
-              BLOCK_N, HEAD_DIM, copy_layout)
+              BLOCK_N, HEAD_DIM, PARTS, copy_layout)
     if RECOMPUTE_P:
         copy_pair(own, 1, K_HI + head_start, K_LO + head_start, n_start, HEAD_DIM,
-                  SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+                  SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
     for stage in gl.static_range(NUM_STAGES - 1):
         copy_pair(ring_grad_attn, stage, GRAD_ATTN_HI + grad_attn_start,
                   GRAD_ATTN_LO + grad_attn_start, stage * BLOCK_M, EMBED, SEQ_LEN, BLOCK_M,
-                  HEAD_DIM, copy_layout)
+                  HEAD_DIM, PARTS, copy_layout)
         copy_pair(ring_q, stage, Q_HI + head_start, Q_LO + head_start, stage * BLOCK_M,
-                  HEAD_DIM, SEQ_LEN, BLOCK_M, HEAD_DIM, copy_layout)
+                  HEAD_DIM, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
         async_copy.commit_group()
 
     keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
@@ -280,7 +308,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
     grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
     # register operands of the products still in flight from the previous tile
-    p_t_hi = gl.zeros([BLOCK_N, BLOCK_M], gl.bfloat16, layout=a_layout)
+    p_t_hi = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=a_layout)
     p_t_lo = p_t_hi
     grad_s_t_hi = p_t_hi
     grad_s_t_lo = p_t_hi
@@ -290,17 +318,17 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         async_copy.wait_group(NUM_STAGES - 2)          # this tile's copies have landed
         gl.thread_barrier()
         fence_async_shared()
-        grad_attn_hi = ring_grad_attn.index(2 * slot)                     # [BM,D]
-        grad_attn_lo = ring_grad_attn.index(2 * slot + 1)
-        q_hi = ring_q.index(2 * slot)                                      # [BM,D]
-        q_lo = ring_q.index(2 * slot + 1)
+        grad_attn_hi, grad_attn_lo = tile_parts(ring_grad_attn, slot, PARTS)  # [BM,D]
+        q_hi, q_lo = tile_parts(ring_q, slot, PARTS)                          # [BM,D]
         queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
         delta = load_vector(delta_head, m_start, SEQ_LEN, BLOCK_M, query_vector)
         if RECOMPUTE_P:
             lse = load_vector(lse_head, m_start, SEQ_LEN, BLOCK_M, query_vector)
-            logits_t = issue_products(own.index(2), own.index(3), q_hi.permute((1, 0)),
+            k_hi, k_lo = tile_parts(own, 1, PARTS)                        # [BN,D]
+            logits_t = issue_products(k_hi, k_lo, q_hi.permute((1, 0)),
                                       q_lo.permute((1, 0)), zeros_tile, False, PRODUCTS)
-        grad_p_t = issue_products(own.index(0), own.index(1), grad_attn_hi.permute((1, 0)),
+        v_hi, v_lo = tile_parts(own, 0, PARTS)                            # [BN,D]
+        grad_p_t = issue_products(v_hi, v_lo, grad_attn_hi.permute((1, 0)),
                                   grad_attn_lo.permute((1, 0)), zeros_tile, False,
                                   PRODUCTS)                                # [BN,BM]
         if RECOMPUTE_P:
@@ -314,7 +342,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             # dV of the previous tile is done reading the registers about to be reused
             p_t_hi, p_t_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_t_hi, p_t_lo))
             p_t = p_t_next
-        p_t_hi, p_t_lo = split_bf16(p_t, a_layout)
+        p_t_hi, p_t_lo = split_operand(p_t, dtype, PRODUCTS, a_layout)
         grad_v = issue_products(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v, True,
                                 PRODUCTS)
         if RECOMPUTE_P:
@@ -328,7 +356,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             grad_p_t, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
                 PRODUCTS, deps=(grad_p_t, grad_s_t_hi, grad_s_t_lo))
         grad_s_t = p_t * (grad_p_t - delta[None, :])                      # [BN,BM]
-        grad_s_t_hi, grad_s_t_lo = split_bf16(grad_s_t, a_layout)
+        grad_s_t_hi, grad_s_t_lo = split_operand(grad_s_t, dtype, PRODUCTS, a_layout)
         grad_k = issue_products(grad_s_t_hi, grad_s_t_lo, q_hi, q_lo, grad_k, True,
                                 PRODUCTS)
         # every warpgroup is past the products of tile m_tile - 1: refill its slot
@@ -336,9 +364,9 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         refill = m_tile + NUM_STAGES - 1
         copy_pair(ring_grad_attn, refill % NUM_STAGES, GRAD_ATTN_HI + grad_attn_start,
                   GRAD_ATTN_LO + grad_attn_start, refill * BLOCK_M, EMBED, SEQ_LEN,
-                  BLOCK_M, HEAD_DIM, copy_layout)
+                  BLOCK_M, HEAD_DIM, PARTS, copy_layout)
         copy_pair(ring_q, refill % NUM_STAGES, Q_HI + head_start, Q_LO + head_start,
-                  refill * BLOCK_M, HEAD_DIM, SEQ_LEN, BLOCK_M, HEAD_DIM, copy_layout)
+                  refill * BLOCK_M, HEAD_DIM, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
         async_copy.commit_group()
     grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
         0, deps=(grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
@@ -346,10 +374,11 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
 
     grad_k = grad_k * scale
     store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_k, batch, n_start, head * HEAD_DIM,
-                   SEQ_LEN, 2 * EMBED, 4 * EMBED, 2 * EMBED, BLOCK_N, HEAD_DIM, acc_layout)
+                   SEQ_LEN, 2 * EMBED, 4 * EMBED * (PARTS - 1), 2 * EMBED, BLOCK_N, HEAD_DIM,
+                   acc_layout)
     store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_v, batch, n_start,
-                   EMBED + head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED, 2 * EMBED,
-                   BLOCK_N, HEAD_DIM, acc_layout)
+                   EMBED + head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED * (PARTS - 1),
+                   2 * EMBED, BLOCK_N, HEAD_DIM, acc_layout)
     store_column_sums(GRAD_KV_SUMS, grad_k, batch, n_start, head * HEAD_DIM, SEQ_LEN,
                       2 * EMBED, SUM_ROWS, BLOCK_N, HEAD_DIM, acc_layout)
     store_column_sums(GRAD_KV_SUMS, grad_v, batch, n_start, EMBED + head * HEAD_DIM,
@@ -373,6 +402,8 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
+    dtype: gl.constexpr = GRAD_ATTN_HI.dtype.element_ty      # the operands' bf16 / fp16
+    PARTS: gl.constexpr = 2 if PRODUCTS == 3 else 1         # hi and lo, or hi alone
     # [BM,BN] tiles (P, dP) and [BM,D] accumulators (dQ); A operands of the [BM,D]
     # products come from registers.
     tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)
@@ -387,22 +418,22 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         BLOCK_M, SEQ_LEN, NUM_HEADS, HEAD_DIM)
 
     # this program's queries: dO (and q) once; the key-side tiles k_j, v_j in a ring
-    own = gl.allocate_shared_memory(gl.bfloat16, [2 + 2 * RECOMPUTE_P, BLOCK_M, HEAD_DIM],
+    own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_M, HEAD_DIM],
                                     OPERAND_SMEM)
-    ring_k = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_N, HEAD_DIM],
+    ring_k = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_N, HEAD_DIM],
                                        OPERAND_SMEM)
-    ring_v = gl.allocate_shared_memory(gl.bfloat16, [2 * NUM_STAGES, BLOCK_N, HEAD_DIM],
+    ring_v = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_N, HEAD_DIM],
                                        OPERAND_SMEM)
     copy_pair(own, 0, GRAD_ATTN_HI + grad_attn_start, GRAD_ATTN_LO + grad_attn_start,
-              m_start, EMBED, SEQ_LEN, BLOCK_M, HEAD_DIM, copy_layout)
+              m_start, EMBED, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
     if RECOMPUTE_P:
         copy_pair(own, 1, Q_HI + head_start, Q_LO + head_start, m_start, HEAD_DIM,
-                  SEQ_LEN, BLOCK_M, HEAD_DIM, copy_layout)
+                  SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
     for stage in gl.static_range(NUM_STAGES - 1):
         copy_pair(ring_k, stage, K_HI + head_start, K_LO + head_start, stage * BLOCK_N,
-                  HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+                  HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
         copy_pair(ring_v, stage, V_HI + head_start, V_LO + head_start, stage * BLOCK_N,
-                  HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+                  HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
         async_copy.commit_group()
 
     queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
@@ -416,10 +447,11 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         rows_e = (batch * SEQ_LEN + queries[:, None]).to(gl.int64) * EMBED
         offsets = rows_e + head * HEAD_DIM + head_cols[None, :]
         row_ok = (queries < SEQ_LEN)[:, None]
-        grad_attn = (gl.load(GRAD_ATTN_HI + offsets, mask=row_ok, other=0.0).to(gl.float32)
-                     + gl.load(GRAD_ATTN_LO + offsets, mask=row_ok, other=0.0).to(gl.float32))
-        delta = gl.sum(grad_attn * gl.load(ATTN_OUT + offsets, mask=row_ok, other=0.0),
-                       axis=1)                                            # [BM]
+        grad_attn = gl.load(GRAD_ATTN_HI + offsets, mask=row_ok, other=0.0).to(gl.float32)
+        if PARTS == 2:
+            grad_attn += gl.load(GRAD_ATTN_LO + offsets, mask=row_ok, other=0.0).to(gl.float32)
+        attn_output = gl.load(ATTN_OUT + offsets, mask=row_ok, other=0.0).to(gl.float32)
+        delta = gl.sum(grad_attn * attn_output, axis=1)                   # [BM]
     else:
         delta = gl.zeros([BLOCK_M], gl.float32, layout=query_vector)      # summed below
         row_offsets = (clamped(queries, SEQ_LEN) * SEQ_LEN)[:, None]
@@ -432,7 +464,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     zeros_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=tile_layout)
     grad_s_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32,
                                            layout=acc_layout))
-    p_hi = gl.zeros([BLOCK_M, BLOCK_N], gl.bfloat16, layout=a_layout)
+    p_hi = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=a_layout)
     p_lo = p_hi
     grad_s_hi = p_hi
     grad_s_lo = p_hi
@@ -442,15 +474,15 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         async_copy.wait_group(NUM_STAGES - 2)
         gl.thread_barrier()
         fence_async_shared()
-        k_hi = ring_k.index(2 * slot)                                      # [BN,D]
-        k_lo = ring_k.index(2 * slot + 1)
-        v_hi = ring_v.index(2 * slot)
-        v_lo = ring_v.index(2 * slot + 1)
+        k_hi, k_lo = tile_parts(ring_k, slot, PARTS)                       # [BN,D]
+        v_hi, v_lo = tile_parts(ring_v, slot, PARTS)
         keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
         if RECOMPUTE_P:
-            logits = issue_products(own.index(2), own.index(3), k_hi.permute((1, 0)),
+            q_hi, q_lo = tile_parts(own, 1, PARTS)                        # [BM,D]
+            logits = issue_products(q_hi, q_lo, k_hi.permute((1, 0)),
                                     k_lo.permute((1, 0)), zeros_tile, False, PRODUCTS)
-        grad_p = issue_products(own.index(0), own.index(1), v_hi.permute((1, 0)),
+        grad_attn_hi, grad_attn_lo = tile_parts(own, 0, PARTS)            # [BM,D]
+        grad_p = issue_products(grad_attn_hi, grad_attn_lo, v_hi.permute((1, 0)),
                                 v_lo.permute((1, 0)), zeros_tile, False, PRODUCTS)  # [BM,BN]
         if RECOMPUTE_P:
             logits, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
@@ -463,7 +495,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         else:
             p_hi, p_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_hi, p_lo))
             p = p_next
-            p_hi, p_lo = split_bf16(p, a_layout)
+            p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout)
             p_k = issue_products(p_hi, p_lo, k_hi, k_lo, p_k, True, PRODUCTS)
             p_next = gl.load(probs_rows + row_offsets
                              + clamped(keys + BLOCK_N, SEQ_LEN)[None, :])
@@ -474,15 +506,15 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                 PRODUCTS, deps=(grad_p, grad_s_hi, grad_s_lo))
             grad_s = p * grad_p
             delta += gl.sum(grad_s, axis=1)
-        grad_s_hi, grad_s_lo = split_bf16(grad_s, a_layout)
+        grad_s_hi, grad_s_lo = split_operand(grad_s, dtype, PRODUCTS, a_layout)
         grad_s_k = issue_products(grad_s_hi, grad_s_lo, k_hi, k_lo, grad_s_k, True,
                                   PRODUCTS)
         gl.thread_barrier()
         refill = n_tile + NUM_STAGES - 1
         copy_pair(ring_k, refill % NUM_STAGES, K_HI + head_start, K_LO + head_start,
-                  refill * BLOCK_N, HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+                  refill * BLOCK_N, HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
         copy_pair(ring_v, refill % NUM_STAGES, V_HI + head_start, V_LO + head_start,
-                  refill * BLOCK_N, HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, copy_layout)
+                  refill * BLOCK_N, HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
         async_copy.commit_group()
     async_copy.wait_group(0)
     if RECOMPUTE_P:
@@ -498,6 +530,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     delta_rows = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
     gl.store(DELTA + batch_head * SEQ_LEN + delta_rows, delta, mask=delta_rows < SEQ_LEN)
     store_gradient(GRAD_Q16, GRAD_Q_HALVES, grad_q, batch, m_start, head * HEAD_DIM,
-                   SEQ_LEN, EMBED, 2 * EMBED, EMBED, BLOCK_M, HEAD_DIM, acc_layout)
+                   SEQ_LEN, EMBED, 2 * EMBED * (PARTS - 1), EMBED, BLOCK_M, HEAD_DIM,
+                   acc_layout)
     store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start, head * HEAD_DIM, SEQ_LEN, EMBED,
                       SUM_ROWS, BLOCK_M, HEAD_DIM, acc_layout)

@@ -1,0 +1,153 @@
+"""The attention core's one-product Gluon kernels (bf16 / fp16 operands, P recomputed
+from the log-sum-exp: VisionAttentionBlock under autocast) against torch's own attention
+backwards at the same shape, checked and timed in one call on the GPU.
+
+    PYTHONPATH=. python3 scripts/time_core_half.py [--batch 32] [--out DIR]
+
+The forward of the inputs is torch's FlashAttention (aten._scaled_dot_product_flash_
+attention: its output and natural-log log-sum-exp), as the block's half-precision forward
+runs it. Checked at batch 2 against float64: our dQ, dK, dV and those of torch's flash,
+cuDNN and memory-efficient backwards. Timed at --batch (median of do_bench, L2 flushed):
+our rows and cols passes per tile config, and torch's backwards (each from its own
+forward's outputs). Prints a table last; details in DIR/core_half.json.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from vitattn_bwd import attention_core, gluon_core  # noqa: E402
+from vitattn_bwd.layout import merge_heads  # noqa: E402
+
+S, H, D = 577, 16, 64
+E = H * D
+SCALE = 1 / math.sqrt(D)
+
+
+def make_inputs(batch, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v = (torch.randn(batch, H, S, D, device="cuda", generator=g).to(dtype)
+               for _ in range(3))
+    grad_attn = torch.randn(batch, S, E, device="cuda", generator=g).to(dtype)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=SCALE)[:2]
+    return q, k, v, grad_attn, merge_heads(out).contiguous(), lse
+
+
+def ours(q, k, v, grad_attn, attn_output, lse, rows_tiles, cols_tiles):
+    """(rows, cols) launch closures and their outputs (grad_q [B,S,E], grad_kv [B,S,2E]
+    in q's dtype)."""
+    batch = q.shape[0]
+    groups = attention_core.sum_groups(S)
+    delta = torch.empty(batch, H, S, device="cuda")
+    grad_q = torch.full((batch, S, E), float("nan"), device="cuda", dtype=q.dtype)
+    grad_kv = torch.full((batch, S, 2 * E), float("nan"), device="cuda", dtype=q.dtype)
+    grad_q_sums = torch.empty(batch, groups, E, device="cuda")
+    grad_kv_sums = torch.empty(batch, groups, 2 * E, device="cuda")
+    unused = grad_q_sums                          # the halves of float32 operands
+    operands = (grad_attn, grad_attn, q, q, k, k, v, v)
+
+    def rows():
+        gluon_core.launch_rows(lse, *operands, attn_output, delta, unused, grad_q_sums,
+                               grad_q, SCALE, rows_tiles, products=1, prefetch=0)
+
+    def cols():
+        gluon_core.launch_cols(lse, *operands, delta, unused, grad_kv_sums, grad_kv, SCALE,
+                               cols_tiles, products=1, prefetch=0)
+    return (rows, cols), (grad_q, grad_kv, delta, grad_q_sums, grad_kv_sums)
+
+
+def torch_backward(backend, q, k, v, grad_attn):
+    """(backward closure, (dQ, dK, dV) merged [B,S,E]) of F.scaled_dot_product_attention
+    with one backend."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(backend):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=SCALE)
+    grad_out = grad_attn.view(q.shape[0], S, H, D).transpose(1, 2)
+
+    def backward():
+        return torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True)
+    return backward, [merge_heads(g) for g in backward()]
+
+
+BACKENDS = {"torch flash": SDPBackend.FLASH_ATTENTION, "torch cudnn": SDPBackend.CUDNN_ATTENTION,
+            "torch efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def float64_check(dtype):
+    q, k, v, grad_attn, out, lse = make_inputs(2, dtype, seed=1)
+    ref = attention_core.attention_backward_math(
+        *(t.double() for t in (attention_core.probabilities(
+            lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
+    lse_check = rel(lse, torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * SCALE,
+                                         -1))
+    (rows, cols), got = ours(q, k, v, grad_attn, out, lse, gluon_core.ROWS_TILES[0],
+                             gluon_core.COLS_TILES[0])
+    rows()
+    cols()
+    grad_k, grad_v = got[1].chunk(2, dim=-1)
+    result = {"lse vs float64": lse_check,
+              "ours": [rel(got[0], ref[0]), rel(grad_k, ref[1]), rel(grad_v, ref[2])],
+              "bias sums": [rel(got[3].sum((0, 1)), ref[0].sum((0, 1))),
+                            rel(got[4].sum((0, 1)), torch.cat(ref[1:], -1).sum((0, 1)))]}
+    for name, backend in BACKENDS.items():
+        try:
+            _, grads = torch_backward(backend, q, k, v, grad_attn)
+            result[name] = [rel(g, r) for g, r in zip(grads, ref)]
+        except RuntimeError as error:
+            result[name] = repr(error)[:200]
+    return result
+
+
+def bench(fn):
+    import triton
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args()
+    report = {}
+    table = []
+    for dtype in (torch.bfloat16, torch.float16):
+        name = str(dtype).removeprefix("torch.")
+        report[f"float64 check {name}, batch 2 (dQ, dK, dV rel. error)"] = float64_check(dtype)
+        print(json.dumps(report), flush=True)
+        q, k, v, grad_attn, out, lse = make_inputs(args.batch, dtype)
+        for rows_tiles in gluon_core.ROWS_TILES:
+            (rows, _), _ = ours(q, k, v, grad_attn, out, lse, rows_tiles, rows_tiles)
+            table.append((name, "ours rows", tuple(rows_tiles), bench(rows)))
+        for cols_tiles in gluon_core.COLS_TILES:
+            (rows, cols), _ = ours(q, k, v, grad_attn, out, lse, gluon_core.ROWS_TILES[0],
+                                   cols_tiles)
+            rows()
+            table.append((name, "ours cols", tuple(cols_tiles), bench(cols)))
+        for backend_name, backend in BACKENDS.items():
+            try:
+                backward, _ = torch_backward(backend, q, k, v, grad_attn)
+                table.append((name, backend_name, "-", bench(backward)))
+            except RuntimeError as error:
+                table.append((name, backend_name, repr(error)[:60], float("nan")))
+    report["batch"] = args.batch
+    report["table"] = table
+    Path(args.out, "core_half.json").write_text(json.dumps(report, indent=1))
+    print(f"batch {args.batch}: ms (median, L2 flushed)")
+    for dtype, kernel, tiles, ms in table:
+        print(f"{dtype:9} {kernel:16} {tiles!s:18} {ms:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
