@@ -13,8 +13,9 @@ The block table has a VisionAttentionBlock per precision in --precisions (defaul
 "highest" and "high"; "default" is precision None, which follows torch's float32 matmul
 precision, "highest" unless the process set it) beside the plain block. With --autocast
 every forward runs under torch.autocast(bfloat16) (backward outside it, as in a training
-loop) and the default precisions are None (follows autocast: the stock ops) and "high"
-(keeps the float32-grade fused path). The tower is swapped with precision None.
+loop) and the default precisions are None (follows autocast: the one-product path in
+bf16) and "high" (keeps the float32-grade fused path). The tower is swapped with
+precision None.
 """
 import argparse
 import contextlib
@@ -164,7 +165,7 @@ def main():
     parser.add_argument("--autocast", action="store_true",
                         help="forwards under torch.autocast(bfloat16)")
     parser.add_argument("--precisions", nargs="+",
-                        choices=("default", "highest", "high"),
+                        choices=("default", "highest", "high", "medium"),
                         help="the blocks' precisions (default: highest high; with "
                         "--autocast: default high)")
     args = parser.parse_args()

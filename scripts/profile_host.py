@@ -1,9 +1,13 @@
 """Where the host time of a contract call goes: cProfile over calls made while the GPU
 is kept busy (so no call waits for it), the functions ranked by their own time, and the
-host time per call.
+host time per call; --module: a VisionAttentionBlock training step (forward, under
+torch.autocast(bfloat16) with --autocast, and backward) instead, whose host time is
+also measured without cProfile, beside the stock block's.
 
     PYTHONPATH=. python3 scripts/profile_host.py --batch 23 [--calls 20] [--rows 30]
+                                                 [--module [--autocast]]
 """
+import contextlib
 import argparse
 import cProfile
 import io
@@ -16,8 +20,38 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vitattn_bwd import contract  # noqa: E402
+from vitattn_bwd import VisionAttentionBlock, contract, reference  # noqa: E402
 from vitattn_bwd.workloads import make_inputs  # noqa: E402
+
+
+def module_step(batch, autocast, stock=False):
+    torch.manual_seed(0)
+    block = VisionAttentionBlock().cuda()
+    model = reference.ReferenceBlock(block) if stock else block
+    x = torch.randn(batch, 577, 1024, device="cuda", requires_grad=True)
+    grad = torch.randn_like(x)
+    region = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else \
+        contextlib.nullcontext
+
+    def step():
+        with region():
+            y = model(x)
+        y.backward(grad)
+    return step
+
+
+def host_us(step, calls):
+    """Host time per call of step(), with the GPU kept busy ahead of the calls."""
+    for _ in range(3):                                       # compile, warm up
+        step()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e8))
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def main():
@@ -25,17 +59,26 @@ def main():
     parser.add_argument("--batch", type=int, default=23)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--module", action="store_true")
+    parser.add_argument("--autocast", action="store_true")
     args = parser.parse_args()
-    inputs = tuple(make_inputs(args.batch, device="cuda").values())
+    if args.module:
+        step = module_step(args.batch, args.autocast)
+        for name, model_step in (("ours", step),
+                                 ("stock", module_step(args.batch, args.autocast, True))):
+            print(f"{name}: host {host_us(model_step, args.calls):.0f} us per step")
+    else:
+        inputs = tuple(make_inputs(args.batch, device="cuda").values())
+        step = lambda: contract.run(*inputs)                          # noqa: E731
     for _ in range(3):                                       # compile, warm up
-        contract.run(*inputs)
+        step()
     torch.cuda.synchronize()
     torch.cuda._sleep(int(5e8))              # GPU work queued ahead of the profiled calls
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
     for _ in range(args.calls):
-        contract.run(*inputs)
+        step()
     profiler.disable()
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()

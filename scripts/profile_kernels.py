@@ -1,9 +1,13 @@
 """Where the time goes: CUDA kernels ranked by total time, under torch.profiler, for one
 backward at a contract batch size, or (--module) for one VisionAttentionBlock training
-step (forward + backward), with the kernels grouped by kind.
+step (forward + backward), with the kernels grouped by kind; --autocast runs the
+module's forward under torch.autocast(bfloat16), --stock profiles the stock block
+(LayerNorm, Linear, SDPA, Linear) instead of ours.
 
-    python scripts/profile_kernels.py --batch 32 [--module] [--trace trace.json]
+    python scripts/profile_kernels.py --batch 32 [--module [--autocast] [--stock]]
+                                      [--trace trace.json]
 """
+import contextlib
 import argparse
 import collections
 import sys
@@ -14,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vitattn_bwd import VisionAttentionBlock, contract  # noqa: E402
+from vitattn_bwd import VisionAttentionBlock, contract, reference  # noqa: E402
 from vitattn_bwd.workloads import make_inputs  # noqa: E402
 
 
@@ -31,6 +35,8 @@ def group_of(name):
         return "attention forward"
     if any(fragment in lower for fragment in ("nvjet", "gemm", "cutlass")):
         return "GEMMs"
+    if "flash" in lower or "fmha" in lower:
+        return "torch's attention (flash / cuDNN)"
     if "multi_tensor_apply" in name or "memcpy" in lower:
         return "CUDA-graph input and output copies"
     if name.startswith("triton_"):
@@ -40,12 +46,20 @@ def group_of(name):
     return "other"
 
 
-def module_step(batch):
+def module_step(batch, autocast, stock):
     torch.manual_seed(0)
     block = VisionAttentionBlock().cuda()
+    model = reference.ReferenceBlock(block) if stock else block
     x = torch.randn(batch, 577, 1024, device="cuda", requires_grad=True)
     grad = torch.randn_like(x)
-    return lambda: block(x).backward(grad)
+    region = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else \
+        contextlib.nullcontext
+
+    def step():
+        with region():
+            y = model(x)
+        y.backward(grad)
+    return step
 
 
 def main():
@@ -53,11 +67,15 @@ def main():
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--module", action="store_true",
                         help="a VisionAttentionBlock fwd+bwd step instead of the contract")
+    parser.add_argument("--autocast", action="store_true",
+                        help="--module: the forward under torch.autocast(bfloat16)")
+    parser.add_argument("--stock", action="store_true",
+                        help="--module: the stock block instead of ours")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--trace", type=Path)
     args = parser.parse_args()
     if args.module:
-        step = module_step(args.batch)
+        step = module_step(args.batch, args.autocast, args.stock)
     else:
         inputs = tuple(make_inputs(args.batch, device="cuda").values())
         step = lambda: contract.run(*inputs)                          # noqa: E731

@@ -1,4 +1,5 @@
-"""On a CUDA GPU (gpu marker): VisionAttentionBlock under torch.autocast (bf16, fp16) and
+"""On a CUDA GPU (gpu marker): VisionAttentionBlock under torch.autocast (bf16, fp16; the
+one-product path by default, float32 math with precision "high") and
 as a bf16/fp16 block against float64 autograd, float64 refused in the forward, empty
 batches, double backward; and the Hugging Face swap (integrations.hf) of a CLIP vision
 tower at ViT-L/14-336 size (577 tokens, 1024 wide, 16 heads) against the stock model:
@@ -103,21 +104,80 @@ def test_autocast_with_precision_high_runs_in_float32_math(autocast_dtype):
     assert ours_err * 20 < stock_err, (ours_err, stock_err)
 
 
+def _recorded_half_dtypes(monkeypatch):
+    """The half dtype (None: float32 math) of each fused forward, as called."""
+    from vitattn_bwd import module
+    calls = []
+    forward = module.attention_block_forward
+
+    def recording_forward(*args):
+        calls.append(args[10])
+        return forward(*args)
+    monkeypatch.setattr(module, "attention_block_forward", recording_forward)
+    return calls
+
+
+@pytest.mark.parametrize("batch", [BATCH, 16])
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
-def test_autocast_follows_the_stock_block_by_default(autocast_dtype):
-    """precision None under autocast: the stock block's computation (the same ops on the
-    same views): y bit for bit, the gradients in the same dtypes and within the
-    autocast dtype's rounding of the stock block's."""
+def test_autocast_runs_the_one_product_path_by_default(monkeypatch, autocast_dtype, batch):
+    """precision None under autocast: the fused one-product path in the autocast dtype
+    (the attention core's one-product Gluon kernels; batch 2 through a CUDA graph, 16
+    without), computing as the stock block does there: y in the stock block's dtype and
+    as close to float64, every gradient in float32 and no further from float64 than the
+    stock block's (whose GEMMs round the gradients to the half dtype), the same bits on
+    a second call."""
+    monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
+    calls = _recorded_half_dtypes(monkeypatch)
     block = _block()
-    x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
+    x = torch.randn(batch, SEQ, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
     with torch.autocast(DEVICE, dtype=autocast_dtype):
         got = _ours(block, x, grad_y)
+        again = _ours(block, x, grad_y)
         want = _ours(reference.ReferenceBlock(block), x, grad_y)
-    assert torch.equal(got[0], want[0])
-    for g, w in zip(got[1:], want[1:]):
-        assert g.dtype == w.dtype == torch.float32
-        assert relative_errors([g], [w])[0] < 2 * UNIT_ROUNDOFF[autocast_dtype]
+    assert calls == [autocast_dtype, autocast_dtype]
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    truth = _truth(block, x, grad_y)
+    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
+    errors = zip(names, got, want, relative_errors(got, truth), relative_errors(want, truth))
+    for name, g, w, ours, stock in errors:
+        assert g.dtype == w.dtype == torch.float32, (name, g.dtype, w.dtype)
+        assert ours <= 1.1 * stock, (name, ours, stock)
+        assert ours < 4 * UNIT_ROUNDOFF[autocast_dtype], (name, ours)
+
+
+def test_precision_medium_is_one_bf16_product_per_matmul(monkeypatch):
+    """precision="medium" outside autocast: the one-product path in bf16 on float32
+    tensors: y and every gradient float32, within bf16's error of float64, and not
+    float32 math (y further from float64 than bf16x3 gets)."""
+    monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")
+    calls = _recorded_half_dtypes(monkeypatch)
+    block = _block(precision="medium")
+    x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
+    grad_y = torch.randn_like(x)
+    got = _ours(block, x, grad_y)
+    assert calls == [torch.bfloat16]
+    errors = relative_errors(got, _truth(block, x, grad_y))
+    assert all(g.dtype == torch.float32 for g in got)
+    assert max(errors) < 4 * UNIT_ROUNDOFF[torch.bfloat16] and errors[0] > 1e-4, errors
+
+
+def test_autocast_keeps_no_more_memory_than_the_stock_block():
+    """Under bf16 autocast at batch 8: the peak memory of a forward and backward, above
+    what was allocated before it, at most the stock block's."""
+    block = _block()
+    x = torch.randn(8, SEQ, EMBED, device=DEVICE)
+    grad_y = torch.randn_like(x)
+    peaks = []
+    for model in (block, reference.ReferenceBlock(block), block):    # ours warm, then timed
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            _ours(model, x, grad_y)
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - before)
+    assert peaks[2] <= peaks[1], peaks
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

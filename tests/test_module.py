@@ -227,11 +227,17 @@ def test_autocast_with_precision_high_runs_in_float32_math(x_dtype):
         assert ours_err * 100 < stock_err, (ours_err, stock_err)
 
 
-def _saved_bytes(fn):
-    """fn()'s result and the bytes of the tensors autograd saved for its backward."""
+def _saved_bytes(fn, parameters=()):
+    """fn()'s result and the bytes of the tensors autograd saved for its backward, but
+    for `parameters` themselves (which the model holds anyway)."""
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: saved.append(t.numel() * t.element_size()) or t, lambda t: t):
+    owned = {p.data_ptr() for p in parameters}
+
+    def pack(t):
+        if t.data_ptr() not in owned:
+            saved.append(t.numel() * t.element_size())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn()
     return result, sum(saved)
 
@@ -246,36 +252,88 @@ def _ours_and_stock(block, x, grad_y, autocast):
     for model in (block, reference.ReferenceBlock(block)):
         xg = x.detach().requires_grad_()
         with region():
-            y, saved = _saved_bytes(lambda: model(xg))                 # noqa: B023
+            y, saved = _saved_bytes(lambda: model(xg), block.parameters())  # noqa: B023
         results.append((y, torch.autograd.grad(y, [xg, *block.parameters()], grad_y),
                         saved))
     return results
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_autocast_follows_the_stock_block_by_default(x_dtype):
-    """Under autocast (precision None) the block computes what the stock LayerNorm +
-    Linear + SDPA block computes there: the same output, bit for bit, the same
-    gradients, the same saved activations (bf16 where autocast keeps them so)."""
+def test_autocast_runs_the_one_product_path_by_default(monkeypatch):
+    """Under autocast (precision None) a float32 block computes as the stock LayerNorm +
+    Linear + SDPA block does there (one bf16 product per matmul, float32 accumulation,
+    the LayerNorm and softmax statistics in float32), on the fused one-product path: the
+    output dtype of the stock block, an output as close to float64 as the stock one, no
+    gradient further from float64 than the stock block's (ours leave their GEMMs in
+    float32 where autocast rounds them to bf16), fewer bytes saved for the backward,
+    the projections and the attention output saved in bf16."""
+    calls = _recorded_precisions(monkeypatch)
     block = _randomize(VisionAttentionBlock(32, 4))
-    x = torch.randn(3, 13, 32).to(x_dtype)
-    grad_y = torch.randn(3, 13, 32).to(x_dtype)
+    x = torch.randn(3, 13, 32)
+    grad_y = torch.randn(3, 13, 32)
     (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(
         block, x, grad_y, autocast=True)
-    assert y.dtype == want_y.dtype == x_dtype
+    assert calls == [["torch.bfloat16", "torch.bfloat16"]]
+    assert y.dtype == want_y.dtype == torch.float32
+    assert saved < want_saved, (saved, want_saved)
+    truth = _float64_truth(block, x, grad_y)
+    ours_errors = relative_errors([y, *grads], truth)
+    stock_errors = relative_errors([want_y, *want_grads], truth)
+    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
+    for name, g, src, ours, stock in zip(names, [y, *grads], [x, x, *block.parameters()],
+                                         ours_errors, stock_errors):
+        assert g.dtype == src.dtype, (name, g.dtype)
+        assert ours <= 1.1 * stock, (name, ours, stock)
+    # bf16 math, not float32 math: far from the float64 truth, like the stock block
+    assert ours_errors[0] > 1e-3
+    block.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, saved_dtypes = _saved_dtypes(lambda: block(x))
+    assert saved_dtypes.count(torch.bfloat16) == 2       # the QKV projection, attn_output
+
+
+def _saved_dtypes(fn):
+    """fn()'s result and the dtypes of the tensors autograd saved for its backward."""
+    dtypes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: dtypes.append(t.dtype) or t,
+                                                  lambda t: t):
+        result = fn()
+    return result, dtypes
+
+
+def test_autocast_with_half_precision_input_follows_the_stock_block():
+    """A bf16 input into a float32 block under autocast (mixed dtypes, which the
+    one-product path does not take) computes with the stock ops: the same output, bit
+    for bit, the same gradients, the same saved activations."""
+    block = _randomize(VisionAttentionBlock(32, 4))
+    x = torch.randn(3, 13, 32).bfloat16()
+    grad_y = torch.randn(3, 13, 32).bfloat16()
+    (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(
+        block, x, grad_y, autocast=True)
+    assert y.dtype == want_y.dtype == torch.bfloat16
     assert saved == want_saved
     assert torch.equal(y, want_y)                         # the same ops on the same views
     assert all(torch.equal(g, want) for g, want in zip(grads, want_grads))
-    # bf16 math, not float32 math: far from the float64 truth, like the stock block
-    if x_dtype == torch.float32:
-        truth = _float64_truth(block, x, grad_y)[0]
-        assert relative_errors([y], [truth])[0] > 1e-3
 
 
-@pytest.mark.parametrize("precision", ["medium", "fast", "High", 3])
+def test_precision_medium_is_one_bf16_product_per_matmul(monkeypatch):
+    """precision="medium" (explicit, or torch's setting with None): the one-product path
+    in bf16 on float32 tensors, outside autocast too: the output and every gradient in
+    float32, within bf16's error of float64 (not float32's)."""
+    calls = _recorded_precisions(monkeypatch)
+    block = _randomize(VisionAttentionBlock(32, 4, precision="medium"))
+    x = torch.randn(3, 13, 32)
+    grad_y = torch.randn(3, 13, 32)
+    y = _check_against_truth(block, x, grad_y, {torch.float32: 2e-2})
+    assert y.dtype == torch.float32
+    assert calls == [["torch.bfloat16", "torch.bfloat16"]]
+    truth = _float64_truth(block, x, grad_y)[0]
+    assert relative_errors([y], [truth])[0] > 1e-3
+
+
+@pytest.mark.parametrize("precision", ["low", "fast", "High", 3])
 def test_unknown_precision_is_refused(precision):
-    with pytest.raises(ValueError,
-                       match=r"precision must be one of \(None, 'highest', 'high'\)"):
+    with pytest.raises(ValueError, match=r"precision must be one of "
+                                         r"\(None, 'highest', 'high', 'medium'\)"):
         VisionAttentionBlock(32, 4, precision=precision)
     block = VisionAttentionBlock(32, 4)
     params = [p.detach() for p in block.parameters()]
@@ -285,17 +343,21 @@ def test_unknown_precision_is_refused(precision):
 
 def _recorded_precisions(monkeypatch):
     """[(forward's precision, backward's precision)] of each fused call, recorded at the
-    compiled graphs' entry points."""
+    compiled graphs' entry points; the one-product path's is its half dtype
+    ("torch.bfloat16"), that of the saved QKV projection in the backward."""
     from vitattn_bwd import graph, module
     calls = []
     forward, backward = module.attention_block_forward, graph.compiled_backward
 
     def recording_forward(*args):
-        calls.append([args[-1]])
+        precision, half_dtype = args[9:11]
+        calls.append([precision if half_dtype is None else str(half_dtype)])
         return forward(*args)
 
     def recording_backward(inputs, **options):
-        calls[-1].append(options["precision"])
+        qkv_dtype = inputs["qkv"].dtype
+        calls[-1].append(options["precision"] if qkv_dtype == torch.float32
+                         else str(qkv_dtype))
         return backward(inputs, **options)
     monkeypatch.setattr(module, "attention_block_forward", recording_forward)
     monkeypatch.setattr(graph, "compiled_backward", recording_backward)
@@ -303,10 +365,10 @@ def _recorded_precisions(monkeypatch):
 
 
 @pytest.mark.parametrize("torch_precision,runs", [("highest", "highest"), ("high", "high"),
-                                                  ("medium", "high")])
+                                                  ("medium", "torch.bfloat16")])
 def test_default_precision_follows_torch_at_each_call(monkeypatch, torch_precision, runs):
     """precision None reads torch.get_float32_matmul_precision() when the block runs
-    (not when it is made): "medium", whose map is not built, runs "high"; an explicit
+    (not when it is made): "medium" runs the one-product path in bf16; an explicit
     precision ignores torch's setting."""
     calls = _recorded_precisions(monkeypatch)
     default, explicit = (_randomize(VisionAttentionBlock(32, 4, precision=p))

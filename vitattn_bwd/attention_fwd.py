@@ -23,7 +23,7 @@ import math
 import torch
 
 from .attention_core import TileConfig, triton_supports
-from .layout import split_heads
+from .layout import merge_heads, split_heads
 from .precision import split_bf16_truncated
 
 
@@ -114,6 +114,21 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _(q, k, v, scale):
     B, H, S, D = q.shape
     return q.new_empty(B, S, H * D), q.new_empty(B, H, S)
+
+
+def attention_fwd_half(q, k, v, scale):
+    """attn_output [B,S,E] in q's dtype and lse [B,H,S] float32 for bf16 / fp16 q, k, v
+    [B,H,S,D] (any strides with a contiguous last dim): torch's own flash-attention
+    forward, the kernel F.scaled_dot_product_attention runs on such inputs (CUDA: FA2;
+    the CPU: its flash kernel), which also returns the log-sum-exp the backward
+    recomputes P from (natural log)."""
+    if q.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v,
+                                                                      scale=scale)[:2]
+    else:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, scale=scale)
+    return merge_heads(out), lse                                # [B,S,E], [B,H,S]
 
 
 @torch.library.custom_op("vitattn_bwd::attention_fwd_split", mutates_args=())

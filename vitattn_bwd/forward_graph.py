@@ -15,7 +15,11 @@ operator gets q, k and v split by the kernel that adds up the QKV GEMMs (truncat
 rounded for "highest"). cuBLAS float32 GEMMs
 without TF32, what F.linear runs, take about fifteen times as long per FLOP (at batch 32
 the two projections are ~2.4 ms of float32 GEMM). With split_precision None (the CPU,
-float64) the projections are F.linear in the inputs' dtype.
+float64) the projections are F.linear in the inputs' dtype. With half_dtype (bf16 or
+fp16: VisionAttentionBlock under autocast or at precision "medium") the LayerNorm is
+float32 and the projections and the attention are one product each in half_dtype, what
+the stock block computes under autocast: cuBLAS GEMMs and torch's flash-attention
+forward (attention_fwd.attention_fwd_half), qkv and attn_output saved in half_dtype.
 
 `attention_block_forward` is what VisionAttentionFunction calls: on CUDA (float32) the
 compiled graph, per configuration and batch bucket as the backward's (graph.py), with
@@ -31,22 +35,41 @@ from torch.nn import functional as F
 
 from . import graph
 from .attention_core import triton_supports
-from .attention_fwd import attention_fwd, attention_fwd_split
+from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_split
 from .layout import split_heads
 from .precision import linear_bf16x3, operand_split
 
 
+def _linear_in(dtype):
+    """F.linear with its input, weight and bias cast to `dtype`: one product in it with
+    float32 accumulation, what a Linear computes under autocast to `dtype`."""
+    def linear(a, weight, bias):
+        return F.linear(a.to(dtype), weight.to(dtype), bias.to(dtype))
+    return linear
+
+
 def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias, *,
-                  num_heads, eps, split_precision):
-    """y and the tensors the backward needs (no x_norm, no P)."""
+                  num_heads, eps, split_precision, half_dtype=None):
+    """y and the tensors the backward needs (no x_norm, no P). half_dtype (bf16 or fp16;
+    x and the parameters float32): the LayerNorm in float32, then the projections and
+    the attention one product each in half_dtype, with float32 accumulation, as the stock
+    block computes them under autocast to half_dtype; qkv and attn_output are saved in
+    it."""
     x_mean = x.mean(-1, keepdim=True)                                          # [B,S,1]
     x_centered = x - x_mean
     x_var = (x_centered * x_centered).mean(-1, keepdim=True)      # [B,S,1], biased
     x_norm = x_centered * torch.rsqrt(x_var + eps) * ln_weight + ln_bias       # [B,S,E]
-    linear = linear_bf16x3 if split_precision else F.linear
-    qkv = linear(x_norm, qkv_weight, qkv_bias)                                 # [B,S,3E]
     head_dim = x.shape[-1] // num_heads
     scale = 1.0 / math.sqrt(head_dim)
+    if half_dtype is not None:
+        linear = _linear_in(half_dtype)
+        qkv = linear(x_norm, qkv_weight, qkv_bias)                             # [B,S,3E]
+        q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))   # [B,H,S,D]
+        attn_output, lse = attention_fwd_half(q, k, v, scale)    # [B,S,E], [B,H,S]
+        y = x + linear(attn_output, out_weight, out_bias)
+        return y, x_mean, x_var, qkv, lse, attn_output
+    linear = linear_bf16x3 if split_precision else F.linear
+    qkv = linear(x_norm, qkv_weight, qkv_bias)                                 # [B,S,3E]
     if split_precision and triton_supports("cuda", x.dtype, head_dim):
         # the attention kernel's bf16 split, fused where qkv is made
         attn_output, lse = attention_fwd_split(*operand_split(split_precision)(qkv),
@@ -60,33 +83,41 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
 
 @functools.cache
 def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph,
-             precision):
+             precision, half_dtype):
     """The compiled forward of one configuration and batch bucket (CUDA); the arguments
     are the cache key."""
     del dtype, seq_len, embed_dim                              # they key the cache only
 
     def forward_graph(**tensors):
         return block_forward(**tensors, num_heads=num_heads, eps=eps,
-                             split_precision=precision)
-    name = "forward-" if precision == "high" else f"forward-{precision}-"
+                             split_precision=precision, half_dtype=half_dtype)
+    if half_dtype is not None:
+        name = f"forward-{str(half_dtype).removeprefix('torch.')}-"
+    else:
+        name = "forward-" if precision == "high" else f"forward-{precision}-"
     return graph.compile_graph(forward_graph, "cuda", name, batch_bucket, ("x",),
                                cuda_graph)
 
 
 def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
-                            out_bias, num_heads, eps, precision="high"):
+                            out_bias, num_heads, eps, precision="high", half_dtype=None):
     """y, the tensors saved for the backward (in VisionAttentionFunction.backward's
-    order) and the softmax scale, for validated tensors of one device and dtype."""
+    order) and the softmax scale, for validated tensors of one device and dtype.
+    half_dtype: None for float32-grade math at `precision`, or bf16 / fp16 for one
+    product per matmul in it (block_forward; not for an empty batch, which runs the
+    float32 math)."""
     tensors = dict(x=x, ln_weight=ln_weight, ln_bias=ln_bias, qkv_weight=qkv_weight,
                    qkv_bias=qkv_bias, out_weight=out_weight, out_bias=out_bias)
     B, S, E = x.shape
+    if x.numel() == 0:
+        half_dtype = None
     if x.is_cuda and x.dtype == torch.float32 and x.numel() > 0:
         fn = _compile(x.dtype, S, E, num_heads, eps, graph.batch_bucket(B),
-                      graph.uses_cuda_graph("cuda", B), precision)
+                      graph.uses_cuda_graph("cuda", B), precision, half_dtype)
         outputs = _run_compiled(fn, tensors)
     else:
         outputs = block_forward(**tensors, num_heads=num_heads, eps=eps,
-                                split_precision=None)
+                                split_precision=None, half_dtype=half_dtype)
     y, x_mean, x_var, qkv, lse, attn_output = outputs
     saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse, attn_output,
              out_weight)

@@ -31,11 +31,12 @@ import types
 import torch
 
 from . import attention_core, cache, layer_norm
+from .attention_core import HALF_DTYPES
 from .cuda_graphs import GraphedCall
 from .layout import split_heads
 from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
-                        matmul_halves_transposed, operand_split, power_of_two_scale,
-                        products_halves_by_weight)
+                        matmul_halves_transposed, mm_float32, mm_half, operand_split,
+                        power_of_two_scale, products_halves_by_weight)
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
@@ -100,6 +101,39 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
             grad_qkv_bias * unscale, unscale)
 
 
+def _one_product_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
+                          attn_weights, forward_output, q, k, v, scale):
+    """The products at one product per matmul in the dtype of the module's saved
+    half-precision activations (attn_rows, q, k, v: bf16 or fp16; VisionAttentionBlock
+    under autocast or at precision "medium"), with float32 accumulation, as the stock
+    block's autocast backward computes them: grad_out_weight, grad_x_norm_parts (two
+    float32 [B*S,E] GEMM outputs whose sum is grad_x_norm), grad_qkv_weight,
+    grad_qkv_bias, unscale (1). The weight gradients and grad_x_norm leave their GEMMs
+    in float32 (the stock block rounds them to the half dtype)."""
+    dtype = q.dtype
+    B, H, S, D = q.shape
+    E = H * D
+    rows = B * S
+    grad_rows = grad_rows.to(dtype)                                            # [B*S,E]
+    grad_out_weight = mm_float32(grad_rows.t(), attn_rows)                     # [E,E]
+    grad_attn = mm_half(grad_rows, out_weight.to(dtype)).view(B, S, E)
+    # the core's gradients in `dtype`, and their partial sums over rows
+    grad_q, _, delta, grad_q_sums = attention_core.softmax_bwd_rows(
+        attn_weights, grad_attn, q, k, v, forward_output, scale)  # [B,S,E], [B,H,S], [B,G,E]
+    grad_kv, _, grad_kv_sums = attention_core.softmax_bwd_cols(
+        attn_weights, grad_attn, q, k, v, delta, scale)            # [B,S,2E], [B,G,2E]
+    grad_q, grad_kv = grad_q.view(rows, E), grad_kv.view(rows, 2 * E)
+    qkv_weight = qkv_weight.to(dtype)
+    grad_x_norm_parts = (mm_float32(grad_q, qkv_weight[:E]),
+                         mm_float32(grad_kv, qkv_weight[E:]))
+    x_norm_rows = x_norm_rows.to(dtype)
+    grad_qkv_weight = torch.cat([mm_float32(grad_q.t(), x_norm_rows),          # [3E,E]
+                                 mm_float32(grad_kv.t(), x_norm_rows)])
+    grad_qkv_bias = torch.cat([grad_q_sums.sum((0, 1)), grad_kv_sums.sum((0, 1))])  # [3E]
+    return (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
+            grad_out_weight.new_ones(()))
+
+
 def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
                     attn_weights, forward_output, q, k, v, scale):
     """The same products in the inputs' own precision (CPU, float64): grad_out_weight,
@@ -115,6 +149,24 @@ def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
             grad_qkv.sum(0))
 
 
+def _layer_norm_backward_of_parts(grad_output, grad_x_norm_parts, unscale, x, x_mean,
+                                  x_var, ln_weight, norm_eps, ln_grad):
+    """grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias from grad_x_norm given as the
+    GEMM outputs it is the sum of (four or two, times unscale): the fused LayerNorm
+    operator on CUDA, the math elsewhere."""
+    if x.is_cuda:
+        missing = (None,) * (4 - len(grad_x_norm_parts))       # two parts: part2, part3
+        return layer_norm.fused_layer_norm_backward(
+            grad_output, *grad_x_norm_parts, *missing, unscale, x, x_mean, x_var,
+            ln_weight, norm_eps, ln_grad == "exact")
+    B, S, E = x.shape
+    grad_x_norm = sum(grad_x_norm_parts) * unscale
+    grad_x, grad_ln_weight, grad_ln_bias = layer_norm.layer_norm_backward(
+        grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
+        ln_grad)
+    return grad_x, grad_ln_weight, grad_ln_bias, grad_output.reshape(B * S, E).sum(0)
+
+
 def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_weights,
                    attn_output, out_weight, *, scale, norm_eps, ln_grad, split_precision,
                    q=None, k=None, v=None, qkv=None, x_norm=None, ln_bias=None):
@@ -122,7 +174,9 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
 
     split_precision: None for plain products in the inputs' dtype (the CPU, float64),
     else the precision of the split products (CUDA float32): "high" or "highest"
-    (_split_precision_products).
+    (_split_precision_products). Where the module saved its activations (qkv,
+    attn_output) in bf16 or fp16, every product is one product in that dtype
+    (_one_product_products), on any device, whatever split_precision says.
 
     attn_weights is P [B,H,S,S], or its row log-sum-exp [B,H,S] (VisionAttentionBlock
     saves only that; the attention core recomputes P). q, k, v [B,H,S,D] may instead come
@@ -142,13 +196,17 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     forward_output = attn_output if attn_weights.dim() == 3 else None
     product_args = (grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E),
                     out_weight, qkv_weight, attn_weights, forward_output, q, k, v, scale)
-    if split_precision:
-        (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
-         unscale) = _split_precision_products(*product_args, split_precision)
-        grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias = (
-            layer_norm.fused_layer_norm_backward(
-                grad_output, *grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight,
-                norm_eps, ln_grad == "exact"))
+    if q.dtype in HALF_DTYPES:
+        products = _one_product_products(*product_args)
+    elif split_precision:
+        products = _split_precision_products(*product_args, split_precision)
+    else:
+        products = None
+    if products is not None:
+        grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias, unscale = products
+        grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias = _layer_norm_backward_of_parts(
+            grad_output, grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight, norm_eps,
+            ln_grad)
     else:
         grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias = _plain_products(
             *product_args)
@@ -164,7 +222,10 @@ def uses_cuda_graph(device_type, batch):
     """Small batches run as CUDA graphs (cuda_graphs.py), on any thread: their GPU work
     (0.1-1.5 ms) is shorter than launching their ~40 kernels one by one, and copying
     their inputs into the graphs' static buffers is cheap. Large batches run without:
-    their input copies (P is 21 MB per image) would cost more than the launch gaps."""
+    their input copies (P is 21 MB per image) would cost more than the launch gaps. (The
+    module's one-product path at batch 32, whose GPU work is shorter than its launches,
+    ran no faster as CUDA graphs: its input and output copies cost as much on the H200;
+    docs/performance.md, session 11.)"""
     return device_type == "cuda" and batch <= CUDA_GRAPH_MAX_BATCH
 
 
@@ -212,17 +273,21 @@ def _with_own_code(fn):
 
 
 @functools.cache
-def _compile(device_type, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
-             batch_bucket, cuda_graph, input_names, split_precision):
+def _compile(device_type, dtype, activation_dtype, seq_len, embed_dim, num_heads, scale,
+             norm_eps, ln_grad, batch_bucket, cuda_graph, input_names, split_precision):
     """One compiled backward; the arguments are the cache key (input_names: the
-    contract's inputs, or the module's: qkv for q, k, v, ln_bias for x_norm)."""
+    contract's inputs, or the module's: qkv for q, k, v, ln_bias for x_norm;
+    activation_dtype: q's, which is bf16 / fp16 on the one-product path)."""
     del dtype, seq_len, embed_dim, num_heads, input_names     # they key the cache only
     constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
                      split_precision=split_precision)
 
     def backward_graph(**tensors):
         return block_backward(**tensors, **constants)
-    name = "" if split_precision in (None, "high") else f"{split_precision}-"
+    if activation_dtype in HALF_DTYPES:
+        name = f"{str(activation_dtype).removeprefix('torch.')}-"
+    else:
+        name = "" if split_precision in (None, "high") else f"{split_precision}-"
     return compile_graph(backward_graph, device_type, name, batch_bucket, BATCHED_INPUTS,
                          cuda_graph)
 
@@ -250,7 +315,8 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad, precision="high"):
     x = inputs["x"]
     B, S, E = x.shape
     num_heads = inputs["attn_weights"].shape[1]
-    fn = _compile(x.device.type, x.dtype, S, E, num_heads, scale, norm_eps, ln_grad,
-                  batch_bucket(B), uses_cuda_graph(x.device.type, B), tuple(inputs),
-                  split_precision_of(x.device.type, precision))
+    activation_dtype = inputs["qkv" if "qkv" in inputs else "q"].dtype
+    fn = _compile(x.device.type, x.dtype, activation_dtype, S, E, num_heads, scale,
+                  norm_eps, ln_grad, batch_bucket(B), uses_cuda_graph(x.device.type, B),
+                  tuple(inputs), split_precision_of(x.device.type, precision))
     return fn(**inputs)

@@ -17,31 +17,43 @@ below, then VisionAttentionFunction.
 
 Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precision:
 - None (the default) follows PyTorch. Inside an autocast region (cpu or cuda, bfloat16
-  or float16), and for a block whose input and parameters are all bfloat16 or all
-  float16 (a `.bfloat16()` model), the block computes what the stock LayerNorm + Linear
-  + SDPA + Linear block computes there, with the same ops (`stock_forward`): products in
-  the autocast (or the tensors') dtype, the activations autograd saves in that dtype,
-  the same output dtypes and gradients, and the stock block's speed. (The fused backward
-  is float32-grade only; a half-precision fused path is not built yet.) Otherwise the
-  fused path runs at torch.get_float32_matmul_precision(), read at each call: "highest"
-  (PyTorch's default) as "highest" below, "high" as "high", and "medium" as "high" too
-  (a one-bf16-product map is not built; "high" is more precise than "medium" asks).
-- "highest": the fused path, as float32-faithful as bf16x3 goes: every GEMM bf16x3 from
-  operands split rounded to nearest, the QKV weight gradient's too (three bf16 GEMMs
-  where "high" takes one fp16 product); the attention core is the same bf16x3 at both
-  precisions (the Gluon kernels split its S x S tiles by truncation, the Triton
-  templates round them; max-autotune picks).
-- "high": the fused path with the fastest map the benchmark's tolerance allows
+  or float16), for a float32 block and input, the block runs the one-product path below
+  in the autocast dtype: what the stock LayerNorm + Linear + SDPA + Linear block
+  computes there (one product per matmul in that dtype, float32 accumulation, the
+  LayerNorm and softmax statistics in float32, the projections and the attention output
+  saved in that dtype, the stock block's output dtype), with our fused backward. Where
+  that path does not run (GPUs other than Hopper, head dims the Gluon kernels do not
+  take, mixed dtypes under autocast) and for a block whose input and parameters are all
+  bfloat16 or all float16 (a `.bfloat16()` model), it computes with the stock ops
+  themselves (`stock_forward`). Otherwise the block runs at
+  torch.get_float32_matmul_precision(), read at each call: "highest" (PyTorch's
+  default), "high" or "medium", as below.
+- "highest": the fused float32 path, as float32-faithful as bf16x3 goes: every GEMM
+  bf16x3 from operands split rounded to nearest, the QKV weight gradient's too (three
+  bf16 GEMMs where "high" takes one fp16 product); the attention core is the same bf16x3
+  at both float32 precisions (the Gluon kernels split its S x S tiles by truncation, the
+  Triton templates round them; max-autotune picks).
+- "high": the fused float32 path with the fastest map the benchmark's tolerance allows
   (truncated splits, one fp16 product for the QKV weight gradient; the contract entry
   point, vitattn_bwd.attention_block_backward, runs this by default).
-An explicit "highest" or "high" runs the fused path everywhere, inside autocast and for
-half-precision blocks too. On the CPU the fused path's products are plain float32 (or
-float64) matmuls whatever the precision.
+- "medium": the one-product path in bfloat16 on float32 tensors, inside or outside
+  autocast. Where it does not run, "high" (more precise than "medium" asks).
+The one-product path (forward_graph.py with half_dtype, graph.py's
+_one_product_products): the LayerNorm in float32, the QKV and out projections as bf16 /
+fp16 cuBLAS GEMMs, torch's flash-attention forward (which gives the log-sum-exp), and a
+backward whose GEMMs take the saved half-precision activations and leave float32 results
+(the stock block rounds its gradients to the half dtype), around the attention core's
+one-product Gluon kernels (P recomputed from the log-sum-exp; deterministic, where
+torch's attention backwards are not). It runs on Hopper GPUs with Gluon and on the CPU
+(`one_product_supported`). An explicit "highest" or "high" runs the fused float32 path
+everywhere, inside autocast and for half-precision blocks too. On the CPU the fused
+float32 path's products are plain float32 (or float64) matmuls whatever the precision.
 
-Dtypes of the fused path. The fused backward runs in float32 (float64 too on the CPU).
-So it computes in float32 whatever its parameters and input are:
-- under torch.autocast with precision="highest" or "high" its inputs are cast to
-  float32 and it runs
+Dtypes of the fused path. The fused backward runs in float32 (float64 too on the CPU),
+or, on the one-product path, on bf16 / fp16 activations of float32 tensors. So it takes
+float32 tensors whatever its parameters and input are:
+- under torch.autocast with an explicit precision its inputs are cast to float32 and it
+  runs
   with autocast off, as custom kernels do (torch.amp.custom_fwd(cast_inputs=
   torch.float32));
 - bfloat16/float16 parameters or input with an explicit precision, or of mixed dtypes (a
@@ -61,13 +73,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import graph
+from . import gluon_core, graph
+from .attention_core import HALF_DTYPES
 from .forward_graph import attention_block_forward
 from .layout import merge_heads, split_heads
 from .precision import FUSED_PRECISIONS, check_fused_precision
 
 # The accepted values of `precision` (module docstring).
-PRECISIONS = (None, *FUSED_PRECISIONS)
+PRECISIONS = (None, *FUSED_PRECISIONS, "medium")
 
 DOUBLE_BACKWARD_MESSAGE = (
     "VisionAttentionBlock does not support double backward (create_graph=True): its "
@@ -95,13 +108,16 @@ def check_config(embed_dim, num_heads, eps):
 def check_precision(precision):
     """`precision` if it is one of PRECISIONS, else ValueError naming them."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r} "
-                         "(PyTorch's 'medium' is not implemented: None with "
-                         "torch.set_float32_matmul_precision('medium') runs 'high')")
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     return precision
 
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)
+def one_product_supported(device, dtype, head_dim):
+    """Where the one-product path (bf16 / fp16 activations, the attention core's
+    one-product kernels) runs: on Hopper GPUs with Gluon (gluon_core.available), and on
+    the CPU (the same graph with PyTorch math, for correctness). Elsewhere the block
+    computes with the stock ops instead."""
+    return device.type == "cpu" or gluon_core.available(device, dtype, head_dim)
 
 
 def torch_float32_precision():
@@ -118,11 +134,8 @@ def torch_float32_precision():
 
 def fused_precision(precision):
     """The precision the fused path runs at: `precision`, or for None PyTorch's float32
-    matmul precision read now ("medium", whose one-bf16-product map is not built, runs
-    "high")."""
-    if precision is not None:
-        return precision
-    return "highest" if torch_float32_precision() == "highest" else "high"
+    matmul precision read now."""
+    return torch_float32_precision() if precision is None else precision
 
 
 def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
@@ -188,16 +201,22 @@ class VisionAttentionFunction(torch.autograd.Function):
     share one device and one dtype, float32 (or float64 on the CPU); use
     `vision_attention` for any other dtype or under autocast. precision: "highest" or
     "high" (the default here; `vision_attention` resolves None from torch's setting).
-    Errors are raised here, in the forward, never later in the backward. Not twice
-    differentiable."""
+    half_dtype: None, or bf16 / fp16 for the one-product path (float32 tensors; the
+    projections and the attention one product each in that dtype, as under autocast;
+    `precision` then does not matter). Errors are raised here, in the forward, never
+    later in the backward. Not twice differentiable."""
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                num_heads, eps, precision="high"):
+                num_heads, eps, precision="high", half_dtype=None):
         params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
         _check_tensors(x, params, num_heads)
         _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
         check_fused_precision(precision)
+        if half_dtype is not None and (half_dtype not in HALF_DTYPES
+                                       or x.dtype != torch.float32):
+            raise TypeError(f"half_dtype must be None or one of {HALF_DTYPES} with "
+                            f"float32 tensors, got {half_dtype} with {x.dtype}")
         allowed = _supported_dtypes(x.device)
         if x.dtype not in allowed:
             raise TypeError(f"x must be one of {allowed} on {x.device.type}, got "
@@ -208,7 +227,8 @@ class VisionAttentionFunction(torch.autograd.Function):
         # The math runs as written, whatever autocast region the caller is in: an
         # autocast linear would hand bf16 q, k, v to the float32 backward.
         with _autocast_off(x.device.type):
-            y, saved, scale = attention_block_forward(x, *params, num_heads, eps, precision)
+            y, saved, scale = attention_block_forward(x, *params, num_heads, eps, precision,
+                                                      half_dtype)
         ctx.save_for_backward(*saved)
         ctx.num_heads, ctx.eps, ctx.scale, ctx.precision = num_heads, eps, scale, precision
         return y
@@ -226,7 +246,7 @@ class VisionAttentionFunction(torch.autograd.Function):
             E = x.shape[-1]
             zeros = [x.new_zeros(shape) for shape in
                      ((E,), (E,), (3 * E, E), (3 * E,), (E, E), (E,))]
-            return (torch.zeros_like(x), *zeros, None, None, None)
+            return (torch.zeros_like(x), *zeros, None, None, None, None)
         # A backward called inside an autocast region (on the CPU it runs on the caller's
         # thread) must not turn our float32 math into bf16 either.
         with _autocast_off(x.device.type):
@@ -235,16 +255,16 @@ class VisionAttentionFunction(torch.autograd.Function):
                 dict(grad_output=grad_y.contiguous(), **saved), scale=ctx.scale,
                 norm_eps=ctx.eps, ln_grad="exact", precision=ctx.precision)
         return (grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
-                grad_out_weight, grad_out_bias, None, None, None)
+                grad_out_weight, grad_out_bias, None, None, None, None)
 
 
 def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
                      num_heads, eps, precision=None, gamma=None):
     """y = x + out_proj(attention(qkv(LayerNorm(x)))) for tensors of any floating dtype,
-    inside or outside torch.autocast (see the module docstring): with the fused
-    float32-grade backward (y in x's dtype, each gradient in its tensor's dtype), except
-    with precision None inside autocast or for tensors all in one half dtype, where it
-    computes as the stock block does.
+    inside or outside torch.autocast (see the module docstring): with the fused backward
+    (y in x's dtype, or the stock block's under autocast; each gradient in its tensor's
+    dtype): float32-grade, or one product per matmul under autocast and at "medium";
+    for tensors all in one half dtype with precision None, the stock ops.
 
     x [B,S,E]; ln_weight, ln_bias [E]; qkv_weight [3E,E] (q | k | v rows); qkv_bias
     [3E]; out_weight [E,E]; out_bias [E]; gamma [E] or None: a LayerScale (timm,
@@ -263,8 +283,24 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     layer_scale = () if gamma is None else (gamma,)
     dtypes = {t.dtype for t in (x, *params, *layer_scale)}
     native_half = len(dtypes) == 1 and x.dtype in HALF_DTYPES
-    if precision is None and (autocast or native_half):
+    head_dim = x.shape[-1] // num_heads
+    half_dtype = None
+    if precision is None and autocast:
+        # the autocast dtype's one-product path where it runs, else the stock ops
+        half_dtype = torch.get_autocast_dtype(device.type)
+        if dtypes != {torch.float32} or not one_product_supported(device, half_dtype,
+                                                                  head_dim):
+            return stock_forward(x, *params, num_heads, eps, gamma)
+    elif precision is None and native_half:
         return stock_forward(x, *params, num_heads, eps, gamma)
+    fused = fused_precision(precision)
+    if fused == "medium":
+        # bf16 one-product where it runs on float32 math; elsewhere "high", which is
+        # more precise than "medium" asks
+        fused = "high"
+        if (half_dtype is None and torch.float64 not in dtypes
+                and one_product_supported(device, torch.bfloat16, head_dim)):
+            half_dtype = torch.bfloat16
     if autocast:
         compute = torch.float32                 # custom_fwd(cast_inputs=torch.float32)
     elif torch.float64 in dtypes:
@@ -281,8 +317,7 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     args = [t if t.dtype == compute else t.to(compute)
             for t in (x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)]
     with _autocast_off(device.type):
-        y = VisionAttentionFunction.apply(*args, num_heads, eps,
-                                          fused_precision(precision))
+        y = VisionAttentionFunction.apply(*args, num_heads, eps, fused, half_dtype)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
@@ -294,14 +329,16 @@ class VisionAttentionBlock(nn.Module):
     `load_molmo_state_dict` / `load_clip_state_dict`.
 
     Any floating dtype and torch.autocast work. precision None (the default) follows
-    autocast inside an autocast region, and the dtype of a block that is all bfloat16 or
-    all float16 (the stock block's computation, in both), and runs the fused
-    float32-grade path otherwise, at torch.get_float32_matmul_precision() ("highest":
-    float32-faithful, "high": faster); precision="highest" or "high" runs the fused path
-    at that precision everywhere (see vitattn_bwd.module). On the fused path the math is float32 (float64 on the CPU for a
-    float64 block), the output has x's dtype and each gradient its tensor's dtype;
-    float64 on CUDA is refused in the forward, and double backward (create_graph=True)
-    raises a RuntimeError (the stock path supports it, as the stock block does).
+    autocast inside an autocast region (the one-product path in the autocast dtype:
+    the stock block's computation there, with our fused backward), the dtype of a block
+    that is all bfloat16 or all float16 (the stock ops in that dtype), and otherwise
+    torch.get_float32_matmul_precision() ("highest": float32-faithful, "high": faster,
+    "medium": one bf16 product per matmul); an explicit precision runs at that precision
+    everywhere (see vitattn_bwd.module). On the fused float32 path the math is float32
+    (float64 on the CPU for a float64 block), the output has x's dtype and each gradient
+    its tensor's dtype; float64 on CUDA is refused in the forward, and double backward
+    (create_graph=True) raises a RuntimeError (the stock path supports it, as the stock
+    block does).
     """
 
     def __init__(self, embed_dim=1024, num_heads=16, eps=1e-5, device=None, dtype=None,

@@ -89,6 +89,15 @@ def mm_float32(a, b):
     return a.float() @ b.float()
 
 
+def mm_half(a, b):
+    """a @ b for bf16/fp16 operands -> their dtype, one product with float32
+    accumulation (cuBLAS on CUDA; elsewhere a float32 matmul of the upcast operands,
+    rounded once)."""
+    if a.device.type == "cuda":
+        return a @ b
+    return (a.float() @ b.float()).to(a.dtype)
+
+
 def products_halves_by_weight(a_halves, weight, split=split_bf16_truncated):
     """The two GEMMs of a [M,K] (given as halves [M,2K]) @ weight [K,N] float32 in
     bf16x3, small term first: (a_hi @ w_lo, [a_hi | a_lo] @ [w_hi ; w_hi]), each [M,N];
