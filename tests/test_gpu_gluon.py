@@ -129,9 +129,9 @@ def test_operators_of_the_compiled_graph(recompute):
     rows_tiles, cols_tiles = gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0]
     placeholder = probs if attn_output is None else attn_output
     rows = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows(probs, *halves, placeholder, scale,
-                                                        *rows_tiles)
+                                                        *rows_tiles, 3)      # bf16x3
     cols = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols(probs, *halves, rows[2], scale,
-                                                        *cols_tiles)
+                                                        *cols_tiles, 3)
     expected = _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles)
     got = (*rows, *cols)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
