@@ -17,8 +17,12 @@ a thin entry point (program ids, output stores) followed by the source of every
 non-kernel function of that file, so the kernels tested under TRITON_INTERPRET=1 are
 the kernels compiled here; one template per pass serves both the given P and P
 recomputed from its log-sum-exp (RECOMPUTE_P). The lowerings hand the templates
-grad_attn, q, k and v as bf16 (hi, lo) pairs, made by one pointwise pass each from the float32 tensors of the
-graph (grad_attn and v once for both passes).
+grad_attn, q, k and v as bf16 (hi, lo) pairs, made by one pointwise pass each from the
+float32 tensors of the graph (grad_attn and v once for both passes). bf16 / fp16
+operands (the module's one-product path) go to the Gluon kernels as they are (each
+tensor twice, its lo never read), with one product per matmul; the templates do not take
+them, so there the Gluon configs are the only candidates, and where Gluon does not run
+the operator's own implementation does.
 """
 import functools
 import inspect
