@@ -28,7 +28,7 @@ import functools
 import torch
 
 from .attention_core import (COLUMN_SUM_ROWS, HALF_DTYPES, TileConfig, gradient_dtype,
-                             sum_groups)
+                             halves_width, sum_groups)
 
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
 # num_warps = 4 per 64 rows the program owns). Each compiles for sm_90 without spills
@@ -136,10 +136,10 @@ def _operand_dtype(q_hi, products):
 def _rows_outputs(q_hi, products):
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
-    halves_width = 2 * embed_dim if products == 3 else 0
-    return (q_hi.new_empty(batch, seq_len, embed_dim,
-                           dtype=gradient_dtype(_operand_dtype(q_hi, products))),
-            q_hi.new_empty(batch, seq_len, halves_width, dtype=torch.bfloat16),
+    dtype = _operand_dtype(q_hi, products)
+    return (q_hi.new_empty(batch, seq_len, embed_dim, dtype=gradient_dtype(dtype)),
+            q_hi.new_empty(batch, seq_len, halves_width(dtype, embed_dim),
+                           dtype=torch.bfloat16),
             q_hi.new_empty(batch, num_heads, seq_len, dtype=torch.float32),
             q_hi.new_empty(batch, sum_groups(seq_len), embed_dim, dtype=torch.float32))
 
@@ -147,10 +147,10 @@ def _rows_outputs(q_hi, products):
 def _cols_outputs(q_hi, products):
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
-    halves_width = 4 * embed_dim if products == 3 else 0
-    return (q_hi.new_empty(batch, seq_len, 2 * embed_dim,
-                           dtype=gradient_dtype(_operand_dtype(q_hi, products))),
-            q_hi.new_empty(batch, seq_len, halves_width, dtype=torch.bfloat16),
+    dtype = _operand_dtype(q_hi, products)
+    return (q_hi.new_empty(batch, seq_len, 2 * embed_dim, dtype=gradient_dtype(dtype)),
+            q_hi.new_empty(batch, seq_len, halves_width(dtype, 2 * embed_dim),
+                           dtype=torch.bfloat16),
             q_hi.new_empty(batch, sum_groups(seq_len), 2 * embed_dim, dtype=torch.float32))
 
 
