@@ -137,7 +137,8 @@ def _one_product_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_wei
 def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
                     attn_weights, forward_output, q, k, v, scale):
     """The same products in the inputs' own precision (CPU, float64): grad_out_weight,
-    grad_x_norm [B*S,E], grad_qkv_weight, grad_qkv_bias."""
+    grad_x_norm_parts (grad_x_norm [B*S,E] alone), grad_qkv_weight, grad_qkv_bias,
+    unscale (1)."""
     B, H, S, D = q.shape
     E = H * D
     grad_out_weight = grad_rows.t() @ attn_rows
@@ -145,22 +146,22 @@ def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     grad_qkv = torch.cat(attention_core.attention_backward_math(                 # [B*S,3E]
         attn_weights, grad_attn, q, k, v, scale, forward_output),
         dim=-1).view(B * S, 3 * E)
-    return (grad_out_weight, grad_qkv @ qkv_weight, grad_qkv.t() @ x_norm_rows,
-            grad_qkv.sum(0))
+    return (grad_out_weight, (grad_qkv @ qkv_weight,), grad_qkv.t() @ x_norm_rows,
+            grad_qkv.sum(0), 1.0)
 
 
 def _layer_norm_backward_of_parts(grad_output, grad_x_norm_parts, unscale, x, x_mean,
                                   x_var, ln_weight, norm_eps, ln_grad):
     """grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias from grad_x_norm given as the
-    GEMM outputs it is the sum of (four or two, times unscale): the fused LayerNorm
-    operator on CUDA, the math elsewhere."""
+    GEMM outputs it is the sum of (four or two on CUDA, times unscale): the fused
+    LayerNorm operator on CUDA, the math elsewhere."""
     if x.is_cuda:
         missing = (None,) * (4 - len(grad_x_norm_parts))       # two parts: part2, part3
         return layer_norm.fused_layer_norm_backward(
             grad_output, *grad_x_norm_parts, *missing, unscale, x, x_mean, x_var,
             ln_weight, norm_eps, ln_grad == "exact")
     B, S, E = x.shape
-    grad_x_norm = sum(grad_x_norm_parts) * unscale
+    grad_x_norm = functools.reduce(torch.add, grad_x_norm_parts) * unscale
     grad_x, grad_ln_weight, grad_ln_bias = layer_norm.layer_norm_backward(
         grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
         ln_grad)
@@ -201,19 +202,11 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     elif split_precision:
         products = _split_precision_products(*product_args, split_precision)
     else:
-        products = None
-    if products is not None:
-        grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias, unscale = products
-        grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias = _layer_norm_backward_of_parts(
-            grad_output, grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight, norm_eps,
-            ln_grad)
-    else:
-        grad_out_weight, grad_x_norm, grad_qkv_weight, grad_qkv_bias = _plain_products(
-            *product_args)
-        grad_x, grad_ln_weight, grad_ln_bias = layer_norm.layer_norm_backward(
-            grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
-            ln_grad)
-        grad_out_bias = grad_rows.sum(0)
+        products = _plain_products(*product_args)
+    grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias, unscale = products
+    grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias = _layer_norm_backward_of_parts(
+        grad_output, grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight, norm_eps,
+        ln_grad)
     return (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
             grad_ln_weight, grad_ln_bias)
 
