@@ -7,7 +7,6 @@ also measured without cProfile, beside the stock block's.
     PYTHONPATH=. python3 scripts/profile_host.py --batch 23 [--calls 20] [--rows 30]
                                                  [--module [--autocast]]
 """
-import contextlib
 import argparse
 import cProfile
 import io
@@ -20,24 +19,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vitattn_bwd import VisionAttentionBlock, contract, reference  # noqa: E402
+from profile_kernels import module_step  # noqa: E402  (beside this script)
+from vitattn_bwd import contract  # noqa: E402
 from vitattn_bwd.workloads import make_inputs  # noqa: E402
-
-
-def module_step(batch, autocast, stock=False):
-    torch.manual_seed(0)
-    block = VisionAttentionBlock().cuda()
-    model = reference.ReferenceBlock(block) if stock else block
-    x = torch.randn(batch, 577, 1024, device="cuda", requires_grad=True)
-    grad = torch.randn_like(x)
-    region = (lambda: torch.autocast("cuda", torch.bfloat16)) if autocast else \
-        contextlib.nullcontext
-
-    def step():
-        with region():
-            y = model(x)
-        y.backward(grad)
-    return step
 
 
 def host_us(step, calls):
@@ -65,7 +49,8 @@ def main():
     if args.module:
         step = module_step(args.batch, args.autocast)
         for name, model_step in (("ours", step),
-                                 ("stock", module_step(args.batch, args.autocast, True))):
+                                 ("stock", module_step(args.batch, args.autocast,
+                                                       stock=True))):
             print(f"{name}: host {host_us(model_step, args.calls):.0f} us per step")
     else:
         inputs = tuple(make_inputs(args.batch, device="cuda").values())

@@ -23,11 +23,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from time_core_gluon import D, E, H, S, bench, rel  # noqa: E402  (beside this script)
 from vitattn_bwd import attention_core, gluon_core  # noqa: E402
 from vitattn_bwd.layout import merge_heads  # noqa: E402
 
-S, H, D = 577, 16, 64
-E = H * D
 SCALE = 1 / math.sqrt(D)
 
 
@@ -80,11 +79,6 @@ BACKENDS = {"torch flash": SDPBackend.FLASH_ATTENTION, "torch cudnn": SDPBackend
             "torch efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm()).item()
-
-
 def float64_check(dtype):
     q, k, v, grad_attn, out, lse = make_inputs(2, dtype, seed=1)
     ref = attention_core.attention_backward_math(
@@ -108,11 +102,6 @@ def float64_check(dtype):
         except RuntimeError as error:
             result[name] = repr(error)[:200]
     return result
-
-
-def bench(fn):
-    import triton
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def main():
