@@ -165,11 +165,15 @@ def kernels():
                              dict(shape, **constexprs, RECOMPUTE_P=recompute,
                                   SUM_ROWS=COLUMN_SUM_ROWS), tiles))
     # the half-precision path (VisionAttentionBlock under autocast, precision "medium"):
-    # one product per matmul of bf16 / fp16 operands, P recomputed
+    # one product per matmul of bf16 / fp16 operands, P recomputed, q, k, v read as
+    # views of the QKV projection [B,S,3E]
+    embed_dim = NUM_HEADS * HEAD_DIM
+    qkv_views = dict(QKV_BATCH_STRIDE=SEQ_LEN * 3 * embed_dim, QKV_HEAD_STRIDE=HEAD_DIM,
+                     QKV_ROW_STRIDE=3 * embed_dim)
     for dtype in ("bf16", "fp16"):
         for name, kernel, tiles, constexprs in gluon:
             variants.append((f"gluon {name} recompute P {dtype}", kernel,
-                             dict(shape, **dict(constexprs, PRODUCTS=1),
+                             dict(shape, **dict(constexprs, PRODUCTS=1, **qkv_views),
                                   OPERAND_DTYPE=dtype, RECOMPUTE_P=True,
                                   SUM_ROWS=COLUMN_SUM_ROWS), tiles))
     return variants
@@ -184,8 +188,10 @@ def _gluon_kernels():
         from vitattn_bwd.kernels import softmax_bwd_gluon
     except ImportError:
         return []
+    # q, k, v halves contiguous [B,H,S,D]
     constexprs = dict(PRODUCTS=3, OPERAND_SMEM=gl.NVMMASharedLayout.get_default_for(
-        [64, HEAD_DIM], gl.bfloat16))
+        [64, HEAD_DIM], gl.bfloat16), QKV_BATCH_STRIDE=NUM_HEADS * SEQ_LEN * HEAD_DIM,
+        QKV_HEAD_STRIDE=SEQ_LEN * HEAD_DIM, QKV_ROW_STRIDE=HEAD_DIM)
     return [("rows", softmax_bwd_gluon.softmax_bwd_rows_kernel, gluon_core.ROWS_TILES,
              dict(constexprs, PREFETCH=gluon_core.ROWS_PREFETCH)),
             ("cols", softmax_bwd_gluon.softmax_bwd_cols_kernel, gluon_core.COLS_TILES,

@@ -3,13 +3,18 @@ from the log-sum-exp: VisionAttentionBlock under autocast) against torch's own a
 backwards at the same shape, checked and timed in one call on the GPU.
 
     PYTHONPATH=. python3 scripts/time_core_half.py [--batch 32] [--out DIR]
+                                                   [--dtypes bfloat16 float16]
 
-The forward of the inputs is torch's FlashAttention (aten._scaled_dot_product_flash_
-attention: its output and natural-log log-sum-exp), as the block's half-precision forward
-runs it. Checked at batch 2 against float64: our dQ, dK, dV and those of torch's flash,
-cuDNN and memory-efficient backwards. Timed at --batch (median of do_bench, L2 flushed):
-our rows and cols passes per tile config, and torch's backwards (each from its own
-forward's outputs). Prints a table last; details in DIR/core_half.json.
+q, k and v are the head views of one QKV projection [B,S,3E], as the block saves them
+(the kernels read them where they lie, row stride 3E). The forward of the inputs is
+torch's FlashAttention (aten._scaled_dot_product_flash_attention: its output and
+natural-log log-sum-exp), as the block's half-precision forward runs it. Checked at
+batch 2 against float64: our dQ, dK, dV and those of torch's flash, cuDNN and
+memory-efficient backwards; our outputs from the views bitwise against those from
+contiguous copies; cuDNN's forward (output, log-sum-exp) against flash's. Timed at
+--batch (median of do_bench, L2 flushed): our rows and cols passes per tile config in
+gluon_core and CANDIDATE_TILES, torch's backwards (each from its own forward's outputs)
+and the flash and cuDNN forwards. Prints a table last; details in DIR/core_half.json.
 """
 import argparse
 import json
@@ -25,15 +30,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from time_core_gluon import D, E, H, S, bench, rel  # noqa: E402  (beside this script)
 from vitattn_bwd import attention_core, gluon_core  # noqa: E402
-from vitattn_bwd.layout import merge_heads  # noqa: E402
+from vitattn_bwd.attention_core import TileConfig  # noqa: E402
+from vitattn_bwd.layout import merge_heads, split_heads  # noqa: E402
 
 SCALE = 1 / math.sqrt(D)
+# tiles timed beside gluon_core's (each compiles for sm_90 without spills at one product:
+# scripts/kernel_resources.py)
+CANDIDATE_TILES = {"rows": (TileConfig(64, 32, 4, 3), TileConfig(128, 32, 8, 2),
+                            TileConfig(128, 64, 8, 2)),
+                   "cols": (TileConfig(32, 64, 4, 2), TileConfig(16, 64, 4, 3),
+                            TileConfig(32, 128, 8, 2), TileConfig(32, 128, 8, 3))}
 
 
 def make_inputs(batch, dtype, seed=0):
+    """q, k, v [B,H,S,D] as views of one qkv [B,S,3E], grad_attn, the attention output
+    [B,S,E] and the log-sum-exp, in `dtype` (the log-sum-exp float32)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(batch, H, S, D, device="cuda", generator=g).to(dtype)
-               for _ in range(3))
+    qkv = torch.randn(batch, S, 3 * E, device="cuda", generator=g).to(dtype)
+    q, k, v = (split_heads(t, H) for t in qkv.chunk(3, dim=-1))
     grad_attn = torch.randn(batch, S, E, device="cuda", generator=g).to(dtype)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=SCALE)[:2]
     return q, k, v, grad_attn, merge_heads(out).contiguous(), lse
@@ -75,6 +89,18 @@ def torch_backward(backend, q, k, v, grad_attn):
     return backward, [merge_heads(g) for g in backward()]
 
 
+def flash_forward(q, k, v):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=SCALE)[:2]
+    return merge_heads(out), lse
+
+
+def cudnn_forward(q, k, v):
+    """cuDNN's attention forward: output [B,S,E] and log-sum-exp [B,H,S]."""
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, scale=SCALE)[:2]
+    return merge_heads(out), lse.reshape(q.shape[:3])
+
+
 BACKENDS = {"torch flash": SDPBackend.FLASH_ATTENTION, "torch cudnn": SDPBackend.CUDNN_ATTENTION,
             "torch efficient": SDPBackend.EFFICIENT_ATTENTION}
 
@@ -90,8 +116,17 @@ def float64_check(dtype):
                              gluon_core.COLS_TILES[0])
     rows()
     cols()
+    (rows, cols), from_copies = ours(*(t.contiguous() for t in (q, k, v)), grad_attn, out,
+                                     lse, gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])
+    rows()
+    cols()
     grad_k, grad_v = got[1].chunk(2, dim=-1)
-    result = {"lse vs float64": lse_check,
+    cudnn_out, cudnn_lse = cudnn_forward(q, k, v)
+    result = {"views == contiguous copies (bitwise)": all(
+                  torch.equal(a, b) for a, b in zip(got, from_copies)),
+              "cudnn forward vs flash (output, lse)": [rel(cudnn_out, out),
+                                                       rel(cudnn_lse, lse)],
+              "lse vs float64": lse_check,
               "ours": [rel(got[0], ref[0]), rel(grad_k, ref[1]), rel(grad_v, ref[2])],
               "bias sums": [rel(got[3].sum((0, 1)), ref[0].sum((0, 1))),
                             rel(got[4].sum((0, 1)), torch.cat(ref[1:], -1).sum((0, 1)))]}
@@ -108,22 +143,26 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
     args = parser.parse_args()
     report = {}
     table = []
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (getattr(torch, name) for name in args.dtypes):
         name = str(dtype).removeprefix("torch.")
         report[f"float64 check {name}, batch 2 (dQ, dK, dV rel. error)"] = float64_check(dtype)
         print(json.dumps(report), flush=True)
         q, k, v, grad_attn, out, lse = make_inputs(args.batch, dtype)
-        for rows_tiles in gluon_core.ROWS_TILES:
+        for rows_tiles in gluon_core.ROWS_TILES + CANDIDATE_TILES["rows"]:
             (rows, _), _ = ours(q, k, v, grad_attn, out, lse, rows_tiles, rows_tiles)
             table.append((name, "ours rows", tuple(rows_tiles), bench(rows)))
-        for cols_tiles in gluon_core.COLS_TILES:
+        for cols_tiles in gluon_core.COLS_TILES + CANDIDATE_TILES["cols"]:
             (rows, cols), _ = ours(q, k, v, grad_attn, out, lse, gluon_core.ROWS_TILES[0],
                                    cols_tiles)
             rows()
             table.append((name, "ours cols", tuple(cols_tiles), bench(cols)))
+        for forward_name, forward in (("flash forward", flash_forward),
+                                      ("cudnn forward", cudnn_forward)):
+            table.append((name, forward_name, "-", bench(lambda: forward(q, k, v))))
         for backend_name, backend in BACKENDS.items():
             try:
                 backward, _ = torch_backward(backend, q, k, v, grad_attn)

@@ -4,6 +4,7 @@ tokens, 1024 wide, 16 heads; --layers layers, random weights, LayerNorm paramete
 and 0), one forward and backward of a weighted-sum loss, TF32 off.
 
     PYTHONPATH=. python3 scripts/tower_accuracy.py [--layers 4] [--batch 2] [--json F]
+                                                   [--autocast]
 
 For the stock model in float32 and for the swapped model at each precision
 (VisionAttentionBlock's "highest" and "high"), the relative error against the float64
@@ -11,7 +12,11 @@ stock model of the last hidden state and of every parameter's gradient (k_proj.b
 zero in exact math, against its layer's q/k/v bias gradients). Prints per precision the
 largest ratio of our error to the stock float32 model's error over the gradients
 (issue 24's yardstick: "highest" within 10x), and the gradients where it is largest.
+With --autocast, two more rows: the stock and the swapped model (precision None) with
+their forwards under torch.autocast(bfloat16), the swapped one's ratios against the
+stock one's under the same autocast (issue 24: no worse than stock's).
 """
+import contextlib
 import argparse
 import copy
 import json
@@ -41,10 +46,13 @@ def tower(layers):
     return model
 
 
-def hidden_and_grads(model, pixels, weight):
+def hidden_and_grads(model, pixels, weight, autocast=False):
     model.zero_grad(set_to_none=True)
     dtype = next(model.parameters()).dtype
-    out = model(pixel_values=pixels.to(dtype))
+    region = (torch.autocast("cuda", torch.bfloat16) if autocast
+              else contextlib.nullcontext())
+    with region:
+        out = model(pixel_values=pixels.to(dtype))
     ((out.last_hidden_state * weight.to(dtype)).sum() + out.pooler_output.pow(2).sum()
      ).backward()
     return out.last_hidden_state.detach(), {n: p.grad.detach().clone()
@@ -69,6 +77,7 @@ def main():
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--precisions", nargs="+", default=["highest", "high"])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--autocast", action="store_true")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False       # a script: its own process
     torch.backends.cudnn.allow_tf32 = False
@@ -84,16 +93,26 @@ def main():
         ours = swap_attention(copy.deepcopy(stock), precision=precision)
         table[precision] = errors(*hidden_and_grads(ours, pixels, weight), hidden64,
                                   grads64)
+    # each row against the stock row of its own arithmetic
+    baseline = dict.fromkeys(table, "stock float32")
+    if args.autocast:
+        table["stock bf16 autocast"] = errors(
+            *hidden_and_grads(stock, pixels, weight, autocast=True), hidden64, grads64)
+        table["ours bf16 autocast"] = errors(
+            *hidden_and_grads(swap_attention(copy.deepcopy(stock)), pixels, weight,
+                              autocast=True), hidden64, grads64)
+        baseline.update({"stock bf16 autocast": "stock float32",
+                         "ours bf16 autocast": "stock bf16 autocast"})
     if args.json:
         args.json.write_text(json.dumps(table, indent=1))
-    stock_errors = table["stock float32"]
-    print(f"{'precision':14} {'output err':>10} {'output/stock':>12} {'worst grad/stock':>16}"
-          "  worst gradients (ours / stock)")
+    print(f"{'precision':20} {'output err':>10} {'output/stock':>12} {'worst grad/stock':>16}"
+          "  worst gradients (ours / stock), stock: that row's baseline")
     for precision, errs in table.items():
+        stock_errors = table[baseline[precision]]
         ratios = {n: errs[n] / stock_errors[n] for n in errs if n != "last_hidden_state"}
         worst = sorted(ratios, key=ratios.get, reverse=True)[:3]
         detail = ", ".join(f"{n} {errs[n]:.1e}/{stock_errors[n]:.1e}" for n in worst)
-        print(f"{precision:14} {errs['last_hidden_state']:10.2e} "
+        print(f"{precision:20} {errs['last_hidden_state']:10.2e} "
               f"{errs['last_hidden_state'] / stock_errors['last_hidden_state']:12.1f} "
               f"{ratios[worst[0]]:16.1f}  {detail}")
 

@@ -135,3 +135,56 @@ def test_operators_of_the_compiled_graph(recompute):
     expected = _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles)
     got = (*rows, *cols)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def _run_one_product(lse, grad_attn, q, k, v, attn_output, scale):
+    """Both one-product passes on bf16 / fp16 operands into NaN-poisoned buffers:
+    (grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums)."""
+    B, H, S, _ = q.shape
+    E = H * D
+    nan = dict(device="cuda", fill_value=float("nan"))
+    delta = torch.full((B, H, S), **nan)
+    grad_q = torch.full((B, S, E), dtype=q.dtype, **nan)
+    grad_kv = torch.full((B, S, 2 * E), dtype=q.dtype, **nan)
+    groups = attention_core.sum_groups(S)
+    grad_q_sums = torch.full((B, groups, E), **nan)
+    grad_kv_sums = torch.full((B, groups, 2 * E), **nan)
+    operands = (grad_attn, grad_attn, q, q, k, k, v, v)          # lo is never read
+    unused = torch.empty(0, device="cuda", dtype=torch.bfloat16)  # no halves
+    gluon_core.launch_rows(lse, *operands, attn_output, delta, unused, grad_q_sums, grad_q,
+                           scale, gluon_core.ROWS_TILES[0], products=1)
+    gluon_core.launch_cols(lse, *operands, delta, unused, grad_kv_sums, grad_kv, scale,
+                           gluon_core.COLS_TILES[0], products=1)
+    return grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("B,H,S", [(2, 16, 577), (3, 2, 100), (1, 1, 1)])
+def test_one_product_kernels_read_the_qkv_projection_where_it_lies(dtype, B, H, S):
+    """q, k, v as the head views of one QKV projection [B,S,3E] (the module's layout, row
+    stride 3E, which the kernels read in place of contiguous copies): every output
+    element written, bitwise the same as from contiguous copies, and the gradients
+    within the half dtype's error of the float64 math."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    E = H * D
+    qkv = torch.randn(B, S, 3 * E, device="cuda", generator=g).to(dtype)
+    q, k, v = (split_heads(t, H) for t in qkv.chunk(3, dim=-1))            # [B,H,S,D]
+    grad_attn = torch.randn(B, S, E, device="cuda", generator=g).to(dtype)
+    scale = 1 / math.sqrt(D)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=scale)[:2]
+    attn_output = merge_heads(out).contiguous()
+    from_views = _run_one_product(lse, grad_attn, q, k, v, attn_output, scale)
+    from_copies = _run_one_product(lse, grad_attn, q.contiguous(), k.contiguous(),
+                                   v.contiguous(), attn_output, scale)
+    for got, want in zip(from_views, from_copies):
+        assert not got.isnan().any()
+        assert torch.equal(got, want)
+    grad_q, _, _, grad_kv, _ = from_views
+    want = attention_core.attention_backward_math(
+        *(t.double() for t in (lse, grad_attn, q, k, v)), scale,
+        attn_output=attn_output.double())
+    scales = [max(w.norm().item(), t.norm().item())
+              for w, t in zip(want, _terms(lse, grad_attn, q, k, v, None, scale))]
+    errors = [(got.double() - w).norm().item() / s for got, w, s in
+              zip((grad_q, *grad_kv.chunk(2, dim=-1)), want, scales)]
+    assert max(errors) < 2e-2, errors             # bf16 one product: ~2.4e-3 measured

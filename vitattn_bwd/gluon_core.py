@@ -15,7 +15,9 @@ grad_attn, q, k and v as bf16 (hi, lo) pairs, the forward's output with the log-
            [B,S,2E] fp16
 
 `halves` is (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo): grad_attn
-[B,S,E] with heads merged, q, k, v [B,H,S,D], all contiguous. `products` is 3 for the
+[B,S,E] with heads merged and contiguous; q, k, v [B,H,S,D], all with one set of
+strides and a contiguous last dim: contiguous (the halves the graph splits), or the
+head views of the module's QKV projection [B,S,3E] (bf16 / fp16, read where they lie). `products` is 3 for the
 bf16 halves of float32 tensors (bf16x3), or 1 for bf16 / fp16 tensors given as they are
 (each tensor twice: its lo is never read); with one product grad_q16 / grad_kv16 are in
 the operands' dtype and the halves buffers are empty (attention_core.py). max-autotune
@@ -71,12 +73,25 @@ def _operand_smem_layout(head_dim):
     return gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
 
 
-def _constexprs(probs, q, tiles, products, prefetch):
-    _, num_heads, seq_len, head_dim = q.shape
+def _qkv_strides(*qkv_parts):
+    """The (batch, head, row) element strides the kernels address q, k, v by: one set
+    for every part, with a contiguous last dim (ValueError otherwise)."""
+    strides = {t.stride() for t in qkv_parts}
+    if len(strides) != 1 or qkv_parts[0].stride(-1) != 1:
+        raise ValueError(f"q, k, v (and their halves) must share strides with a "
+                         f"contiguous last dim, got {sorted(strides)}")
+    return qkv_parts[0].stride()[:3]
+
+
+def _constexprs(probs, qkv_parts, tiles, products, prefetch):
+    _, num_heads, seq_len, head_dim = qkv_parts[0].shape
+    batch_stride, head_stride, row_stride = _qkv_strides(*qkv_parts)
     return dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
                 RECOMPUTE_P=probs.dim() == 3, PRODUCTS=products, PREFETCH=prefetch,
-                SUM_ROWS=COLUMN_SUM_ROWS, OPERAND_SMEM=_operand_smem_layout(head_dim), num_warps=tiles.num_warps)
+                SUM_ROWS=COLUMN_SUM_ROWS, OPERAND_SMEM=_operand_smem_layout(head_dim),
+                QKV_BATCH_STRIDE=batch_stride, QKV_HEAD_STRIDE=head_stride,
+                QKV_ROW_STRIDE=row_stride, num_warps=tiles.num_warps)
 
 
 def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
@@ -90,7 +105,8 @@ def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
     softmax_bwd_rows_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
                                   v_hi, v_lo, attn_output, grad_q16, grad_q_halves, delta,
                                   grad_q_sums, scale,
-                                  **_constexprs(probs, q_hi, tiles, products, prefetch))
+                                  **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
+                                                tiles, products, prefetch))
 
 
 def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
@@ -104,7 +120,8 @@ def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
     softmax_bwd_cols_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
                                   v_hi, v_lo, delta, grad_kv16, grad_kv_halves,
                                   grad_kv_sums, scale,
-                                  **_constexprs(probs, q_hi, tiles, products, prefetch))
+                                  **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
+                                                tiles, products, prefetch))
 
 
 # ---- what the compiled graph calls when max-autotune picks a Gluon kernel ------------

@@ -85,15 +85,18 @@ def copy_layout_of(num_warps, head_dim):
 
 @gluon.jit
 def program_coordinates(BLOCK: gl.constexpr, SEQ_LEN: gl.constexpr,
-                        NUM_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr):
+                        NUM_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                        QKV_BATCH_STRIDE: gl.constexpr, QKV_HEAD_STRIDE: gl.constexpr):
     """This program's (batch, head, first of its BLOCK rows, batch * NUM_HEADS + head,
-    offset of its head in q, k, v [B,H,S,D], offset of its head's columns in grad_attn
-    [B,S,E]): program ids (row block, batch * NUM_HEADS + head), offsets in int64."""
+    offset of its head in q, k, v, offset of its head's columns in grad_attn [B,S,E]):
+    program ids (row block, batch * NUM_HEADS + head), offsets in int64. q, k, v
+    [B,H,S,D] are at element strides (QKV_BATCH_STRIDE, QKV_HEAD_STRIDE, row stride, 1):
+    contiguous, or views of the module's QKV projection [B,S,3E]."""
     batch = gl.program_id(1) // NUM_HEADS
     head = gl.program_id(1) % NUM_HEADS
     batch_head = (batch * NUM_HEADS + head).to(gl.int64)
     return (batch, head, gl.program_id(0) * BLOCK, batch_head,
-            batch_head * SEQ_LEN * HEAD_DIM,
+            batch.to(gl.int64) * QKV_BATCH_STRIDE + head.to(gl.int64) * QKV_HEAD_STRIDE,
             batch.to(gl.int64) * SEQ_LEN * NUM_HEADS * HEAD_DIM + head * HEAD_DIM)
 
 
@@ -248,7 +251,9 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             RECOMPUTE_P: gl.constexpr, PRODUCTS: gl.constexpr,
                             PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
-                            OPERAND_SMEM: gl.constexpr, num_warps: gl.constexpr):
+                            OPERAND_SMEM: gl.constexpr, QKV_BATCH_STRIDE: gl.constexpr,
+                            QKV_HEAD_STRIDE: gl.constexpr, QKV_ROW_STRIDE: gl.constexpr,
+                            num_warps: gl.constexpr):
     """dK, dV of keys [n_start, n_start + BLOCK_N) of one (batch, head): program ids
     (key block, batch * NUM_HEADS + head). Outputs as kernels/softmax_bwd.py's cols
     kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16, GRAD_KV_SUMS
@@ -268,7 +273,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
 
     batch, head, n_start, batch_head, head_start, grad_attn_start = program_coordinates(
-        BLOCK_N, SEQ_LEN, NUM_HEADS, HEAD_DIM)
+        BLOCK_N, SEQ_LEN, NUM_HEADS, HEAD_DIM, QKV_BATCH_STRIDE, QKV_HEAD_STRIDE)
 
     # this program's keys: v (and k) once; the query-side tiles dO_j, q_j in a ring
     own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_N, HEAD_DIM],
@@ -277,17 +282,17 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                                                        HEAD_DIM], OPERAND_SMEM)
     ring_q = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_M, HEAD_DIM],
                                        OPERAND_SMEM)
-    copy_pair(own, 0, V_HI + head_start, V_LO + head_start, n_start, HEAD_DIM, SEQ_LEN,
-              BLOCK_N, HEAD_DIM, PARTS, copy_layout)
+    copy_pair(own, 0, V_HI + head_start, V_LO + head_start, n_start, QKV_ROW_STRIDE,
+              SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
     if RECOMPUTE_P:
-        copy_pair(own, 1, K_HI + head_start, K_LO + head_start, n_start, HEAD_DIM,
+        copy_pair(own, 1, K_HI + head_start, K_LO + head_start, n_start, QKV_ROW_STRIDE,
                   SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
     for stage in gl.static_range(NUM_STAGES - 1):
         copy_pair(ring_grad_attn, stage, GRAD_ATTN_HI + grad_attn_start,
                   GRAD_ATTN_LO + grad_attn_start, stage * BLOCK_M, EMBED, SEQ_LEN, BLOCK_M,
                   HEAD_DIM, PARTS, copy_layout)
         copy_pair(ring_q, stage, Q_HI + head_start, Q_LO + head_start, stage * BLOCK_M,
-                  HEAD_DIM, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
+                  QKV_ROW_STRIDE, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
         async_copy.commit_group()
 
     keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
@@ -366,7 +371,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                   GRAD_ATTN_LO + grad_attn_start, refill * BLOCK_M, EMBED, SEQ_LEN,
                   BLOCK_M, HEAD_DIM, PARTS, copy_layout)
         copy_pair(ring_q, refill % NUM_STAGES, Q_HI + head_start, Q_LO + head_start,
-                  refill * BLOCK_M, HEAD_DIM, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
+                  refill * BLOCK_M, QKV_ROW_STRIDE, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS,
+                  copy_layout)
         async_copy.commit_group()
     grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
         0, deps=(grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
@@ -394,7 +400,9 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             RECOMPUTE_P: gl.constexpr, PRODUCTS: gl.constexpr,
                             PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
-                            OPERAND_SMEM: gl.constexpr, num_warps: gl.constexpr):
+                            OPERAND_SMEM: gl.constexpr, QKV_BATCH_STRIDE: gl.constexpr,
+                            QKV_HEAD_STRIDE: gl.constexpr, QKV_ROW_STRIDE: gl.constexpr,
+                            num_warps: gl.constexpr):
     """dQ and delta of queries [m_start, m_start + BLOCK_M) of one (batch, head):
     program ids (query block, batch * NUM_HEADS + head). Outputs as
     kernels/softmax_bwd.py's rows kernel: GRAD_Q16 [B,S,E] fp16, GRAD_Q_HALVES [B,S,2E]
@@ -415,7 +423,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     key_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
 
     batch, head, m_start, batch_head, head_start, grad_attn_start = program_coordinates(
-        BLOCK_M, SEQ_LEN, NUM_HEADS, HEAD_DIM)
+        BLOCK_M, SEQ_LEN, NUM_HEADS, HEAD_DIM, QKV_BATCH_STRIDE, QKV_HEAD_STRIDE)
 
     # this program's queries: dO (and q) once; the key-side tiles k_j, v_j in a ring
     own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_M, HEAD_DIM],
@@ -427,13 +435,13 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     copy_pair(own, 0, GRAD_ATTN_HI + grad_attn_start, GRAD_ATTN_LO + grad_attn_start,
               m_start, EMBED, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
     if RECOMPUTE_P:
-        copy_pair(own, 1, Q_HI + head_start, Q_LO + head_start, m_start, HEAD_DIM,
+        copy_pair(own, 1, Q_HI + head_start, Q_LO + head_start, m_start, QKV_ROW_STRIDE,
                   SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
     for stage in gl.static_range(NUM_STAGES - 1):
         copy_pair(ring_k, stage, K_HI + head_start, K_LO + head_start, stage * BLOCK_N,
-                  HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
+                  QKV_ROW_STRIDE, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
         copy_pair(ring_v, stage, V_HI + head_start, V_LO + head_start, stage * BLOCK_N,
-                  HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
+                  QKV_ROW_STRIDE, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
         async_copy.commit_group()
 
     queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
@@ -512,9 +520,11 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         gl.thread_barrier()
         refill = n_tile + NUM_STAGES - 1
         copy_pair(ring_k, refill % NUM_STAGES, K_HI + head_start, K_LO + head_start,
-                  refill * BLOCK_N, HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
+                  refill * BLOCK_N, QKV_ROW_STRIDE, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS,
+                  copy_layout)
         copy_pair(ring_v, refill % NUM_STAGES, V_HI + head_start, V_LO + head_start,
-                  refill * BLOCK_N, HEAD_DIM, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
+                  refill * BLOCK_N, QKV_ROW_STRIDE, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS,
+                  copy_layout)
         async_copy.commit_group()
     async_copy.wait_group(0)
     if RECOMPUTE_P:
