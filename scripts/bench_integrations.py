@@ -10,8 +10,8 @@ torch.autocast(bfloat16), at several batch sizes. Prints one markdown table.
 Median of rounds x repeats steps per model, the two models taking turns in rounds (as
 scripts/bench_module.py), after one untimed step each (compiles, autotunes, captures).
 Under autocast the swapped blocks run through vitattn_bwd.module.vision_attention, and so
-do whatever it does there (float32 math at the time of writing); the stock blocks run
-bf16 matmuls and bf16 SDPA.
+do whatever it does there (the one-product path in bf16 with the fused backward, where it
+runs); the stock blocks run bf16 matmuls and bf16 SDPA.
 """
 import argparse
 import copy

@@ -128,8 +128,31 @@ def test_operator_with_no_rows(triton_interpreter):
     assert all(s.shape == (16,) and (s == 0).all() for s in column_sums)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_kernel_of_a_half_precision_block(triton_interpreter, dtype):
+    """grad_output, x and ln_weight in bf16 / fp16 (a bf16 / fp16 block), the two GEMM
+    outputs and the statistics float32: float32 math, grad_x in that dtype (rounded
+    once), the sums float32."""
+    grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(2, 7, 32)
+    grad_output, x, ln_weight = (t.to(dtype) for t in (grad_output, x, ln_weight))
+    grad_x, partial_sums = layer_norm.launch(grad_output, *parts[:2], None, None,
+                                             torch.tensor(1.0), x, x_mean, x_var,
+                                             ln_weight, 1e-5, True, LayerNormTiles(2, 2, 4))
+    assert grad_x.dtype == dtype and partial_sums.dtype == torch.float32
+    want = _want(grad_output, parts[:2], x, x_mean, x_var, ln_weight, 1.0, "exact")
+    unit_roundoff = {torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}[dtype]
+    for name, g, w, bound in zip(("grad_x", "grad_ln_weight", "grad_ln_bias",
+                                  "grad_out_bias"), (grad_x, *partial_sums.sum(1).unbind(0)),
+                                 want, (unit_roundoff, 2e-6, 2e-6, 2e-6)):
+        err = ((g.double() - w).abs().max() / w.abs().max()).item()
+        assert err < bound, f"{name}: relative error {err:.2e}"
+
+
 def test_launch_refuses_other_dtypes():
     grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(1, 3, 16)
-    with pytest.raises(TypeError, match="x must be float32"):
+    with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
         layer_norm.launch(grad_output, *parts, torch.tensor(1.0), x.double(), x_mean,
+                          x_var, ln_weight, 1e-5, True)
+    with pytest.raises(TypeError, match="grad_output must have x's dtype"):
+        layer_norm.launch(grad_output.bfloat16(), *parts, torch.tensor(1.0), x, x_mean,
                           x_var, ln_weight, 1e-5, True)

@@ -34,7 +34,7 @@ import torch
 from torch.nn import functional as F
 
 from . import graph
-from .attention_core import triton_supports
+from .attention_core import HALF_DTYPES, triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_split
 from .layout import split_heads
 from .precision import linear_bf16x3, operand_split
@@ -51,12 +51,15 @@ def _linear_in(dtype):
 def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias, *,
                   num_heads, eps, split_precision, half_dtype=None):
     """y and the tensors the backward needs (no x_norm, no P). half_dtype (bf16 or fp16;
-    x and the parameters float32): the LayerNorm in float32, then the projections and
-    the attention one product each in half_dtype, with float32 accumulation, as the stock
-    block computes them under autocast to half_dtype; qkv and attn_output are saved in
-    it."""
-    x_mean = x.mean(-1, keepdim=True)                                          # [B,S,1]
-    x_centered = x - x_mean
+    x and the parameters float32, or all of half_dtype): the LayerNorm in float32, then
+    the projections and the attention one product each in half_dtype, with float32
+    accumulation, as the stock block computes them under autocast to half_dtype (or in
+    a half_dtype block); qkv and attn_output are saved in it, y has x's dtype."""
+    # a bf16 / fp16 block's LayerNorm statistics in float32, as torch's LayerNorm takes
+    # them (the upcast stays in the kernel's registers)
+    x_stats = x.float() if x.dtype in HALF_DTYPES else x
+    x_mean = x_stats.mean(-1, keepdim=True)                                    # [B,S,1]
+    x_centered = x_stats - x_mean
     x_var = (x_centered * x_centered).mean(-1, keepdim=True)      # [B,S,1], biased
     x_norm = x_centered * torch.rsqrt(x_var + eps) * ln_weight + ln_bias       # [B,S,E]
     head_dim = x.shape[-1] // num_heads
@@ -111,7 +114,7 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
     B, S, E = x.shape
     if x.numel() == 0:
         half_dtype = None
-    if x.is_cuda and x.dtype == torch.float32 and x.numel() > 0:
+    if x.is_cuda and x.dtype in (torch.float32, half_dtype) and x.numel() > 0:
         fn = _compile(x.dtype, S, E, num_heads, eps, graph.batch_bucket(B),
                       graph.uses_cuda_graph("cuda", B), precision, half_dtype)
         outputs = _run_compiled(fn, tensors)

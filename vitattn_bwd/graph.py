@@ -165,7 +165,9 @@ def _layer_norm_backward_of_parts(grad_output, grad_x_norm_parts, unscale, x, x_
     grad_x, grad_ln_weight, grad_ln_bias = layer_norm.layer_norm_backward(
         grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
         ln_grad)
-    return grad_x, grad_ln_weight, grad_ln_bias, grad_output.reshape(B * S, E).sum(0)
+    # summed in grad_x_norm's dtype (float32 or float64), never in bf16 / fp16
+    grad_out_bias = grad_output.reshape(B * S, E).to(grad_x_norm.dtype).sum(0)
+    return grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias
 
 
 def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_weights,
@@ -207,8 +209,10 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias = _layer_norm_backward_of_parts(
         grad_output, grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight, norm_eps,
         ln_grad)
-    return (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
-            grad_ln_weight, grad_ln_bias)
+    grads = (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
+             grad_ln_weight, grad_ln_bias)
+    # a bf16 / fp16 block: each gradient rounded once, from float32, to the block's dtype
+    return tuple(g.to(x.dtype) for g in grads) if x.dtype in HALF_DTYPES else grads
 
 
 def uses_cuda_graph(device_type, batch):

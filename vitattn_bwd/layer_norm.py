@@ -71,15 +71,18 @@ def launch(grad_output, part0, part1, part2, part3, unscale, x, x_mean, x_var, l
     import triton
 
     from .kernels.layer_norm_bwd import layer_norm_bwd_kernel
-    if x.dtype != torch.float32:
-        raise TypeError(f"x must be float32 (the kernel's dtype), got {x.dtype}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if grad_output.dtype != x.dtype:
+        raise TypeError(f"grad_output must have x's dtype {x.dtype}, got "
+                        f"{grad_output.dtype}")
     parts = 2 if part2 is None else 4
     if parts == 2:                      # not read: any tensor of the kernel's type
         part2 = part3 = part0
     B, S, E = x.shape
     grad_x = x.new_empty(B, S, E)               # row-major, as the kernel writes it
     programs = -(-B * S // tiles.rows_per_program)
-    partial_sums = x.new_empty(3, programs, E)
+    partial_sums = x.new_empty(3, programs, E, dtype=torch.float32)
     launcher(layer_norm_bwd_kernel)[(programs,)](
         grad_output.contiguous(), part0.contiguous(), part1.contiguous(), part2.contiguous(),
         part3.contiguous(), unscale, x.contiguous(), x_mean.contiguous(), x_var.contiguous(),

@@ -21,11 +21,13 @@ Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precisi
   in the autocast dtype: what the stock LayerNorm + Linear + SDPA + Linear block
   computes there (one product per matmul in that dtype, float32 accumulation, the
   LayerNorm and softmax statistics in float32, the projections and the attention output
-  saved in that dtype, the stock block's output dtype), with our fused backward. Where
-  that path does not run (GPUs other than Hopper, head dims the Gluon kernels do not
-  take, mixed dtypes under autocast) and for a block whose input and parameters are all
-  bfloat16 or all float16 (a `.bfloat16()` model), it computes with the stock ops
-  themselves (`stock_forward`). Otherwise the block runs at
+  saved in that dtype, the stock block's output dtype), with our fused backward. A
+  block whose input and parameters are all bfloat16 or all float16 (a `.bfloat16()`
+  model, FSDP's bf16 parameters) runs the same path in its own dtype, natively: no
+  float32 copy of an activation, y and every gradient in that dtype (each rounded once
+  from float32). Where that path does not run (GPUs other than Hopper, head dims the
+  Gluon kernels do not take, mixed dtypes under autocast) these compute with the stock
+  ops themselves (`stock_forward`). Otherwise the block runs at
   torch.get_float32_matmul_precision(), read at each call: "highest" (PyTorch's
   default), "high" or "medium", as below.
 - "highest": the fused float32 path, as float32-faithful as bf16x3 goes: every GEMM
@@ -50,11 +52,11 @@ everywhere, inside autocast and for half-precision blocks too. On the CPU the fu
 float32 path's products are plain float32 (or float64) matmuls whatever the precision.
 
 Dtypes of the fused path. The fused backward runs in float32 (float64 too on the CPU),
-or, on the one-product path, on bf16 / fp16 activations of float32 tensors. So it takes
-float32 tensors whatever its parameters and input are:
+or, on the one-product path, on bf16 / fp16 activations of float32 tensors or of a
+block all in that dtype. Otherwise it takes float32 tensors whatever its parameters and
+input are:
 - under torch.autocast with an explicit precision its inputs are cast to float32 and it
-  runs
-  with autocast off, as custom kernels do (torch.amp.custom_fwd(cast_inputs=
+  runs with autocast off, as custom kernels do (torch.amp.custom_fwd(cast_inputs=
   torch.float32));
 - bfloat16/float16 parameters or input with an explicit precision, or of mixed dtypes (a
   float32 input into a bf16 block), are cast to float32 in the forward; the casts are
@@ -201,9 +203,10 @@ class VisionAttentionFunction(torch.autograd.Function):
     share one device and one dtype, float32 (or float64 on the CPU); use
     `vision_attention` for any other dtype or under autocast. precision: "highest" or
     "high" (the default here; `vision_attention` resolves None from torch's setting).
-    half_dtype: None, or bf16 / fp16 for the one-product path (float32 tensors; the
-    projections and the attention one product each in that dtype, as under autocast;
-    `precision` then does not matter). Errors are raised here, in the forward, never
+    half_dtype: None, or bf16 / fp16 for the one-product path (float32 tensors, or
+    tensors all of that dtype: a bf16 / fp16 block; the projections and the attention
+    one product each in that dtype, as under autocast; `precision` then does not
+    matter). Errors are raised here, in the forward, never
     later in the backward. Not twice differentiable."""
 
     @staticmethod
@@ -214,10 +217,11 @@ class VisionAttentionFunction(torch.autograd.Function):
         _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
         check_fused_precision(precision)
         if half_dtype is not None and (half_dtype not in HALF_DTYPES
-                                       or x.dtype != torch.float32):
+                                       or x.dtype not in (torch.float32, half_dtype)):
             raise TypeError(f"half_dtype must be None or one of {HALF_DTYPES} with "
-                            f"float32 tensors, got {half_dtype} with {x.dtype}")
-        allowed = _supported_dtypes(x.device)
+                            f"float32 tensors or tensors of that dtype, got {half_dtype} "
+                            f"with {x.dtype}")
+        allowed = _supported_dtypes(x.device) + ((half_dtype,) if half_dtype else ())
         if x.dtype not in allowed:
             raise TypeError(f"x must be one of {allowed} on {x.device.type}, got "
                             f"{x.dtype} (vitattn_bwd.module.vision_attention casts)")
@@ -263,8 +267,8 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     """y = x + out_proj(attention(qkv(LayerNorm(x)))) for tensors of any floating dtype,
     inside or outside torch.autocast (see the module docstring): with the fused backward
     (y in x's dtype, or the stock block's under autocast; each gradient in its tensor's
-    dtype): float32-grade, or one product per matmul under autocast and at "medium";
-    for tensors all in one half dtype with precision None, the stock ops.
+    dtype): float32-grade, or one product per matmul under autocast, at "medium" and,
+    natively, for tensors all in one half dtype with precision None.
 
     x [B,S,E]; ln_weight, ln_bias [E]; qkv_weight [3E,E] (q | k | v rows); qkv_bias
     [3E]; out_weight [E,E]; out_bias [E]; gamma [E] or None: a LayerScale (timm,
@@ -285,14 +289,19 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     native_half = len(dtypes) == 1 and x.dtype in HALF_DTYPES
     head_dim = x.shape[-1] // num_heads
     half_dtype = None
-    if precision is None and autocast:
+    if precision is None and native_half and (
+            not autocast or torch.get_autocast_dtype(device.type) == x.dtype):
+        # a bf16 / fp16 block: the one-product path in its own dtype, no float32 copies
+        # (inside autocast to the same dtype too), where it runs; else the stock ops
+        if not one_product_supported(device, x.dtype, head_dim):
+            return stock_forward(x, *params, num_heads, eps, gamma)
+        half_dtype = x.dtype
+    elif precision is None and autocast:
         # the autocast dtype's one-product path where it runs, else the stock ops
         half_dtype = torch.get_autocast_dtype(device.type)
         if dtypes != {torch.float32} or not one_product_supported(device, half_dtype,
                                                                   head_dim):
             return stock_forward(x, *params, num_heads, eps, gamma)
-    elif precision is None and native_half:
-        return stock_forward(x, *params, num_heads, eps, gamma)
     fused = fused_precision(precision)
     if fused == "medium":
         # bf16 one-product where it runs on float32 math; elsewhere "high", which is
@@ -301,7 +310,9 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         if (half_dtype is None and torch.float64 not in dtypes
                 and one_product_supported(device, torch.bfloat16, head_dim)):
             half_dtype = torch.bfloat16
-    if autocast:
+    if native_half and half_dtype == x.dtype:
+        compute = x.dtype                               # a bf16 / fp16 block, as it is
+    elif autocast:
         compute = torch.float32                 # custom_fwd(cast_inputs=torch.float32)
     elif torch.float64 in dtypes:
         if device.type != "cpu":
@@ -331,7 +342,7 @@ class VisionAttentionBlock(nn.Module):
     Any floating dtype and torch.autocast work. precision None (the default) follows
     autocast inside an autocast region (the one-product path in the autocast dtype:
     the stock block's computation there, with our fused backward), the dtype of a block
-    that is all bfloat16 or all float16 (the stock ops in that dtype), and otherwise
+    that is all bfloat16 or all float16 (the same path in that dtype), and otherwise
     torch.get_float32_matmul_precision() ("highest": float32-faithful, "high": faster,
     "medium": one bf16 product per matmul); an explicit precision runs at that precision
     everywhere (see vitattn_bwd.module). On the fused float32 path the math is float32

@@ -13,9 +13,10 @@ its forward), whose forward is
 with `attn` either an nn.MultiheadAttention (open_clip 2.x-3.x: packed `in_proj_weight`
 [3E,E] / `in_proj_bias`, `out_proj`; batch_first True, or False where OpenCLIP's
 Transformer passes [S,B,E]) or OpenCLIP's own `Attention` (later versions: the same
-parameter names, batch first). The first line runs as `vitattn_bwd.module.vision_attention`
-(the fused float32-grade backward, or the stock ops under autocast and for an
-all-bf16/fp16 model, as its precision says), the second with the stock modules.
+parameter names, batch first). The first line runs as
+`vitattn_bwd.module.vision_attention` (the fused backward: float32-grade, or the
+one-product path under autocast and for an all-bf16/fp16 model, as its precision says;
+the stock ops where that path does not run), the second with the stock modules.
 LayerScale `ls_1` is applied exactly (folded into the out projection on the fused path;
 its gamma gets its gradient).
 

@@ -12,13 +12,14 @@ forward), whose forward is
     x = x + drop_path2(ls2(mlp(norm2(x))))
 with `attn` timm's `Attention` (fused `qkv` Linear [3E,E], `proj` Linear [E,E],
 `num_heads`). The swapped forward runs the first line as
-`vitattn_bwd.module.vision_attention` (the fused float32-grade backward, or the stock
-ops under autocast and for an all-bf16/fp16 model, as its precision says) and the second
-with the stock modules. LayerScale `ls1` is supported exactly: vision_attention folds
-its gamma into the out projection on the fused path (x + gamma * (o W^T + b) =
-x + o (gamma[:, None] W)^T + gamma b) and multiplies the projection's output by it on
-the stock path, so gamma gets its gradient through autograd. A qkv without bias (timm's qkv_bias=False)
-or a LayerNorm without affine parameters uses zeros / ones.
+`vitattn_bwd.module.vision_attention` (the fused backward: float32-grade, or the
+one-product path under autocast and for an all-bf16/fp16 model, as its precision says;
+the stock ops where that path does not run) and the second with the stock modules.
+LayerScale `ls1` is supported exactly: vision_attention folds its gamma into the out
+projection on the fused path (x + gamma * (o W^T + b) = x + o (gamma[:, None] W)^T +
+gamma b) and multiplies the projection's output by it on the stock path, so gamma gets
+its gradient through autograd. A qkv without bias (timm's qkv_bias=False) or a LayerNorm
+without affine parameters uses zeros / ones.
 
 The layer keeps its submodules and parameters (state_dict keys, `pretrained=` weights,
 checkpoints and optimizers unchanged) and gets a subclass of its own class, so timm's

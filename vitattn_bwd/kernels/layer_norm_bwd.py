@@ -33,12 +33,14 @@ def layer_norm_bwd_kernel(GRAD_OUTPUT, PART0, PART1, PART2, PART3, UNSCALE, X, X
                           ROWS_PER_CHUNK: tl.constexpr, CHUNKS: tl.constexpr,
                           EXACT: tl.constexpr, PARTS: tl.constexpr):
     """GRAD_OUTPUT, PART0..3, X, GRAD_X [rows, EMBED]; X_MEAN, X_VAR [rows];
-    LN_WEIGHT [EMBED]; UNSCALE a 1-element tensor; float32, contiguous. PART2 and PART3
-    are not read when PARTS is 2."""
+    LN_WEIGHT [EMBED]; UNSCALE a 1-element tensor; contiguous. float32, but for
+    GRAD_OUTPUT, X, LN_WEIGHT and GRAD_X, which may be bf16 or fp16 (a bf16 / fp16
+    block; the math is float32 all the same). PART2 and PART3 are not read when PARTS
+    is 2."""
     program = tl.program_id(0)
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < EMBED
-    ln_weight = tl.load(LN_WEIGHT + cols, mask=col_ok, other=0.0)
+    ln_weight = tl.load(LN_WEIGHT + cols, mask=col_ok, other=0.0).to(tl.float32)
     unscale = tl.load(UNSCALE)
     sum_grad_x_norm_xhat = tl.zeros([BLOCK_E], tl.float32)
     sum_grad_x_norm = tl.zeros([BLOCK_E], tl.float32)
@@ -55,8 +57,8 @@ def layer_norm_bwd_kernel(GRAD_OUTPUT, PART0, PART1, PART2, PART3, UNSCALE, X, X
             grad_x_norm += (tl.load(PART2 + offsets, mask=mask, other=0.0)
                             + tl.load(PART3 + offsets, mask=mask, other=0.0))
         grad_x_norm = grad_x_norm * unscale
-        grad_output = tl.load(GRAD_OUTPUT + offsets, mask=mask, other=0.0)
-        x = tl.load(X + offsets, mask=mask, other=0.0)
+        grad_output = tl.load(GRAD_OUTPUT + offsets, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(X_MEAN + row, mask=row_ok, other=0.0)
         # float32 (Inductor launches the operator with norm_eps as fp64, which would
         # promote everything after it)
@@ -72,7 +74,8 @@ def layer_norm_bwd_kernel(GRAD_OUTPUT, PART0, PART1, PART2, PART3, UNSCALE, X, X
         else:
             grad_x_ln = ((grad_xhat - mean_grad[:, None]) * rstd[:, None]
                          - xhat * mean_grad_xhat[:, None])
-        tl.store(GRAD_X + offsets, grad_output + grad_x_ln, mask=mask)
+        tl.store(GRAD_X + offsets, (grad_output + grad_x_ln).to(GRAD_X.dtype.element_ty),
+                 mask=mask)
         sum_grad_x_norm_xhat += tl.sum(grad_x_norm * xhat, axis=0)
         sum_grad_x_norm += tl.sum(grad_x_norm, axis=0)
         sum_grad_output += tl.sum(grad_output, axis=0)
