@@ -7,8 +7,10 @@ for the backward per image, and the step's peak memory.
 
     python scripts/bench_module.py [--batch-sizes 1 8 32] [--hf-layers 4] [--no-hf]
                                    [--autocast] [--precisions highest high]
+                                   [--dtype float32|bfloat16|float16]
 
-float32 parameters; TF32 is left as the process has it (off by default) and printed.
+float32 parameters (--dtype: bf16 / fp16 parameters and inputs, the native path); TF32
+is left as the process has it (off by default) and printed.
 The block table has a VisionAttentionBlock per precision in --precisions (default
 "highest" and "high"; "default" is precision None, which follows torch's float32 matmul
 precision, "highest" unless the process set it) beside the plain block. With --autocast
@@ -127,10 +129,10 @@ def hf_memory_mb(model, pixels, grad, device, amp):
     return kept / pixels.shape[0] / 2 ** 20, peak / 2 ** 20
 
 
-def bench_hf(device, batch_sizes, layers, amp):
+def bench_hf(device, batch_sizes, layers, amp, dtype=torch.float32):
     try:
         from vitattn_bwd.integrations.hf import swap_attention
-        stock = hf_tower(device, layers)
+        stock = hf_tower(device, layers).to(dtype)
     except ImportError:
         print("\n(transformers is not installed: no Hugging Face comparison; "
               "pip install -e '.[hf]')")
@@ -139,14 +141,14 @@ def bench_hf(device, batch_sizes, layers, amp):
     c = stock.config
     tokens = (c.image_size // c.patch_size) ** 2 + 1
     print(f"\nHugging Face CLIPVisionModel, {layers} layers, {tokens} tokens, "
-          f"{c.hidden_size} wide, {c.num_attention_heads} heads; training step "
+          f"{c.hidden_size} wide, {c.num_attention_heads} heads, {dtype}; training step "
           f"(fwd+bwd of all parameters){AUTOCAST_NOTE if amp is not NO_AUTOCAST else ''}")
     print("\n| batch | stock ms | swapped ms | speedup | stock kept MB/image | "
           "swapped kept MB/image | stock peak MB | swapped peak MB |")
     print("|---|---|---|---|---|---|---|---|")
     for B in batch_sizes:
-        pixels = torch.randn(B, 3, c.image_size, c.image_size, device=device)
-        grad = torch.randn(B, tokens, c.hidden_size, device=device)
+        pixels = torch.randn(B, 3, c.image_size, c.image_size, device=device, dtype=dtype)
+        grad = torch.randn(B, tokens, c.hidden_size, device=device, dtype=dtype)
         times = list(compare_ms({"stock": hf_step(stock, pixels, grad, amp),
                                  "ours": hf_step(ours, pixels, grad, amp)}, device).values())
         memory = [hf_memory_mb(m, pixels, grad, device, amp) for m in (stock, ours)]
@@ -167,31 +169,38 @@ def main():
     parser.add_argument("--precisions", nargs="+",
                         choices=("default", "highest", "high", "medium"),
                         help="the blocks' precisions (default: highest high; with "
-                        "--autocast: default high)")
+                        "--autocast or --dtype bfloat16/float16: default high)")
+    parser.add_argument("--dtype", default="float32",
+                        choices=("float32", "bfloat16", "float16"),
+                        help="the dtype of the parameters and inputs (bfloat16 / float16: "
+                        "the blocks and towers run natively in it, `.to(dtype)`)")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     seq_len, embed_dim, heads = (577, 1024, 16) if device == "cuda" else (65, 128, 4)
     batch_sizes = args.batch_sizes or ((1, 8, 32) if device == "cuda" else (1, 4))
     amp = (functools.partial(torch.autocast, device, torch.bfloat16) if args.autocast
            else NO_AUTOCAST)
-    precisions = args.precisions or (("default", "high") if args.autocast
+    precisions = args.precisions or (("default", "high")
+                                     if args.autocast or dtype != torch.float32
                                      else ("highest", "high"))
     torch.manual_seed(0)
-    block = VisionAttentionBlock(embed_dim, heads).to(device)
+    block = VisionAttentionBlock(embed_dim, heads).to(device, dtype)
     models = {}
     for precision in precisions:
         model = VisionAttentionBlock(embed_dim, heads,
                                      precision=None if precision == "default" else precision)
         model.load_state_dict(block.state_dict())
-        models[f"vitattn {precision}"] = model.to(device)
+        models[f"vitattn {precision}"] = model.to(device, dtype)
     models["plain_sdpa"] = reference.ReferenceBlock(block)
-    print(f"{device}: {seq_len} tokens, {embed_dim} wide, {heads} heads; float32 "
+    print(f"{device}: {seq_len} tokens, {embed_dim} wide, {heads} heads; {args.dtype} "
           f"parameters{AUTOCAST_NOTE if args.autocast else ''} (TF32 "
           f"{'on' if torch.backends.cuda.matmul.allow_tf32 else 'off'} for torch matmuls)")
     print("\n| batch | " + " | ".join(f"{n} fwd+bwd ms | {n} kept MB" for n in models) + " |")
     print("|---|" + "---|---|" * len(models))
     for B in batch_sizes:
-        x = torch.randn(B, seq_len, embed_dim, device=device, requires_grad=True)
+        x = torch.randn(B, seq_len, embed_dim, device=device, dtype=dtype,
+                        requires_grad=True)
         grad = torch.randn_like(x)
         times = compare_ms({name: functools.partial(_block_step, model, x, grad, amp)
                             for name, model in models.items()}, device)
@@ -200,7 +209,8 @@ def main():
             cells += [f"{times[name]:.3f}", f"{saved_mb(model, x, device, amp):.0f}"]
         print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
     if not args.no_hf:
-        bench_hf(device, batch_sizes, args.hf_layers or (4 if device == "cuda" else 2), amp)
+        bench_hf(device, batch_sizes, args.hf_layers or (4 if device == "cuda" else 2), amp,
+                 dtype)
 
 
 if __name__ == "__main__":
