@@ -199,15 +199,32 @@ def test_half_precision_block_with_precision_high_computes_in_float32(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_block_is_native_by_default(dtype):
+    """precision None, input and parameters all bf16 (or fp16): the stock block's
+    computation in that dtype, y bit for bit, the gradients in that dtype and within its
+    rounding of the stock block's."""
+    block = _block(dtype)
+    x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE).to(dtype)
+    grad_y = torch.randn_like(x)
+    got = _ours(block, x, grad_y)
+    want = _ours(reference.ReferenceBlock(block), x, grad_y)
+    assert torch.equal(got[0], want[0])
+    for g, w in zip(got[1:], want[1:]):
+        assert g.dtype == w.dtype == dtype
+        assert relative_errors([g], [w])[0] < 2 * UNIT_ROUNDOFF[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [2, 16])
-def test_half_precision_block_is_native_by_default(monkeypatch, dtype, batch):
-    """precision None, input and parameters all bf16 (or fp16): the fused one-product
+def test_precision_medium_runs_a_half_precision_block_natively(monkeypatch, dtype,
+                                                               batch):
+    """precision "medium", input and parameters all bf16 (or fp16): the fused one-product
     path in that dtype (no float32 copies; batch 2 through a CUDA graph, 16 without), as
     the stock block computes there: y and every gradient in that dtype, no further from
     float64 than the stock block's, the same bits on a second call."""
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
     calls = _recorded_half_dtypes(monkeypatch)
-    block = _block(dtype)
+    block = _block(dtype, precision="medium")
     x = torch.randn(batch, SEQ, EMBED, device=DEVICE).to(dtype)
     grad_y = torch.randn_like(x)
     got = _ours(block, x, grad_y)
@@ -434,12 +451,12 @@ def test_hf_vit_l14_336_highest_against_float32s_own_error():
                 name, errors["highest"][name], errors["high"][name])
 
 
-def test_hf_vit_l14_336_in_bfloat16_against_the_stock_bfloat16_model():
-    """A `.bfloat16()` tower swapped with precision None: every attention half on the
+def test_hf_vit_l14_336_in_bfloat16_at_medium_against_the_stock_bfloat16_model():
+    """A `.bfloat16()` tower swapped with precision "medium": every attention half on the
     native one-product path in bf16, the output and the gradients in bf16 and as close
     to the float64 tower as the stock bf16 tower's (within a quarter of bf16's unit
     roundoff more)."""
-    stock, ours = _towers()
+    stock, ours = _towers("medium")
     stock64 = copy.deepcopy(stock).double()
     stock, ours = stock.bfloat16(), ours.bfloat16()
     pixels, weight = _batch(0)

@@ -422,9 +422,51 @@ def test_timm_layer_scale_gradient_against_float64_autograd():
         torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-13)
 
 
+def test_bfloat16_timm_block_with_layer_scale_is_native():
+    """A bf16 timm model with LayerScale, swapped with the default precision: the stock
+    block's computation in bf16 (the same ops: gamma multiplies the projection's output,
+    as the stock LayerScale does), output and gradients bit for bit, every gradient
+    bf16. (Folding gamma into a float32 out projection made the dtypes mixed, so such
+    layers ran the float32 fused path while layers without LayerScale ran natively.)"""
+    stock = _make(TimmStyleBlock, torch.bfloat16, init_values=0.5)
+    ours = swap_attention(copy.deepcopy(stock), vision_only=False)
+    x, w = _inputs(torch.bfloat16)
+    out, got = _grads(ours, x, w)
+    want_out, want = _grads(stock, x, w)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want_out)
+    for name, g in got.items():
+        assert g.dtype == torch.bfloat16 and torch.equal(g, want[name]), name
+
+
+def test_bfloat16_open_clip_block_with_layer_scale_is_native():
+    """The same for OpenCLIP, whose stock attention is nn.MultiheadAttention (other ops,
+    so not the same bits): the swapped attention half is the stock ops' computation in
+    bf16 with gamma on the projection's output (module.stock_forward), within bf16
+    rounding of the stock block, every gradient bf16."""
+    from vitattn_bwd.module import stock_forward
+    stock = _make(OpenCLIPStyleResidualAttentionBlock, torch.bfloat16, ls_init_value=0.5)
+    ours = swap_attention(copy.deepcopy(stock), vision_only=False)
+    with torch.no_grad():                            # the MLP half off: the attention's
+        for module in (stock, ours):
+            for name, p in module.named_parameters():
+                if name.startswith("mlp"):
+                    p.zero_()
+    x, w = _inputs(torch.bfloat16)
+    out, got = _grads(ours, x, w)
+    want_out, _ = _grads(stock, x, w)
+    attn = stock.attn
+    with torch.no_grad():
+        native = stock_forward(x, stock.ln_1.weight, stock.ln_1.bias, attn.in_proj_weight,
+                               attn.in_proj_bias, attn.out_proj.weight, attn.out_proj.bias,
+                               HEADS, stock.ln_1.eps, stock.ls_1.gamma)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, native)
+    assert ((out.float() - want_out.float()).norm() / want_out.float().norm()) < 2e-2
+    assert all(g.dtype == torch.bfloat16 for g in got.values())
+
+
 def _assert_native_bfloat16(stock, ours, monkeypatch):
-    """ours, the swapped bf16 model, runs every attention half on the fused one-product
-    path in bf16 (LayerScale folded into the out projection in bf16): its output and
+    """ours, the swapped bf16 model at precision "medium", runs every attention half on
+    the fused one-product path in bf16 (LayerScale folded into the out projection in bf16): its output and
     gradients in bf16, each as close to the float64 model's as the stock bf16 model's,
     within half of bf16's unit roundoff more (the fold rounds gamma * W once)."""
     from vitattn_bwd import module
@@ -448,19 +490,16 @@ def _assert_native_bfloat16(stock, ours, monkeypatch):
     assert all(g.dtype == torch.bfloat16 for g in got.values())
 
 
-def test_bfloat16_timm_block_with_layer_scale_is_native(monkeypatch):
-    """A bf16 timm model with LayerScale, swapped with the default precision: the fused
-    one-product path in bf16, as accurate as the stock bf16 model (the fold keeps every
-    tensor bf16, so a layer with LayerScale runs natively like one without)."""
-    stock = _make(TimmStyleBlock, torch.bfloat16, init_values=0.5)
-    ours = swap_attention(copy.deepcopy(stock), vision_only=False)
-    _assert_native_bfloat16(stock, ours, monkeypatch)
-
-
-def test_bfloat16_open_clip_block_with_layer_scale_is_native(monkeypatch):
-    """The same for OpenCLIP, whose stock attention is nn.MultiheadAttention."""
-    stock = _make(OpenCLIPStyleResidualAttentionBlock, torch.bfloat16, ls_init_value=0.5)
-    ours = swap_attention(copy.deepcopy(stock), vision_only=False)
+@pytest.mark.parametrize("kind", ["timm", "open_clip"])
+def test_bfloat16_block_with_layer_scale_at_precision_medium_runs_fused(monkeypatch, kind):
+    """Swapped with precision "medium", a bf16 timm or OpenCLIP block with LayerScale
+    runs the fused one-product path in bf16, as accurate as the stock bf16 model (the
+    fold keeps every tensor bf16, so the layer runs natively)."""
+    if kind == "timm":
+        stock = _make(TimmStyleBlock, torch.bfloat16, init_values=0.5)
+    else:
+        stock = _make(OpenCLIPStyleResidualAttentionBlock, torch.bfloat16, ls_init_value=0.5)
+    ours = swap_attention(copy.deepcopy(stock), vision_only=False, precision="medium")
     _assert_native_bfloat16(stock, ours, monkeypatch)
 
 

@@ -431,15 +431,30 @@ def test_half_precision_block_with_precision_high_computes_in_float32(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_block_is_native_by_default(monkeypatch, dtype):
-    """A block whose input and parameters are all bf16 (or all fp16) runs, with
-    precision None, the fused one-product path in that dtype, as the stock block
-    computes there (one product per matmul in that dtype, float32 statistics): the
+def test_half_precision_block_is_native_by_default(dtype):
+    """A block whose input and parameters are all bf16 (or all fp16) computes, with
+    precision None, what the stock block computes in that dtype: the same output and
+    gradients bit for bit, the same saved activations, no float32 copies."""
+    block = _randomize(VisionAttentionBlock(32, 4)).to(dtype)
+    x = torch.randn(3, 13, 32).to(dtype)
+    grad_y = torch.randn(3, 13, 32).to(dtype)
+    (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(
+        block, x, grad_y, autocast=False)
+    assert y.dtype == dtype and saved == want_saved
+    assert torch.equal(y, want_y)
+    assert all(g.dtype == dtype and torch.equal(g, want) for g, want in zip(grads, want_grads))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_precision_medium_runs_a_half_precision_block_natively(monkeypatch, dtype):
+    """A block whose input and parameters are all bf16 (or all fp16) runs, at precision
+    "medium", the fused one-product path in that dtype, as the stock block computes
+    there (one product per matmul in that dtype, float32 statistics): the
     output and every gradient in that dtype, no further from float64 than the stock
     block's, no float32 copy of an activation saved (the LayerNorm statistics and the
     log-sum-exp are float32, as stock's are), no more bytes saved than stock saves."""
     calls = _recorded_precisions(monkeypatch)
-    block = _randomize(VisionAttentionBlock(32, 4)).to(dtype)
+    block = _randomize(VisionAttentionBlock(32, 4, precision="medium")).to(dtype)
     x = torch.randn(3, 13, 32).to(dtype)
     grad_y = torch.randn(3, 13, 32).to(dtype)
     (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(

@@ -21,12 +21,11 @@ Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precisi
   in the autocast dtype: what the stock LayerNorm + Linear + SDPA + Linear block
   computes there (one product per matmul in that dtype, float32 accumulation, the
   LayerNorm and softmax statistics in float32, the projections and the attention output
-  saved in that dtype, the stock block's output dtype), with our fused backward. A
-  block whose input and parameters are all bfloat16 or all float16 (a `.bfloat16()`
-  model, FSDP's bf16 parameters) runs the same path in its own dtype, natively: no
-  float32 copy of an activation, y and every gradient in that dtype (each rounded once
-  from float32). Where that path does not run (GPUs other than Hopper, head dims the
-  Gluon kernels do not take, mixed dtypes under autocast) these compute with the stock
+  saved in that dtype, the stock block's output dtype), with our fused backward. Where
+  that path does not run (GPUs other than Hopper, head dims the Gluon kernels do not
+  take, mixed dtypes under autocast) and for a block whose input and parameters are all
+  bfloat16 or all float16 (a `.bfloat16()` model, FSDP's bf16 parameters: there the
+  stock ops were faster than the fused path on the H200), it computes with the stock
   ops themselves (`stock_forward`). Otherwise the block runs at
   torch.get_float32_matmul_precision(), read at each call: "highest" (PyTorch's
   default), "high" or "medium", as below.
@@ -39,7 +38,10 @@ Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precisi
   (truncated splits, one fp16 product for the QKV weight gradient; the contract entry
   point, vitattn_bwd.attention_block_backward, runs this by default).
 - "medium": the one-product path in bfloat16 on float32 tensors, inside or outside
-  autocast. Where it does not run, "high" (more precise than "medium" asks).
+  autocast; for a block all in bfloat16 or all in float16, the same path natively in
+  its own dtype (no float32 copy of an activation; y and every gradient in that dtype,
+  each rounded once from float32). Where it does not run, "high" (more precise than
+  "medium" asks).
 The one-product path (forward_graph.py with half_dtype, graph.py's
 _one_product_products): the LayerNorm in float32, the QKV and out projections as bf16 /
 fp16 cuBLAS GEMMs, torch's flash-attention forward (which gives the log-sum-exp), and a
@@ -267,8 +269,9 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     """y = x + out_proj(attention(qkv(LayerNorm(x)))) for tensors of any floating dtype,
     inside or outside torch.autocast (see the module docstring): with the fused backward
     (y in x's dtype, or the stock block's under autocast; each gradient in its tensor's
-    dtype): float32-grade, or one product per matmul under autocast, at "medium" and,
-    natively, for tensors all in one half dtype with precision None.
+    dtype): float32-grade, or one product per matmul under autocast and at "medium"
+    (natively for tensors all in one half dtype); for tensors all in one half dtype with
+    precision None, the stock ops.
 
     x [B,S,E]; ln_weight, ln_bias [E]; qkv_weight [3E,E] (q | k | v rows); qkv_bias
     [3E]; out_weight [E,E]; out_bias [E]; gamma [E] or None: a LayerScale (timm,
@@ -289,25 +292,26 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     native_half = len(dtypes) == 1 and x.dtype in HALF_DTYPES
     head_dim = x.shape[-1] // num_heads
     half_dtype = None
-    if precision is None and native_half and (
-            not autocast or torch.get_autocast_dtype(device.type) == x.dtype):
-        # a bf16 / fp16 block: the one-product path in its own dtype, no float32 copies
-        # (inside autocast to the same dtype too), where it runs; else the stock ops
-        if not one_product_supported(device, x.dtype, head_dim):
-            return stock_forward(x, *params, num_heads, eps, gamma)
-        half_dtype = x.dtype
-    elif precision is None and autocast:
+    if precision is None and autocast:
         # the autocast dtype's one-product path where it runs, else the stock ops
         half_dtype = torch.get_autocast_dtype(device.type)
         if dtypes != {torch.float32} or not one_product_supported(device, half_dtype,
                                                                   head_dim):
             return stock_forward(x, *params, num_heads, eps, gamma)
+    elif precision is None and native_half:
+        # the stock ops in the block's dtype: faster than the fused path in a bf16 tower
+        # on the H200 (docs/performance.md, session 12); "medium" runs the fused one
+        return stock_forward(x, *params, num_heads, eps, gamma)
     fused = fused_precision(precision)
     if fused == "medium":
-        # bf16 one-product where it runs on float32 math; elsewhere "high", which is
-        # more precise than "medium" asks
+        # one product per matmul where it runs: natively in the dtype of a bf16 / fp16
+        # block, else bf16 on float32 math; elsewhere "high", which is more precise than
+        # "medium" asks
         fused = "high"
-        if (half_dtype is None and torch.float64 not in dtypes
+        if half_dtype is None and native_half and one_product_supported(device, x.dtype,
+                                                                        head_dim):
+            half_dtype = x.dtype
+        elif (half_dtype is None and torch.float64 not in dtypes
                 and one_product_supported(device, torch.bfloat16, head_dim)):
             half_dtype = torch.bfloat16
     if native_half and half_dtype == x.dtype:
@@ -342,7 +346,8 @@ class VisionAttentionBlock(nn.Module):
     Any floating dtype and torch.autocast work. precision None (the default) follows
     autocast inside an autocast region (the one-product path in the autocast dtype:
     the stock block's computation there, with our fused backward), the dtype of a block
-    that is all bfloat16 or all float16 (the same path in that dtype), and otherwise
+    that is all bfloat16 or all float16 (the stock ops in that dtype; "medium" runs the
+    one-product path natively in it), and otherwise
     torch.get_float32_matmul_precision() ("highest": float32-faithful, "high": faster,
     "medium": one bf16 product per matmul); an explicit precision runs at that precision
     everywhere (see vitattn_bwd.module). On the fused float32 path the math is float32
