@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from time_core_gluon import D, E, H, S, bench, rel  # noqa: E402  (beside this script)
 from vitattn_bwd import attention_core, gluon_core  # noqa: E402
 from vitattn_bwd.attention_core import TileConfig  # noqa: E402
+from vitattn_bwd.attention_fwd import attention_fwd_half  # noqa: E402
 from vitattn_bwd.layout import merge_heads, split_heads  # noqa: E402
 
 SCALE = 1 / math.sqrt(D)
@@ -49,8 +50,8 @@ def make_inputs(batch, dtype, seed=0):
     qkv = torch.randn(batch, S, 3 * E, device="cuda", generator=g).to(dtype)
     q, k, v = (split_heads(t, H) for t in qkv.chunk(3, dim=-1))
     grad_attn = torch.randn(batch, S, E, device="cuda", generator=g).to(dtype)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=SCALE)[:2]
-    return q, k, v, grad_attn, merge_heads(out).contiguous(), lse
+    attn_output, lse = attention_fwd_half(q, k, v, SCALE)      # the block's own forward
+    return q, k, v, grad_attn, attn_output.contiguous(), lse
 
 
 def ours(q, k, v, grad_attn, attn_output, lse, rows_tiles, cols_tiles):
@@ -89,15 +90,10 @@ def torch_backward(backend, q, k, v, grad_attn):
     return backward, [merge_heads(g) for g in backward()]
 
 
-def flash_forward(q, k, v):
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=SCALE)[:2]
-    return merge_heads(out), lse
-
-
-def cudnn_forward(q, k, v):
+def cudnn_forward(q, k, v, scale):
     """cuDNN's attention forward: output [B,S,E] and log-sum-exp [B,H,S]."""
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, scale=SCALE)[:2]
+        q, k, v, None, True, scale=scale)[:2]
     return merge_heads(out), lse.reshape(q.shape[:3])
 
 
@@ -121,7 +117,7 @@ def float64_check(dtype):
     rows()
     cols()
     grad_k, grad_v = got[1].chunk(2, dim=-1)
-    cudnn_out, cudnn_lse = cudnn_forward(q, k, v)
+    cudnn_out, cudnn_lse = cudnn_forward(q, k, v, SCALE)
     result = {"views == contiguous copies (bitwise)": all(
                   torch.equal(a, b) for a, b in zip(got, from_copies)),
               "cudnn forward vs flash (output, lse)": [rel(cudnn_out, out),
@@ -160,9 +156,9 @@ def main():
                                    cols_tiles)
             rows()
             table.append((name, "ours cols", tuple(cols_tiles), bench(cols)))
-        for forward_name, forward in (("flash forward", flash_forward),
+        for forward_name, forward in (("flash forward", attention_fwd_half),
                                       ("cudnn forward", cudnn_forward)):
-            table.append((name, forward_name, "-", bench(lambda: forward(q, k, v))))
+            table.append((name, forward_name, "-", bench(lambda: forward(q, k, v, SCALE))))
         for backend_name, backend in BACKENDS.items():
             try:
                 backward, _ = torch_backward(backend, q, k, v, grad_attn)

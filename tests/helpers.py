@@ -56,3 +56,17 @@ def assert_within_bounds(outputs, inputs, num_heads, ln_grad):
             if not err <= bound(name, device, dtype)}
     assert not over, f"over the bound (error, bound) on {device} {dtype}: {over}"
     return errors
+
+
+def recorded_half_dtypes(monkeypatch):
+    """The half dtype (None: float32 math) of each fused forward, as called: a list that
+    fills as module.attention_block_forward runs (patched for this test only)."""
+    from vitattn_bwd import module
+    calls = []
+    forward = module.attention_block_forward
+
+    def recording_forward(*args):
+        calls.append(args[10])
+        return forward(*args)
+    monkeypatch.setattr(module, "attention_block_forward", recording_forward)
+    return calls

@@ -19,7 +19,7 @@ import torch
 
 from vitattn_bwd import VisionAttentionBlock, reference
 
-from .helpers import relative_errors
+from .helpers import recorded_half_dtypes, relative_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -104,17 +104,25 @@ def test_autocast_with_precision_high_runs_in_float32_math(autocast_dtype):
     assert ours_err * 20 < stock_err, (ours_err, stock_err)
 
 
-def _recorded_half_dtypes(monkeypatch):
-    """The half dtype (None: float32 math) of each fused forward, as called."""
-    from vitattn_bwd import module
-    calls = []
-    forward = module.attention_block_forward
-
-    def recording_forward(*args):
-        calls.append(args[10])
-        return forward(*args)
-    monkeypatch.setattr(module, "attention_block_forward", recording_forward)
-    return calls
+def _check_one_product_path(monkeypatch, block, x, half_dtype, grads_dtype, slack=0.0):
+    """block's fused one-product path in half_dtype, run twice, against the stock block
+    on the same x (each in the caller's autocast region, if any): both forwards took
+    that path, the same bits twice, y and every gradient in grads_dtype, no further from
+    float64 than the stock block's (plus `slack`) and within 4 unit roundoffs of it."""
+    calls = recorded_half_dtypes(monkeypatch)
+    grad_y = torch.randn_like(x)
+    got = _ours(block, x, grad_y)
+    again = _ours(block, x, grad_y)
+    want = _ours(reference.ReferenceBlock(block), x, grad_y)
+    assert calls == [half_dtype, half_dtype]
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    truth = _truth(block, x, grad_y)
+    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
+    errors = zip(names, got, want, relative_errors(got, truth), relative_errors(want, truth))
+    for name, g, w, ours, stock in errors:
+        assert g.dtype == w.dtype == grads_dtype, (name, g.dtype, w.dtype)
+        assert ours <= 1.1 * stock + slack, (name, ours, stock)
+        assert ours < 4 * UNIT_ROUNDOFF[half_dtype], (name, ours)
 
 
 @pytest.mark.parametrize("batch", [BATCH, 16])
@@ -127,23 +135,10 @@ def test_autocast_runs_the_one_product_path_by_default(monkeypatch, autocast_dty
     stock block's (whose GEMMs round the gradients to the half dtype), the same bits on
     a second call."""
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
-    calls = _recorded_half_dtypes(monkeypatch)
     block = _block()
     x = torch.randn(batch, SEQ, EMBED, device=DEVICE)
-    grad_y = torch.randn_like(x)
     with torch.autocast(DEVICE, dtype=autocast_dtype):
-        got = _ours(block, x, grad_y)
-        again = _ours(block, x, grad_y)
-        want = _ours(reference.ReferenceBlock(block), x, grad_y)
-    assert calls == [autocast_dtype, autocast_dtype]
-    assert all(torch.equal(a, b) for a, b in zip(got, again))
-    truth = _truth(block, x, grad_y)
-    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
-    errors = zip(names, got, want, relative_errors(got, truth), relative_errors(want, truth))
-    for name, g, w, ours, stock in errors:
-        assert g.dtype == w.dtype == torch.float32, (name, g.dtype, w.dtype)
-        assert ours <= 1.1 * stock, (name, ours, stock)
-        assert ours < 4 * UNIT_ROUNDOFF[autocast_dtype], (name, ours)
+        _check_one_product_path(monkeypatch, block, x, autocast_dtype, torch.float32)
 
 
 def test_precision_medium_is_one_bf16_product_per_matmul(monkeypatch):
@@ -151,7 +146,7 @@ def test_precision_medium_is_one_bf16_product_per_matmul(monkeypatch):
     tensors: y and every gradient float32, within bf16's error of float64, and not
     float32 math (y further from float64 than bf16x3 gets)."""
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")
-    calls = _recorded_half_dtypes(monkeypatch)
+    calls = recorded_half_dtypes(monkeypatch)
     block = _block(precision="medium")
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
@@ -223,22 +218,10 @@ def test_precision_medium_runs_a_half_precision_block_natively(monkeypatch, dtyp
     the stock block computes there: y and every gradient in that dtype, no further from
     float64 than the stock block's, the same bits on a second call."""
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
-    calls = _recorded_half_dtypes(monkeypatch)
     block = _block(dtype, precision="medium")
     x = torch.randn(batch, SEQ, EMBED, device=DEVICE).to(dtype)
-    grad_y = torch.randn_like(x)
-    got = _ours(block, x, grad_y)
-    again = _ours(block, x, grad_y)
-    want = _ours(reference.ReferenceBlock(block), x, grad_y)
-    assert calls == [dtype, dtype]
-    assert all(torch.equal(a, b) for a, b in zip(got, again))
-    truth = _truth(block, x, grad_y)
-    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
-    errors = zip(names, got, want, relative_errors(got, truth), relative_errors(want, truth))
-    for name, g, w, ours, stock in errors:
-        assert g.dtype == w.dtype == dtype, (name, g.dtype, w.dtype)
-        assert ours <= 1.1 * stock + UNIT_ROUNDOFF[dtype] / 4, (name, ours, stock)
-        assert ours < 4 * UNIT_ROUNDOFF[dtype], (name, ours)
+    _check_one_product_path(monkeypatch, block, x, dtype, dtype,
+                            slack=UNIT_ROUNDOFF[dtype] / 4)
 
 
 def test_large_batch_compiled_forward_without_cuda_graphs(monkeypatch):

@@ -32,6 +32,8 @@ from vitattn_bwd.integrations import _common, swap_attention, swapped_layers, un
 from vitattn_bwd.integrations import open_clip as oc_integration
 from vitattn_bwd.integrations import timm as timm_integration
 
+from .helpers import recorded_half_dtypes
+
 DIM, HEADS, TOKENS, BATCH, EPS = 32, 4, 7, 2, 1e-5
 
 
@@ -466,17 +468,11 @@ def test_bfloat16_open_clip_block_with_layer_scale_is_native():
 
 def _assert_native_bfloat16(stock, ours, monkeypatch):
     """ours, the swapped bf16 model at precision "medium", runs every attention half on
-    the fused one-product path in bf16 (LayerScale folded into the out projection in bf16): its output and
-    gradients in bf16, each as close to the float64 model's as the stock bf16 model's,
-    within half of bf16's unit roundoff more (the fold rounds gamma * W once)."""
-    from vitattn_bwd import module
-    half_dtypes = []
-    forward = module.attention_block_forward
-
-    def recording_forward(*args):
-        half_dtypes.append(args[10])
-        return forward(*args)
-    monkeypatch.setattr(module, "attention_block_forward", recording_forward)
+    the fused one-product path in bf16 (LayerScale folded into the out projection in
+    bf16): its output and gradients in bf16, each as close to the float64 model's as the
+    stock bf16 model's, within half of bf16's unit roundoff more (the fold rounds
+    gamma * W once)."""
+    half_dtypes = recorded_half_dtypes(monkeypatch)
     x, w = _inputs(torch.bfloat16)
     out, got = _grads(ours, x, w)
     assert half_dtypes == [torch.bfloat16]
