@@ -56,9 +56,16 @@ def _signature(kernel, constexprs, operand_dtype=None):
     fp16 for *16 outputs, fp32 for other pointers (upper case), fp32 `scale`, i32
     strides; the given constexprs. With operand_dtype ("bf16" or "fp16": the one-product
     kernels of half-precision inputs) the *_HI/*_LO operands, the *16 outputs and the
-    forward's output ATTN_OUT have that type."""
+    forward's output ATTN_OUT have that type; with "fp16 halves" (precision "highest")
+    the *_HI/*_LO operands are fp16 and the *16 outputs float32."""
     signature = {}
-    if operand_dtype is not None:
+    if operand_dtype == "fp16 halves":
+        for name in kernel.arg_names:
+            if name.endswith(("_HI", "_LO")):
+                signature[name] = "*fp16"
+            elif name.endswith("16"):
+                signature[name] = "*fp32"
+    elif operand_dtype is not None:
         for name in kernel.arg_names:
             if name.endswith(("_HI", "_LO", "16")) or name == "ATTN_OUT":
                 signature[name] = f"*{operand_dtype}"
@@ -176,6 +183,13 @@ def kernels():
                              dict(shape, **dict(constexprs, PRODUCTS=1, **qkv_views),
                                   OPERAND_DTYPE=dtype, RECOMPUTE_P=True,
                                   SUM_ROWS=COLUMN_SUM_ROWS), tiles))
+    # precision "highest": bf16x3's products on scaled fp16 halves, P given or recomputed
+    for recompute in (False, True):
+        mode = " recompute P" if recompute else ""
+        for name, kernel, tiles, constexprs in gluon:
+            variants.append((f"gluon {name}{mode} fp16 halves", kernel,
+                             dict(shape, **constexprs, OPERAND_DTYPE="fp16 halves",
+                                  RECOMPUTE_P=recompute, SUM_ROWS=COLUMN_SUM_ROWS), tiles))
     return variants
 
 

@@ -9,8 +9,8 @@ convolutions (set per test and restored).
 Bounds. Our backward is float32-grade (bf16x3), and at precision "high" the QKV weight
 gradient one round-to-nearest fp16 product: per gradient ~1e-4 relative against float64
 and ~1e-3 for the QKV weights (tests/test_gpu.py). (With TF32 off, torch's float32 matmul
-precision is "highest", which precision None follows: its QKV weight gradient is bf16x3
-too, well inside those bounds.)
+precision is "highest", which precision None follows: float32 GEMMs and an fp16x3
+attention core, well inside those bounds.)
 """
 import copy
 
@@ -408,11 +408,11 @@ def test_hf_vit_l14_336_outputs_and_gradients_against_the_stock_model():
 
 def test_hf_vit_l14_336_highest_against_float32s_own_error():
     """precision "highest" against the stock float32 tower's own error (both against
-    float64): the output within 5x of it, every gradient within 25x, and the q/k/v
-    weight gradients over 5x closer than "high"'s, whose one fp16 product puts them at
-    ~2e2x. (Issue 24 asks 10x; measured in a 4-layer tower: output 2.9x, gradients up
-    to 21x, the attention core's bf16x3 error ~7e-6 bounding them; docs/performance.md,
-    session 10.)"""
+    float64): the output within 5x of it, every gradient within 10x (issue 24), and the
+    q/k/v weight gradients over 5x closer than "high"'s, whose one fp16 product puts
+    them at ~2e2x. Measured in a 4-layer tower (scripts/tower_accuracy.py): output 1.2x,
+    gradients up to 8.3x (the k_proj biases, zero in exact math; the rest up to 5x),
+    bounded by the fp16x3 attention core's ~2e-6 (docs/performance.md, session 13)."""
     stock, highest = _towers("highest")
     _, high = _towers("high")
     pixels, weight = _batch(0)
@@ -427,7 +427,7 @@ def test_hf_vit_l14_336_highest_against_float32s_own_error():
     print("highest / stock float32, worst:",
           sorted(ratios.items(), key=lambda item: -item[1])[:4])
     assert output_errors["highest"] < 5 * output_errors["stock"], output_errors
-    assert all(ratio < 25 for ratio in ratios.values()), ratios
+    assert all(ratio < 10 for ratio in ratios.values()), ratios
     for name in errors["stock"]:
         if any(name.endswith(p + "_proj.weight") for p in "qkv"):
             assert errors["highest"][name] * 5 < errors["high"][name], (

@@ -1,10 +1,10 @@
 """The attention core of the backward as two custom operators, in the formats their
 consumers read:
 
-    softmax_bwd_rows(probs, grad_attn, q, k, v, attn_output, scale)
+    softmax_bwd_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=None)
         -> grad_q16 [B,S,E] fp16, grad_q_halves [B,S,2E] bf16 ([hi | lo]), delta [B,H,S],
            grad_q_sums [B,G,E] float32
-    softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale)
+    softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None)
         -> grad_kv16 [B,S,2E] fp16 (dK | dV), grad_kv_halves [B,S,4E] bf16
            ([k_hi v_hi | k_lo v_lo]), grad_kv_sums [B,G,2E] float32
 
@@ -25,6 +25,14 @@ The operand dtype sets the products (`products_of`):
 - float32: every product bf16x3. The fp16 copies feed the QKV weight-gradient GEMM, the
   bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the gradient to
   about 16 mantissa bits.
+- float32 with operand_scales (precision "highest"; `fp16_operand_scales`): float32 [5],
+  the powers of two (s_do, s_q, s_k, s_v) that bring grad_attn, q, k and v into fp16's
+  range (precision.fp16_scale), and s_ds, which brings dS there: every product fp16x3 on
+  their scaled fp16 halves, float32-grade (fp16 hi + lo holds 22 of float32's 24 bits, bf16's
+  16). grad_q16 and grad_kv16 are then the float32 gradients, unscaled, and the halves
+  empty: the graph splits them for the next GEMMs with scales of their own. Compiled on
+  Hopper the Gluon kernels run it; elsewhere (eagerly, or on other GPUs) the bf16x3
+  kernels do, in the same output formats, at bf16x3's precision.
 - bfloat16 or float16 (VisionAttentionBlock under autocast, or at precision "medium";
   with the log-sum-exp): one product per matmul in that dtype with float32
   accumulation, as torch's own flash-attention backward computes. grad_q16 and
@@ -47,7 +55,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from .layout import merge_heads, split_heads
-from .precision import split_bf16_rounded, split_bf16_truncated
+from .precision import (FP16_TOP_EXPONENT, fp16_scale, power_of_two_scale,
+                        split_bf16_rounded, split_bf16_truncated)
 
 
 class TileConfig(NamedTuple):
@@ -120,10 +129,11 @@ def _delta(attn_weights, grad_p, grad_attn, attn_output):
     return (grad_attn * attn_output).sum(-1, keepdim=True)
 
 
-def _halves(grads, dtype):
+def _halves(grads, dtype, fp16_halves=False):
     """float [.., N] tensors -> bf16 [.., 2N]: all hi parts, then all lo parts (rounded
-    split, as the kernels store them); [.., 0] for operands of a half `dtype`."""
-    if products_of(dtype) == 1:
+    split, as the kernels store them); [.., 0] for operands of a half `dtype` or fp16
+    halves."""
+    if products_of(dtype) == 1 or fp16_halves:
         return grads[0].new_empty(*grads[0].shape[:-1], 0, dtype=torch.bfloat16)
     pairs = [split_bf16_rounded(g.float()) for g in grads]
     return torch.cat([hi for hi, _ in pairs] + [lo for _, lo in pairs], dim=-1)
@@ -138,15 +148,19 @@ def products_of(dtype):
     return 1 if dtype in HALF_DTYPES else 3
 
 
-def gradient_dtype(dtype):
-    """The dtype of the grad_q16 / grad_kv16 outputs for operands of `dtype`."""
+def gradient_dtype(dtype, fp16_halves=False):
+    """The dtype of the grad_q16 / grad_kv16 outputs for operands of `dtype`: fp16 for
+    bf16x3 from bf16 halves, float32 for fp16x3 from scaled fp16 halves (fp16_halves:
+    the operators' operand_scales given), else `dtype`."""
+    if fp16_halves:
+        return torch.float32
     return dtype if dtype in HALF_DTYPES else torch.float16
 
 
-def halves_width(dtype, width):
-    """The width of the bf16 halves of a `width`-column gradient: 2 * width, or 0 with
-    one product."""
-    return 2 * width if products_of(dtype) == 3 else 0
+def halves_width(dtype, width, fp16_halves=False):
+    """The width of the bf16 halves of a `width`-column gradient: 2 * width for bf16x3,
+    0 with one product or fp16 halves."""
+    return 2 * width if products_of(dtype) == 3 and not fp16_halves else 0
 
 
 def triton_supports(device_type, dtype, head_dim):
@@ -216,54 +230,104 @@ def _kernel_operands(grad_attn, q, k, v):
     return [part for t in (grad_attn, q, k, v) for part in split_bf16_truncated(t.contiguous())]
 
 
+def fp16_operand_scales(grad_attn, q, k, v):
+    """The operand_scales of the fp16 halves, float32 [5]: s_do, s_q, s_k, s_v (each
+    tensor's fp16_scale) and s_ds, the power of two that brings 2 * max_i |dO_i| *
+    max_j |v_j| (norms of rows of one head, in the scaled units) into [2^13, 2^14):
+    |dS| <= |dP| + |delta| <= that bound (P <= 1, rows of P summing to 1), so dS * s_ds
+    stays below 2^14."""
+    scales = [fp16_scale(t) for t in (grad_attn, q, k, v)]
+    head_dim = q.shape[-1]
+    row_norm = lambda t: torch.linalg.vector_norm(                          # noqa: E731
+        t.reshape(-1, head_dim), dim=-1).amax()
+    bound = 2 * (row_norm(grad_attn) * scales[0]) * (row_norm(v) * scales[3])
+    return torch.stack([*scales, power_of_two_scale(bound, FP16_TOP_EXPONENT - 1)])
+
+
+def check_operand_scales(q, operand_scales):
+    """operand_scales, where given, is a float32 [5] tensor for float32 operands
+    (ValueError otherwise): it selects the fp16 halves, which only float32 operands
+    have. Returns whether it is given."""
+    if operand_scales is None:
+        return False
+    if q.dtype != torch.float32 or operand_scales.dtype != torch.float32 or tuple(
+            operand_scales.shape) != (5,):
+        raise ValueError(f"operand_scales must be a float32 [5] tensor (s_do, s_q, s_k, s_v, "
+                         f"s_ds) for float32 operands, got {operand_scales.dtype} "
+                         f"{tuple(operand_scales.shape)} for {q.dtype} operands")
+    return True
+
+
+def _to_fp16_halves_format(grad, halves):
+    """An eager bf16x3 launch's (grad16, halves) as the fp16-halves format: the gradient
+    in float32 (hi + lo), no halves."""
+    return float32_from_halves(halves), halves[..., :0]
+
+
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())
 def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
                      k: torch.Tensor, v: torch.Tensor, attn_output: Optional[torch.Tensor],
-                     scale: float
+                     scale: float, operand_scales: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     check_forward_output(probs, attn_output)
+    fp16_halves = check_operand_scales(k, operand_scales)
     if _use_triton(k):
-        return launch_rows(probs, grad_attn, q, k, v, attn_output, scale)
+        grad_q16, grad_q_halves, delta, grad_q_sums = launch_rows(
+            probs, grad_attn, q, k, v, attn_output, scale)
+        if fp16_halves:
+            grad_q16, grad_q_halves = _to_fp16_halves_format(grad_q16, grad_q_halves)
+        return grad_q16, grad_q_halves, delta, grad_q_sums
     dtype = k.dtype
     if attn_output is not None:
         attn_output = attn_output.double()
     probs, grad_attn, q, k, v = (t.double() for t in (probs, grad_attn, q, k, v))
     grad_q, _, _, delta = _backward_math_and_delta(probs, grad_attn, q, k, v, scale,
                                                    attn_output)
-    return (grad_q.to(gradient_dtype(dtype)), _halves([grad_q], dtype),
-            delta.squeeze(-1).float(), column_sums(grad_q))
+    return (grad_q.to(gradient_dtype(dtype, fp16_halves)),
+            _halves([grad_q], dtype, fp16_halves), delta.squeeze(-1).float(),
+            column_sums(grad_q))
 
 
 @softmax_bwd_rows.register_fake
-def _(probs, grad_attn, q, k, v, attn_output, scale):
+def _(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=None):
     check_forward_output(probs, attn_output)              # at trace time, not in a graph
+    fp16_halves = check_operand_scales(k, operand_scales)
     B, H, S, D = k.shape
-    return (k.new_empty(B, S, H * D, dtype=gradient_dtype(k.dtype)),
-            k.new_empty(B, S, halves_width(k.dtype, H * D), dtype=torch.bfloat16),
+    return (k.new_empty(B, S, H * D, dtype=gradient_dtype(k.dtype, fp16_halves)),
+            k.new_empty(B, S, halves_width(k.dtype, H * D, fp16_halves),
+                        dtype=torch.bfloat16),
             k.new_empty(B, H, S, dtype=torch.float32),
             k.new_empty(B, sum_groups(S), H * D, dtype=torch.float32))
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_cols", mutates_args=())
 def softmax_bwd_cols(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, scale: float
+                     k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, scale: float,
+                     operand_scales: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    fp16_halves = check_operand_scales(q, operand_scales)
     if _use_triton(q):
-        return launch_cols(probs, grad_attn, q, k, v, delta, scale)
+        grad_kv16, grad_kv_halves, grad_kv_sums = launch_cols(probs, grad_attn, q, k, v,
+                                                              delta, scale)
+        if fp16_halves:
+            grad_kv16, grad_kv_halves = _to_fp16_halves_format(grad_kv16, grad_kv_halves)
+        return grad_kv16, grad_kv_halves, grad_kv_sums
     # dK and dV need delta, which the math recomputes from P and dP itself
     dtype = q.dtype
     _, grad_k, grad_v = attention_backward_math(
         *(t.double() for t in (probs, grad_attn, q, k, v)), scale)
     grad_kv = torch.cat([grad_k, grad_v], dim=-1)                          # [B,S,2E]
-    return (grad_kv.to(gradient_dtype(dtype)), _halves([grad_k, grad_v], dtype),
-            column_sums(grad_kv))
+    return (grad_kv.to(gradient_dtype(dtype, fp16_halves)),
+            _halves([grad_k, grad_v], dtype, fp16_halves), column_sums(grad_kv))
 
 
 @softmax_bwd_cols.register_fake
-def _(probs, grad_attn, q, k, v, delta, scale):
+def _(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
+    fp16_halves = check_operand_scales(q, operand_scales)
     B, H, S, D = q.shape
-    return (q.new_empty(B, S, 2 * H * D, dtype=gradient_dtype(q.dtype)),
-            q.new_empty(B, S, halves_width(q.dtype, 2 * H * D), dtype=torch.bfloat16),
+    return (q.new_empty(B, S, 2 * H * D, dtype=gradient_dtype(q.dtype, fp16_halves)),
+            q.new_empty(B, S, halves_width(q.dtype, 2 * H * D, fp16_halves),
+                        dtype=torch.bfloat16),
             q.new_empty(B, sum_groups(S), 2 * H * D, dtype=torch.float32))
 
 

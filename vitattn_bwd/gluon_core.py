@@ -6,11 +6,11 @@ grad_attn, q, k and v as bf16 (hi, lo) pairs, the forward's output with the log-
 (else any placeholder), and the output buffers, which they fill:
 
     launch_rows(probs, *halves, attn_output, delta, grad_q_halves, grad_q_sums, grad_q16,
-                scale, tiles)
+                scale, tiles, products, prefetch, operand_scales)
         -> delta [B,H,S] float32, grad_q_halves [B,S,2E] bf16, grad_q_sums [B,G,E]
            float32, grad_q16 [B,S,E] fp16
     launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
-                tiles)
+                tiles, products, prefetch, operand_scales)
         -> grad_kv_halves [B,S,4E] bf16, grad_kv_sums [B,G,2E] float32, grad_kv16
            [B,S,2E] fp16
 
@@ -20,7 +20,12 @@ strides and a contiguous last dim: contiguous (the halves the graph splits), or 
 head views of the module's QKV projection [B,S,3E] (bf16 / fp16, read where they lie). `products` is 3 for the
 bf16 halves of float32 tensors (bf16x3), or 1 for bf16 / fp16 tensors given as they are
 (each tensor twice: its lo is never read); with one product grad_q16 / grad_kv16 are in
-the operands' dtype and the halves buffers are empty (attention_core.py). max-autotune
+the operands' dtype and the halves buffers are empty (attention_core.py). With
+`operand_scales` (float32 [5], attention_core.fp16_operand_scales: the powers of two
+s_do, s_q, s_k, s_v that grad_attn, q, k and v were scaled by into fp16's range before
+their split, and s_ds for dS), the halves are fp16 and the
+products fp16x3 (precision "highest"): grad_q16 / grad_kv16 are then float32 gradients,
+unscaled, and the halves buffers empty. max-autotune
 weighs these kernels against the Triton templates (inductor.py) on the GPUs where
 `available` says they run; for bf16 / fp16 operands, which the templates do not take,
 they are the only candidates.
@@ -94,16 +99,30 @@ def _constexprs(probs, qkv_parts, tiles, products, prefetch):
                 QKV_ROW_STRIDE=row_stride, num_warps=tiles.num_warps)
 
 
+def _check_operand_scales(operand_scales, grad_attn_hi, products):
+    """operand_scales is given exactly for fp16 halves (ValueError otherwise); the kernels
+    read it there, and any real pointer elsewhere."""
+    scaled = products == 3 and grad_attn_hi.dtype == torch.float16
+    if scaled != (operand_scales is not None):
+        raise ValueError(f"operand_scales must be given for fp16 halves (3 products of "
+                         f"fp16 operands) and only then; got products={products}, operand "
+                         f"dtype {grad_attn_hi.dtype}, operand_scales "
+                         f"{'given' if operand_scales is not None else 'None'}")
+    return grad_attn_hi if operand_scales is None else operand_scales
+
+
 def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
-                products=3, prefetch=ROWS_PREFETCH):
+                products=3, prefetch=ROWS_PREFETCH, operand_scales=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_rows_kernel
-    if not grad_q_halves.numel():        # one product: never written, any real pointer
+    scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
+    if not grad_q_halves.numel():        # no halves: never written, any real pointer
         grad_q_halves = grad_q_sums
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_m), batch * num_heads)
     softmax_bwd_rows_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
-                                  v_hi, v_lo, attn_output, grad_q16, grad_q_halves, delta,
+                                  v_hi, v_lo, scales, attn_output, grad_q16, grad_q_halves,
+                                  delta,
                                   grad_q_sums, scale,
                                   **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
                                                 tiles, products, prefetch))
@@ -111,14 +130,15 @@ def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
 
 def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, products=3,
-                prefetch=COLS_PREFETCH):
+                prefetch=COLS_PREFETCH, operand_scales=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_cols_kernel
-    if not grad_kv_halves.numel():       # one product: never written, any real pointer
+    scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
+    if not grad_kv_halves.numel():       # no halves: never written, any real pointer
         grad_kv_halves = grad_kv_sums
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_n), batch * num_heads)
     softmax_bwd_cols_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
-                                  v_hi, v_lo, delta, grad_kv16, grad_kv_halves,
+                                  v_hi, v_lo, scales, delta, grad_kv16, grad_kv_halves,
                                   grad_kv_sums, scale,
                                   **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
                                                 tiles, products, prefetch))
@@ -130,32 +150,38 @@ def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
 # of the kernel as an output of the node it schedules (inductor.py).
 
 def rows_out(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-             attn_output, delta, grad_q_halves, grad_q_sums, *, out, scale, block_m, block_n,
-             num_warps, num_stages, products):
+             attn_output, delta, grad_q_halves, grad_q_sums, operand_scales=None, *, out,
+             scale, block_m, block_n, num_warps, num_stages, products):
     launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, out, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages), products)
+                TileConfig(block_m, block_n, num_warps, num_stages), products,
+                operand_scales=operand_scales)
 
 
 def cols_out(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta,
-             grad_kv_halves, grad_kv_sums, *, out, scale, block_m, block_n, num_warps,
-             num_stages, products):
+             grad_kv_halves, grad_kv_sums, operand_scales=None, *, out, scale, block_m,
+             block_n, num_warps, num_stages, products):
     launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, out, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages), products)
+                TileConfig(block_m, block_n, num_warps, num_stages), products,
+                operand_scales=operand_scales)
 
 
-def _operand_dtype(q_hi, products):
-    """The dtype the operands stand for: float32 for bf16x3 halves, else their own."""
-    return torch.float32 if products == 3 else q_hi.dtype
+def _formats(q_hi, products):
+    """(the dtype the operands stand for, whether they are fp16 halves): float32 for
+    halves (3 products; fp16 ones are the scaled halves), else their own dtype."""
+    if products == 3:
+        return torch.float32, q_hi.dtype == torch.float16
+    return q_hi.dtype, False
 
 
 def _rows_outputs(q_hi, products):
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
-    dtype = _operand_dtype(q_hi, products)
-    return (q_hi.new_empty(batch, seq_len, embed_dim, dtype=gradient_dtype(dtype)),
-            q_hi.new_empty(batch, seq_len, halves_width(dtype, embed_dim),
+    dtype, fp16_halves = _formats(q_hi, products)
+    return (q_hi.new_empty(batch, seq_len, embed_dim,
+                           dtype=gradient_dtype(dtype, fp16_halves)),
+            q_hi.new_empty(batch, seq_len, halves_width(dtype, embed_dim, fp16_halves),
                            dtype=torch.bfloat16),
             q_hi.new_empty(batch, num_heads, seq_len, dtype=torch.float32),
             q_hi.new_empty(batch, sum_groups(seq_len), embed_dim, dtype=torch.float32))
@@ -164,9 +190,10 @@ def _rows_outputs(q_hi, products):
 def _cols_outputs(q_hi, products):
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
-    dtype = _operand_dtype(q_hi, products)
-    return (q_hi.new_empty(batch, seq_len, 2 * embed_dim, dtype=gradient_dtype(dtype)),
-            q_hi.new_empty(batch, seq_len, halves_width(dtype, 2 * embed_dim),
+    dtype, fp16_halves = _formats(q_hi, products)
+    return (q_hi.new_empty(batch, seq_len, 2 * embed_dim,
+                           dtype=gradient_dtype(dtype, fp16_halves)),
+            q_hi.new_empty(batch, seq_len, halves_width(dtype, 2 * embed_dim, fp16_halves),
                            dtype=torch.bfloat16),
             q_hi.new_empty(batch, sum_groups(seq_len), 2 * embed_dim, dtype=torch.float32))
 
@@ -180,7 +207,7 @@ _LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
 _OPERANDS = ("Tensor probs, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_hi, "
              "Tensor q_lo, Tensor k_hi, Tensor k_lo, Tensor v_hi, Tensor v_lo")
 _TILES = ("float scale, int block_m, int block_n, int num_warps, int num_stages, "
-          "int products")
+          "int products, Tensor? operand_scales=None")
 _LIBRARY.define(f"gluon_softmax_bwd_rows({_OPERANDS}, Tensor attn_output, {_TILES}) "
                 "-> (Tensor, Tensor, Tensor, Tensor)")
 _LIBRARY.define(f"gluon_softmax_bwd_cols({_OPERANDS}, Tensor delta, {_TILES}) "
@@ -189,24 +216,26 @@ _LIBRARY.define(f"gluon_softmax_bwd_cols({_OPERANDS}, Tensor delta, {_TILES}) "
 
 def gluon_softmax_bwd_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
                            v_lo, attn_output, scale, block_m, block_n, num_warps,
-                           num_stages, products):
+                           num_stages, products, operand_scales=None):
     """The rows pass on pre-split operands -> grad_q16, grad_q_halves, delta,
     grad_q_sums."""
     grad_q16, grad_q_halves, delta, grad_q_sums = _rows_outputs(q_hi, products)
     launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages), products)
+                TileConfig(block_m, block_n, num_warps, num_stages), products,
+                operand_scales=operand_scales)
     return grad_q16, grad_q_halves, delta, grad_q_sums
 
 
 def gluon_softmax_bwd_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
                            v_lo, delta, scale, block_m, block_n, num_warps, num_stages,
-                           products):
+                           products, operand_scales=None):
     """The cols pass on pre-split operands -> grad_kv16, grad_kv_halves, grad_kv_sums."""
     grad_kv16, grad_kv_halves, grad_kv_sums = _cols_outputs(q_hi, products)
     launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages), products)
+                TileConfig(block_m, block_n, num_warps, num_stages), products,
+                operand_scales=operand_scales)
     return grad_kv16, grad_kv_halves, grad_kv_sums
 
 
@@ -216,11 +245,11 @@ _LIBRARY.impl("gluon_softmax_bwd_cols", gluon_softmax_bwd_cols, "CUDA")
 
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_rows", lib=_LIBRARY)
 def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output,
-      scale, block_m, block_n, num_warps, num_stages, products):
+      scale, block_m, block_n, num_warps, num_stages, products, operand_scales=None):
     return _rows_outputs(q_hi, products)
 
 
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_cols", lib=_LIBRARY)
 def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta, scale,
-      block_m, block_n, num_warps, num_stages, products):
+      block_m, block_n, num_warps, num_stages, products, operand_scales=None):
     return _cols_outputs(q_hi, products)

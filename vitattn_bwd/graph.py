@@ -5,8 +5,9 @@ operands split once (precision.py): cuBLAS bf16 GEMMs around the two attention-c
 operators (attention_core.py), which Inductor lowers to our Triton templates
 (inductor.py) and which write their gradients in the formats the next GEMMs read; the
 QKV weight gradient is one fp16 GEMM, of operands brought to fp16's range by a
-power-of-two scale of the upstream gradient (precision "high"; "highest" takes it as
-bf16x3 and splits the GEMMs' operands rounded to nearest); the LayerNorm backward, with
+power-of-two scale of the upstream gradient (precision "high"; "highest" runs the GEMMs
+as float32 matmuls and the attention core as fp16x3 from fp16 halves of its operands
+scaled into fp16's range, on the Gluon kernels); the LayerNorm backward, with
 the sums over rows of its parameters' and the out-projection bias's gradients, is one
 Triton kernel (layer_norm.py) that reads the QKV input gradient as the four GEMM outputs
 it is the sum of. The QKV bias gradient adds the partial sums over rows that the attention core
@@ -35,8 +36,8 @@ from .attention_core import HALF_DTYPES
 from .cuda_graphs import GraphedCall
 from .layout import split_heads
 from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
-                        matmul_halves_transposed, mm_float32, mm_half, operand_split,
-                        power_of_two_scale, products_halves_by_weight)
+                        matmul_halves_transposed, mm_float32, mm_half, power_of_two_scale,
+                        products_halves_by_weight, split_bf16_truncated)
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
@@ -48,16 +49,14 @@ BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v"
 
 
 def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                              attn_weights, forward_output, q, k, v, scale, precision):
-    """Out projection, attention core and QKV projection from split operands (CUDA):
-    returns grad_out_weight, grad_x_norm_parts (four [B*S,E] GEMM outputs, whose sum
-    times `unscale` is grad_x_norm), grad_qkv_weight, grad_qkv_bias, unscale.
-    forward_output: the attention output [B,S,E] where it goes with attn_weights (the
-    module's log-sum-exp), else None. precision (precision.FUSED_PRECISIONS): "high"
-    splits the GEMMs' float32 operands by truncation and takes the QKV weight gradient
-    as one fp16 product; "highest" splits them rounded to nearest and takes every
-    product, the QKV weight gradient's too, as bf16x3."""
-    split = operand_split(precision)
+                              attn_weights, forward_output, q, k, v, scale):
+    """Out projection, attention core and QKV projection from split operands at
+    precision "high" (CUDA): returns grad_out_weight, grad_x_norm_parts (four [B*S,E]
+    GEMM outputs, whose sum times `unscale` is grad_x_norm), grad_qkv_weight,
+    grad_qkv_bias, unscale. forward_output: the attention output [B,S,E] where it goes
+    with attn_weights (the module's log-sum-exp), else None. The GEMMs' float32
+    operands are split by truncation, and the QKV weight gradient is one fp16 product."""
+    split = split_bf16_truncated
     B, H, S, D = q.shape
     E = H * D
     rows = B * S
@@ -85,20 +84,44 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
 
     grad_x_norm_parts = (products_halves_by_weight(grad_q_halves, qkv_weight[:E], split)
                          + products_halves_by_weight(grad_kv_halves, qkv_weight[E:], split))
-    if precision == "highest":
-        x_norm_halves = bf16_halves(x_norm_rows, split)                        # [B*S,2E]
-        grad_qkv_weight = torch.cat([                                          # [3E,E]
-            matmul_halves_transposed(grad_q_halves, x_norm_halves),
-            matmul_halves_transposed(grad_kv_halves, x_norm_halves)])
-    else:
-        x_norm16 = x_norm_rows.half()
-        grad_qkv_weight = torch.cat([                                          # [3E,E]
-            matmul_fp16_transposed(grad_q16.view(rows, E), x_norm16),
-            matmul_fp16_transposed(grad_kv16.view(rows, 2 * E), x_norm16)])
+    x_norm16 = x_norm_rows.half()
+    grad_qkv_weight = torch.cat([                                              # [3E,E]
+        matmul_fp16_transposed(grad_q16.view(rows, E), x_norm16),
+        matmul_fp16_transposed(grad_kv16.view(rows, 2 * E), x_norm16)])
     grad_qkv_bias = torch.cat([grad_q_sums.sum((0, 1)), grad_kv_sums.sum((0, 1))])  # [3E]
     unscale = 1 / scale_up
     return (grad_out_weight * unscale, grad_x_norm_parts, grad_qkv_weight * unscale,
             grad_qkv_bias * unscale, unscale)
+
+
+def _float32_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
+                      attn_weights, forward_output, q, k, v, scale):
+    """The same products at precision "highest" (CUDA): the GEMMs as float32 matmuls
+    (cuBLAS SGEMM unless the process enabled TF32), the attention core fp16x3 on the
+    scaled fp16 halves of its operands (attention_core.fp16_operand_scales), which
+    writes float32 gradients. Split GEMMs, bf16x3 or fp16x3, are not float32-faithful
+    on the H200: the tensor cores' float32 accumulation truncates, which put fp16x3
+    GEMMs' gradients at 20x float32's own error in a 4-layer CLIP tower, SGEMM at 8x
+    (docs/performance.md, session 13). Returns what _split_precision_products returns,
+    with two grad_x_norm parts."""
+    B, H, S, D = q.shape
+    E = H * D
+    rows = B * S
+    grad_out_weight = grad_rows.t() @ attn_rows                                # [E,E]
+    grad_attn = (grad_rows @ out_weight).view(B, S, E)
+    # the core's float32 gradients and their partial sums over rows
+    operand_scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)     # [5]
+    grad_q, _, delta, grad_q_sums = attention_core.softmax_bwd_rows(
+        attn_weights, grad_attn, q, k, v, forward_output, scale,
+        operand_scales)                                 # [B,S,E], [B,H,S], [B,G,E]
+    grad_kv, _, grad_kv_sums = attention_core.softmax_bwd_cols(
+        attn_weights, grad_attn, q, k, v, delta, scale, operand_scales)  # [B,S,2E], [B,G,2E]
+    grad_q, grad_kv = grad_q.view(rows, E), grad_kv.view(rows, 2 * E)
+    grad_x_norm_parts = (grad_q @ qkv_weight[:E], grad_kv @ qkv_weight[E:])
+    grad_qkv_weight = torch.cat([grad_q.t() @ x_norm_rows, grad_kv.t() @ x_norm_rows])
+    grad_qkv_bias = torch.cat([grad_q_sums.sum((0, 1)), grad_kv_sums.sum((0, 1))])  # [3E]
+    return (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
+            grad_out_weight.new_ones(()))
 
 
 def _one_product_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
@@ -176,8 +199,8 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     """The seven gradients (the math of reference.attention_block_backward).
 
     split_precision: None for plain products in the inputs' dtype (the CPU, float64),
-    else the precision of the split products (CUDA float32): "high" or "highest"
-    (_split_precision_products). Where the module saved its activations (qkv,
+    else the precision of the split products (CUDA float32): "high"
+    (_split_precision_products) or "highest" (_float32_products). Where the module saved its activations (qkv,
     attn_output) in bf16 or fp16, every product is one product in that dtype
     (_one_product_products), on any device, whatever split_precision says; for a block
     all in bf16 or fp16 (x in that dtype), every gradient is returned in that dtype.
@@ -202,8 +225,10 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
                     out_weight, qkv_weight, attn_weights, forward_output, q, k, v, scale)
     if q.dtype in HALF_DTYPES:
         products = _one_product_products(*product_args)
+    elif split_precision == "highest":
+        products = _float32_products(*product_args)
     elif split_precision:
-        products = _split_precision_products(*product_args, split_precision)
+        products = _split_precision_products(*product_args)
     else:
         products = _plain_products(*product_args)
     grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias, unscale = products

@@ -29,6 +29,7 @@ import functools
 import inspect
 import weakref
 
+import sympy
 import torch
 
 try:
@@ -44,7 +45,7 @@ except ImportError as error:              # pragma: no cover - depends on the to
 
 from . import attention_core, gluon_core
 from .attention_core import TileConfig
-from .precision import BF16_HI_MASK, BF16_ROUNDING_BIAS
+from .precision import BF16_HI_MASK, BF16_ROUNDING_BIAS, FP16_HI_MASK, FP16_ROUNDING_BIAS
 
 # The configs max-autotune times against each other for both templates. At batch 32 on
 # the H200 the rows pass runs fastest with (64, 32, 4, 3), the cols pass with
@@ -215,11 +216,15 @@ def _tile_choices(template, input_nodes, layout, mutated_inputs, call_sizes, con
 _GLUON_WINNERS = {}
 
 
-def _gluon_node(op, operand_count):
-    """kernel_creator of a Gluon choice: the operator on the first operand_count inputs."""
+def _gluon_node(op, operand_count, buffer_count):
+    """kernel_creator of a Gluon choice: the operator on the first operand_count inputs
+    (and on the operand scales, the input after the buffer_count output buffers, where
+    the operands are fp16 halves)."""
     def create(*input_nodes, scale, block_m, block_n, num_warps, num_stages, products):
+        operand_scales = input_nodes[operand_count + buffer_count:]
         outputs = ir.FallbackKernel.create(op, *input_nodes[:operand_count], scale, block_m,
-                                           block_n, num_warps, num_stages, products)
+                                           block_n, num_warps, num_stages, products,
+                                           *operand_scales)
         _GLUON_WINNERS[input_nodes[operand_count].get_name()] = outputs
         return outputs[0]
     return create
@@ -230,10 +235,12 @@ def _gluon_choices():
     """(rows, cols) ExternKernelChoices of the Gluon kernels (one per process)."""
     return (ExternKernelChoice(gluon_core.rows_out, name="vitattn_gluon_softmax_bwd_rows",
                                kernel_creator=_gluon_node(
-                                   torch.ops.vitattn_bwd.gluon_softmax_bwd_rows.default, 10)),
+                                   torch.ops.vitattn_bwd.gluon_softmax_bwd_rows.default, 10,
+                                   3)),
             ExternKernelChoice(gluon_core.cols_out, name="vitattn_gluon_softmax_bwd_cols",
                                kernel_creator=_gluon_node(
-                                   torch.ops.vitattn_bwd.gluon_softmax_bwd_cols.default, 10)))
+                                   torch.ops.vitattn_bwd.gluon_softmax_bwd_cols.default, 10,
+                                   2)))
 
 
 def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, layout, scale):
@@ -264,11 +271,11 @@ def _template_applies(tensor_node, head_dim):
                                           tensor_node.get_dtype(), head_dim)
 
 
-def _kernels_apply(tensor_node, head_dim):
-    """Whether any of our kernels takes these operands: the templates (float32), or the
-    Gluon kernels (Hopper; float32, bf16 and fp16). Elsewhere the operator's own
-    implementation runs."""
-    return (_template_applies(tensor_node, head_dim)
+def _kernels_apply(tensor_node, head_dim, fp16_halves):
+    """Whether any of our kernels takes these operands: the templates (float32, bf16
+    halves), or the Gluon kernels (Hopper; float32, bf16 and fp16). Elsewhere the
+    operator's own implementation runs."""
+    return ((_template_applies(tensor_node, head_dim) and not fp16_halves)
             or gluon_core.available(tensor_node.get_device(), tensor_node.get_dtype(),
                                     head_dim))
 
@@ -297,6 +304,17 @@ def _split_key(node):
     return (node.get_name(), layout.offset, tuple(layout.size), tuple(layout.stride))
 
 
+def _rounded(value, bias, shift, mask):
+    """float32 `value` (an ops value) rounded to nearest even at bit `shift` by integer
+    operations (no cast to fold away), as a float32 ops value."""
+    bits = ops.to_dtype_bitcast(value, torch.int32, torch.float32)
+    odd = ops.bitwise_and(ops.bitwise_right_shift(bits, ops.constant(shift, torch.int32)),
+                          ops.constant(1, torch.int32))
+    rounded = ops.add(ops.add(bits, ops.constant(bias, torch.int32)), odd)
+    masked = ops.bitwise_and(rounded, ops.constant(mask, torch.int32))
+    return ops.to_dtype_bitcast(masked, torch.float32, torch.int32)
+
+
 def _split_bf16(node):
     """Realized, contiguous bf16 (hi, lo) buffers of a float32 IR node: the math of
     precision.split_bf16_rounded (hi rounded to nearest even by integer operations, so no
@@ -311,12 +329,7 @@ def _split_bf16(node):
     load = node.make_loader()
 
     def hi_float32(index):
-        bits = ops.to_dtype_bitcast(load(index), torch.int32, torch.float32)
-        odd = ops.bitwise_and(ops.bitwise_right_shift(bits, ops.constant(16, torch.int32)),
-                              ops.constant(1, torch.int32))
-        rounded = ops.add(ops.add(bits, ops.constant(BF16_ROUNDING_BIAS, torch.int32)), odd)
-        masked = ops.bitwise_and(rounded, ops.constant(BF16_HI_MASK, torch.int32))
-        return ops.to_dtype_bitcast(masked, torch.float32, torch.int32)
+        return _rounded(load(index), BF16_ROUNDING_BIAS, 16, BF16_HI_MASK)
 
     def hi(index):
         return ops.to_dtype(hi_float32(index), torch.bfloat16)
@@ -325,6 +338,33 @@ def _split_bf16(node):
         return ops.to_dtype(ops.sub(load(index), hi_float32(index)), torch.bfloat16)
 
     splits[key] = tuple(_pointwise(node, torch.bfloat16, fn) for fn in (hi, lo))
+    return splits[key]
+
+
+def _split_fp16(node, operand_scales, index):
+    """Realized, contiguous fp16 (hi, lo) buffers of a float32 IR node times the power of
+    two operand_scales[index]: the math of precision.split_fp16, emitted as pointwise
+    IR."""
+    node = _contiguous(node)
+    key = (*_split_key(node), operand_scales.get_name(), index)
+    splits = _SPLITS.setdefault(V.graph, {})
+    if key in splits:
+        return splits[key]
+    load, load_scale = node.make_loader(), operand_scales.make_loader()
+
+    def scaled(index_):
+        return ops.mul(load(index_), load_scale([sympy.Integer(index)]))
+
+    def hi_float32(index_):
+        return _rounded(scaled(index_), FP16_ROUNDING_BIAS, 13, FP16_HI_MASK)
+
+    def hi(index_):
+        return ops.to_dtype(hi_float32(index_), torch.float16)
+
+    def lo(index_):
+        return ops.to_dtype(ops.sub(scaled(index_), hi_float32(index_)), torch.float16)
+
+    splits[key] = tuple(_pointwise(node, torch.float16, fn) for fn in (hi, lo))
     return splits[key]
 
 
@@ -354,10 +394,15 @@ def _as_they_lie(q, k, v):
     return [_contiguous(t) for t in (q, k, v)]
 
 
-def _operands(probs, grad_attn, q, k, v):
+def _operands(probs, grad_attn, q, k, v, operand_scales):
     """Kernel inputs PROBS .. V_LO: probs contiguous, the rest as bf16 (hi, lo) pairs of
-    float32 tensors (contiguous), or bf16 / fp16 tensors as they are, each twice (hi; lo
-    unread): grad_attn contiguous, q, k, v where they lie (`_as_they_lie`)."""
+    float32 tensors (contiguous), as fp16 (hi, lo) pairs of them scaled by
+    operand_scales where it is given (a realized node), or bf16 / fp16 tensors as they
+    are, each twice (hi; lo unread): grad_attn contiguous, q, k, v where they lie
+    (`_as_they_lie`)."""
+    if operand_scales is not None:
+        return [_contiguous(probs), *(part for index, t in enumerate((grad_attn, q, k, v))
+                                      for part in _split_fp16(t, operand_scales, index))]
     if attention_core.products_of(k.get_dtype()) == 1:
         return [_contiguous(probs), *(t for t in [_contiguous(grad_attn),
                                                   *_as_they_lie(q, k, v)]
@@ -378,29 +423,38 @@ def _column_sums_buffer(batch, seq_len, width, device):
                          dtype=torch.float32, device=device)
 
 
+def _scales_input(operand_scales):
+    """The operand scales as a realized input of the kernels, or None."""
+    return None if operand_scales is None else _contiguous(operand_scales)
+
+
 @register_lowering(_ROWS_OP, type_promotion_kind=None)
-def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale):
+def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=None):
     batch, (num_heads, seq_len, head_dim) = _static_sizes(k)
-    if not _kernels_apply(k, head_dim):
+    fp16_halves = operand_scales is not None
+    if not _kernels_apply(k, head_dim, fp16_halves):
         return fallback_handler(_ROWS_OP, add_to_fallback_set=False)(
-            probs, grad_attn, q, k, v, attn_output, scale)
+            probs, grad_attn, q, k, v, attn_output, scale, operand_scales)
     device, embed_dim, dtype = k.get_device(), num_heads * head_dim, k.get_dtype()
+    operand_scales = _scales_input(operand_scales)
     if attn_output is None:          # P given: ATTN_OUT is not read, a placeholder
         attn_output = empty_strided([1], None, dtype=torch.float32, device=device)
     delta = empty_strided([batch, num_heads, seq_len], None, dtype=torch.float32,
                           device=device)                                  # [B,H,S]
     grad_q_halves = empty_strided(
-        [batch, seq_len, attention_core.halves_width(dtype, embed_dim)], None,
+        [batch, seq_len, attention_core.halves_width(dtype, embed_dim, fp16_halves)], None,
         dtype=torch.bfloat16, device=device)                              # [B,S,2E]
     grad_q_sums = _column_sums_buffer(batch, seq_len, embed_dim, device)  # [B,G,E]
-    layout = ir.FixedLayout(device, attention_core.gradient_dtype(dtype),
+    layout = ir.FixedLayout(device, attention_core.gradient_dtype(dtype, fp16_halves),
                             [batch, seq_len, embed_dim])                  # [B,S,E]
-    inputs = [*_operands(probs, grad_attn, q, k, v), _contiguous(attn_output), delta,
-              grad_q_halves, grad_q_sums]
+    inputs = [*_operands(probs, grad_attn, q, k, v, operand_scales),
+              _contiguous(attn_output), delta, grad_q_halves, grad_q_sums]
+    if fp16_halves:
+        inputs.append(operand_scales)
     constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     rows_template, _ = _templates()
     choices = []
-    if _template_applies(k, head_dim):
+    if _template_applies(k, head_dim) and not fp16_halves:
         choices = _tile_choices(rows_template, inputs, layout,
                                 [delta, grad_q_halves, grad_q_sums],
                                 [batch, num_heads, seq_len], constexprs)
@@ -411,24 +465,28 @@ def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale):
 
 
 @register_lowering(_COLS_OP, type_promotion_kind=None)
-def _lower_cols(probs, grad_attn, q, k, v, delta, scale):
+def _lower_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
     batch, (num_heads, seq_len, head_dim) = _static_sizes(q)
-    if not _kernels_apply(q, head_dim):
+    fp16_halves = operand_scales is not None
+    if not _kernels_apply(q, head_dim, fp16_halves):
         return fallback_handler(_COLS_OP, add_to_fallback_set=False)(
-            probs, grad_attn, q, k, v, delta, scale)
+            probs, grad_attn, q, k, v, delta, scale, operand_scales)
     device, embed_dim, dtype = q.get_device(), num_heads * head_dim, q.get_dtype()
+    operand_scales = _scales_input(operand_scales)
     grad_kv_halves = empty_strided(
-        [batch, seq_len, attention_core.halves_width(dtype, 2 * embed_dim)], None,
-        dtype=torch.bfloat16, device=device)                              # [B,S,4E]
+        [batch, seq_len, attention_core.halves_width(dtype, 2 * embed_dim, fp16_halves)],
+        None, dtype=torch.bfloat16, device=device)                        # [B,S,4E]
     grad_kv_sums = _column_sums_buffer(batch, seq_len, 2 * embed_dim, device)  # [B,G,2E]
-    layout = ir.FixedLayout(device, attention_core.gradient_dtype(dtype),
+    layout = ir.FixedLayout(device, attention_core.gradient_dtype(dtype, fp16_halves),
                             [batch, seq_len, 2 * embed_dim])              # [B,S,2E]
-    inputs = [*_operands(probs, grad_attn, q, k, v),
+    inputs = [*_operands(probs, grad_attn, q, k, v, operand_scales),
               ir.ExternKernel.require_contiguous(delta), grad_kv_halves, grad_kv_sums]
+    if fp16_halves:
+        inputs.append(operand_scales)
     constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     _, cols_template = _templates()
     choices = []
-    if _template_applies(q, head_dim):
+    if _template_applies(q, head_dim) and not fp16_halves:
         choices = _tile_choices(cols_template, inputs, layout, [grad_kv_halves, grad_kv_sums],
                                 [batch, num_heads, seq_len], constexprs)
     choices += _gluon_tile_choices(_gluon_choices()[1], gluon_core.COLS_TILES, q, head_dim,

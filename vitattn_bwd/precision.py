@@ -20,8 +20,21 @@ The QKV weight gradient, which the contract's tolerance lets run on one product,
 GEMM of round-to-nearest fp16 operands (unbiased, unlike truncating TF32) at precision
 "high"; "highest" takes it as bf16x3 like the others (graph.py).
 
-Splits are written with integer masking, not with casts: Inductor folds a float32 ->
-bf16 -> float32 round trip inside a fused kernel, which would make lo == 0 silently.
+"fp16x3" (the attention core at precision "highest"): the same three products of fp16
+hi + lo, which carry 22 of float32's 24 mantissa bits (the neglected lo * lo term is
+2^-22 of a product). fp16's range is narrow (normal from 2^-14, at most 65504), so each
+operand is first scaled by a power of two (exact) that brings its largest magnitude
+into [2^14, 2^15) (fp16_scale): then every element down to 2^-28 of the largest keeps a
+normal hi, and the products are scaled back exactly. On the H200 what bounds such
+products is then the tensor cores' float32 accumulation, which truncates: the core's
+gradients at ~2e-6 against float64 at S = 577, against ~1e-5 for bf16x3 (and GEMMs of
+either kind at 20x float32's own error in a 4-layer CLIP tower, where cuBLAS SGEMM gives
+1x: docs/performance.md, session 13). So "highest" runs its GEMMs in float32.
+
+Splits are written with integer rounding and masking, not with casts: Inductor folds a
+float32 -> bf16 -> float32 round trip inside a fused kernel, which would make lo == 0
+silently. (Nor with Veltkamp's splitting, c * t - (c * t - t): the GPU contracts it into
+an FMA, which gives hi == t, and lo == 0 again: seen on the H200.)
 
 On CUDA the GEMMs are cuBLAS bf16/fp16 GEMMs with a float32 result; elsewhere the same
 products run as float32 matmuls of the upcast parts, which is exact for products of
@@ -30,10 +43,10 @@ bf16 or fp16 values: the CPU reproduces the GPU's arithmetic up to summation ord
 import torch
 
 # The precisions of the fused float32 path, PyTorch's names for float32 matmul precision
-# (torch.set_float32_matmul_precision): "highest", every GEMM bf16x3 from splits rounded
-# to nearest, the QKV weight gradient's too; "high" the fastest map the benchmark's
-# tolerance allows, truncated splits and one fp16 product for the QKV weight gradient.
-# The attention core is bf16x3 at both (graph.py).
+# (torch.set_float32_matmul_precision): "highest", float32 GEMMs and the attention core
+# fp16x3 from scaled fp16 halves; "high" the fastest map the benchmark's tolerance
+# allows: bf16x3 from truncated splits, one fp16 product for the QKV weight gradient
+# (graph.py).
 FUSED_PRECISIONS = ("highest", "high")
 
 
@@ -62,12 +75,37 @@ def split_bf16_rounded(t):
     return hi.to(torch.bfloat16), (t - hi).to(torch.bfloat16)
 
 
-def power_of_two_scale(t):
-    """2^-e for the e with 2^e <= max|t| < 2^(e + 1), as a 0-dim float32 tensor (2^127
-    if t is all zeros): multiplying by it is exact and brings max|t| into [1, 2). Read
-    off the exponent bits, so no log or pow rounds it."""
+# fp16 operands are scaled so that their largest magnitude lies in [2^14, 2^15)
+FP16_TOP_EXPONENT = 14
+# float32 bits of a value rounded to fp16's 11 significant bits: sign, exponent and the
+# top 10 mantissa bits (the mask), the bias added below them to round half to even
+FP16_HI_MASK = -8192             # 0xFFFFE000 as an int32
+FP16_ROUNDING_BIAS = 0xFFF
+
+
+def power_of_two_scale(t, top_exponent=0):
+    """2^(top_exponent - e) for the e with 2^e <= max|t| < 2^(e + 1), as a 0-dim float32
+    tensor (at most 2^127; 2^127 if t is all zeros): multiplying by it is exact and
+    brings max|t| into [2^top_exponent, 2^(top_exponent + 1)). Read off the exponent
+    bits, so no log or pow rounds it. top_exponent: 0 to 63."""
     exponent_bits = t.detach().abs().amax().float().view(torch.int32) & 0x7F800000
-    return (0x7F000000 - exponent_bits).view(torch.float32)
+    top_bits = top_exponent << 23
+    return (0x7F000000 + top_bits - exponent_bits.clamp_min(top_bits)).view(torch.float32)
+
+
+def fp16_scale(t):
+    """The power of two that brings t into fp16's range for its fp16 halves."""
+    return power_of_two_scale(t, FP16_TOP_EXPONENT)
+
+
+def split_fp16(t):
+    """float32 t, scaled into fp16's range (fp16_scale) -> (hi, lo) fp16: hi = t rounded
+    to fp16's 11 significant bits (to nearest even, by integer operations), lo = t - hi
+    rounded: the split the compiled graph gives the attention core (inductor.py). Elements below fp16's normal range (2^-28 of the largest, once scaled) keep
+    about 2^-25 of absolute precision."""
+    bits = t.view(torch.int32)
+    hi = ((bits + FP16_ROUNDING_BIAS + ((bits >> 13) & 1)) & FP16_HI_MASK).view(torch.float32)
+    return hi.to(torch.float16), (t - hi).to(torch.float16)
 
 
 def operand_split(precision):
@@ -100,8 +138,9 @@ def mm_half(a, b):
 
 def products_halves_by_weight(a_halves, weight, split=split_bf16_truncated):
     """The two GEMMs of a [M,K] (given as halves [M,2K]) @ weight [K,N] float32 in
-    bf16x3, small term first: (a_hi @ w_lo, [a_hi | a_lo] @ [w_hi ; w_hi]), each [M,N];
-    the weight split by `split`."""
+    bf16x3 (fp16x3 for fp16 halves and split_fp16, a and the weight scaled), small term
+    first: (a_hi @ w_lo, [a_hi | a_lo] @ [w_hi ; w_hi]), each [M,N]; the weight split by
+    `split`."""
     K = weight.shape[0]
     w_hi, w_lo = split(weight)
     return (mm_float32(a_halves[:, :K], w_lo),
@@ -126,8 +165,9 @@ def linear_bf16x3(a, weight, bias):
 
 
 def matmul_halves_transposed(a_halves, c_halves):
-    """a^T @ c for a [K,M], c [K,N] given as halves [K,2M], [K,2N] -> [M,N], bf16x3 with
-    the three products as separate GEMMs (K = B*S is large)."""
+    """a^T @ c for a [K,M], c [K,N] given as halves [K,2M], [K,2N] -> [M,N], bf16x3 (or
+    fp16x3 of fp16 halves) with the three products as separate GEMMs (K = B*S is
+    large)."""
     M, N = a_halves.shape[1] // 2, c_halves.shape[1] // 2
     hi_and_lo_by_c_hi = mm_float32(a_halves.t(), c_halves[:, :N])          # [2M,N]
     a_hi_by_c_lo = mm_float32(a_halves[:, :M].t(), c_halves[:, N:])        # [M,N]

@@ -54,6 +54,19 @@ S x S tiles are rounded to that dtype, and a gradient is stored once, in that dt
 GRAD16 (HALVES_WIDTH 0: no halves). Measured on the H200 at batch 32, bf16, P recomputed
 (docs/performance.md, session 11): rows 0.225 ms, cols 0.366, against 0.716 for torch's
 flash-attention backward and 0.446 for cuDNN's at the same errors against float64.
+PRODUCTS 3 with fp16 operand pointers is fp16x3 on scaled fp16 halves (precision
+"highest"): fp16 hi + lo holds 22 of float32's 24 bits where bf16's hold 16, so every
+product is float32-grade, provided its operands lie in fp16's range. The caller scales
+dO, q, k and v by powers of two (SCALES: s_do, s_q, s_k, s_v) so that each one's largest
+magnitude lies in [2^14, 2^15), and gives s_ds, which brings dS below 2^14 (|dS| <= |dP| +
+|delta| <= 2 max_i |dO_i| max_j |v_j| over rows, in the scaled units); the S x S tiles
+are scaled before their split (rounded to nearest): P (at most 1) by P_SCALE, dS by
+s_ds. A bound of dS from the largest elements of dO and v instead (2 * HEAD_DIM * 2^30)
+left a typical dS tile 2^8 below fp16's normal range for its lo part: 2e-6 error on the
+H200, where the row norms' bound gives ~1e-7 (docs/performance.md, session 13). Every
+scale is a power of two, so scaling is exact; the kernels take the scales out of the
+logits, delta and the outputs, and store each gradient once, in float32, in GRAD16 (no
+halves: the graph makes the next GEMMs' operands, with scales of their own).
 No atomics: every output element is written by one program (deterministic).
 """
 from triton.experimental import gluon
@@ -65,6 +78,21 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 LOG2E = gl.constexpr(1.4426950408889634)
+# what the fp16-halves kernels multiply a P tile by before its split
+P_SCALE = gl.constexpr(16384.0)
+
+
+
+@gluon.constexpr_function
+def fp16_halves(products, dtype):
+    """Whether operands of `dtype` at `products` products are scaled fp16 halves."""
+    return products == 3 and dtype == gl.float16
+
+
+@gluon.constexpr_function
+def halves_parts(products, dtype):
+    """1 where the kernels store their gradients' bf16 halves too (bf16x3), else 0."""
+    return 1 if products == 3 and dtype == gl.bfloat16 else 0
 
 
 @gluon.constexpr_function
@@ -101,12 +129,19 @@ def program_coordinates(BLOCK: gl.constexpr, SEQ_LEN: gl.constexpr,
 
 
 @gluon.jit
-def split_operand(x, dtype: gl.constexpr, PRODUCTS: gl.constexpr, layout: gl.constexpr):
+def split_operand(x, dtype: gl.constexpr, PRODUCTS: gl.constexpr, layout: gl.constexpr,
+                  factor):
     """float32 tile -> (hi, lo) tiles of the operand dtype in `layout`. For 3 products
-    (bf16): hi = x truncated to bf16 (an integer mask, exact in bf16), lo = the rest
-    rounded. For 1 product: hi = x rounded to `dtype` (bf16 or fp16), and lo is hi (no
-    product reads it)."""
-    if PRODUCTS == 3:
+    of bf16: hi = x truncated to bf16 (an integer mask, exact in bf16), lo = the rest
+    rounded; of fp16 (scaled halves): x * factor rounded to fp16, lo = the rest rounded.
+    For 1 product: hi = x rounded to `dtype` (bf16 or fp16), and lo is hi (no product
+    reads it)."""
+    if fp16_halves(PRODUCTS, dtype):
+        x = x * factor
+        hi16 = x.to(dtype)
+        hi = gl.convert_layout(hi16, layout)
+        lo = gl.convert_layout((x - hi16.to(gl.float32)).to(dtype), layout)
+    elif PRODUCTS == 3:
         hi32 = (x.to(gl.int32, bitcast=True) & -65536).to(gl.float32, bitcast=True)
         hi = gl.convert_layout(hi32.to(dtype), layout)
         lo = gl.convert_layout((x - hi32).to(dtype), layout)
@@ -200,14 +235,24 @@ def load_vector(base, start, SEQ_LEN: gl.constexpr, BLOCK: gl.constexpr,
 
 
 @gluon.jit
+def operand_scales(SCALES, SCALED: gl.constexpr):
+    """(s_do, s_q, s_k, s_v, s_ds): the powers of two the caller scaled dO, q, k and v
+    by, and the one for dS (fp16 halves), else ones."""
+    if SCALED:
+        return (gl.load(SCALES), gl.load(SCALES + 1), gl.load(SCALES + 2),
+                gl.load(SCALES + 3), gl.load(SCALES + 4))
+    return 1.0, 1.0, 1.0, 1.0, 1.0
+
+
+@gluon.jit
 def store_gradient(GRAD16, HALVES, value, batch, row_start, col, SEQ_LEN: gl.constexpr,
                    ROW_WIDTH16: gl.constexpr, HALVES_WIDTH: gl.constexpr,
                    LO_OFFSET: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
                    layout: gl.constexpr):
     """A float32 [BLOCK, HEAD_DIM] gradient tile of rows [row_start, +BLOCK) of one
     batch element: rounded to GRAD16's dtype (fp16 with float32 operands, else the
-    operands' dtype) at column `col` of GRAD16 [B,S,ROW_WIDTH16], and, where HALVES_WIDTH
-    > 0 (float32 operands), as bf16 hi at column `col` and lo at `col + LO_OFFSET` of
+    operands' dtype; float32 with fp16 halves) at column `col` of GRAD16
+    [B,S,ROW_WIDTH16], and, where HALVES_WIDTH > 0 (bf16 halves), as bf16 hi at column `col` and lo at `col + LO_OFFSET` of
     HALVES [B,S,HALVES_WIDTH]."""
     rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
     cols = col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
@@ -245,7 +290,7 @@ def store_column_sums(SUMS, value, batch, row_start, col, SEQ_LEN: gl.constexpr,
 
 @gluon.jit
 def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
+                            V_HI, V_LO, SCALES, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
                             scale, SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -257,11 +302,14 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     """dK, dV of keys [n_start, n_start + BLOCK_N) of one (batch, head): program ids
     (key block, batch * NUM_HEADS + head). Outputs as kernels/softmax_bwd.py's cols
     kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16, GRAD_KV_SUMS
-    [B,G,2E] float32."""
+    [B,G,2E] float32. SCALES: float32 [4], read with fp16 halves only."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     dtype: gl.constexpr = GRAD_ATTN_HI.dtype.element_ty      # the operands' bf16 / fp16
     PARTS: gl.constexpr = 2 if PRODUCTS == 3 else 1         # hi and lo, or hi alone
+    SCALED: gl.constexpr = fp16_halves(PRODUCTS, dtype)
+    P_FACTOR: gl.constexpr = P_SCALE if SCALED else 1.0
+    HALVES: gl.constexpr = halves_parts(PRODUCTS, dtype)
     # [BN,BM] tiles (P^T, dP^T) and [BN,D] accumulators (dK, dV); A operands of the
     # [BN,D] products come from registers.
     tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)
@@ -274,6 +322,10 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
 
     batch, head, n_start, batch_head, head_start, grad_attn_start = program_coordinates(
         BLOCK_N, SEQ_LEN, NUM_HEADS, HEAD_DIM, QKV_BATCH_STRIDE, QKV_HEAD_STRIDE)
+    # dP^T and delta in the units of the scaled dO and v; the logits in those of q and k
+    do_s, q_s, k_s, v_s, ds_s = operand_scales(SCALES, SCALED)
+    grad_p_units = do_s * v_s
+    logit_scale = scale * LOG2E / (q_s * k_s)
 
     # this program's keys: v (and k) once; the query-side tiles dO_j, q_j in a ring
     own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_N, HEAD_DIM],
@@ -326,7 +378,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         grad_attn_hi, grad_attn_lo = tile_parts(ring_grad_attn, slot, PARTS)  # [BM,D]
         q_hi, q_lo = tile_parts(ring_q, slot, PARTS)                          # [BM,D]
         queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
-        delta = load_vector(delta_head, m_start, SEQ_LEN, BLOCK_M, query_vector)
+        delta = load_vector(delta_head, m_start, SEQ_LEN, BLOCK_M, query_vector) * grad_p_units
         if RECOMPUTE_P:
             lse = load_vector(lse_head, m_start, SEQ_LEN, BLOCK_M, query_vector)
             k_hi, k_lo = tile_parts(own, 1, PARTS)                        # [BN,D]
@@ -341,13 +393,13 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             logits_t, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
                 PRODUCTS, deps=(logits_t, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
             valid = (keys < SEQ_LEN)[:, None] & (queries < SEQ_LEN)[None, :]
-            p_t = gl.where(valid, gl.exp2(logits_t * (scale * LOG2E)
+            p_t = gl.where(valid, gl.exp2(logits_t * logit_scale
                                           - (lse * LOG2E)[None, :]), 0.0)
         else:
             # dV of the previous tile is done reading the registers about to be reused
             p_t_hi, p_t_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_t_hi, p_t_lo))
             p_t = p_t_next
-        p_t_hi, p_t_lo = split_operand(p_t, dtype, PRODUCTS, a_layout)
+        p_t_hi, p_t_lo = split_operand(p_t, dtype, PRODUCTS, a_layout, P_FACTOR)
         grad_v = issue_products(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v, True,
                                 PRODUCTS)
         if RECOMPUTE_P:
@@ -361,7 +413,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             grad_p_t, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
                 PRODUCTS, deps=(grad_p_t, grad_s_t_hi, grad_s_t_lo))
         grad_s_t = p_t * (grad_p_t - delta[None, :])                      # [BN,BM]
-        grad_s_t_hi, grad_s_t_lo = split_operand(grad_s_t, dtype, PRODUCTS, a_layout)
+        grad_s_t_hi, grad_s_t_lo = split_operand(grad_s_t, dtype, PRODUCTS, a_layout,
+                                                 ds_s)
         grad_k = issue_products(grad_s_t_hi, grad_s_t_lo, q_hi, q_lo, grad_k, True,
                                 PRODUCTS)
         # every warpgroup is past the products of tile m_tile - 1: refill its slot
@@ -378,12 +431,14 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         0, deps=(grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
     async_copy.wait_group(0)
 
-    grad_k = grad_k * scale
+    grad_k = grad_k * (scale / (ds_s * grad_p_units * q_s))
+    if SCALED:
+        grad_v = grad_v * (1.0 / (P_FACTOR * do_s))
     store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_k, batch, n_start, head * HEAD_DIM,
-                   SEQ_LEN, 2 * EMBED, 4 * EMBED * (PARTS - 1), 2 * EMBED, BLOCK_N, HEAD_DIM,
+                   SEQ_LEN, 2 * EMBED, 4 * EMBED * HALVES, 2 * EMBED, BLOCK_N, HEAD_DIM,
                    acc_layout)
     store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_v, batch, n_start,
-                   EMBED + head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED * (PARTS - 1),
+                   EMBED + head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED * HALVES,
                    2 * EMBED, BLOCK_N, HEAD_DIM, acc_layout)
     store_column_sums(GRAD_KV_SUMS, grad_k, batch, n_start, head * HEAD_DIM, SEQ_LEN,
                       2 * EMBED, SUM_ROWS, BLOCK_N, HEAD_DIM, acc_layout)
@@ -393,7 +448,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
 
 @gluon.jit
 def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
+                            V_HI, V_LO, SCALES, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
                             GRAD_Q_SUMS, scale, SEQ_LEN: gl.constexpr,
                             NUM_HEADS: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -407,11 +462,15 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     program ids (query block, batch * NUM_HEADS + head). Outputs as
     kernels/softmax_bwd.py's rows kernel: GRAD_Q16 [B,S,E] fp16, GRAD_Q_HALVES [B,S,2E]
     bf16, DELTA [B,H,S], GRAD_Q_SUMS [B,G,E] float32. With RECOMPUTE_P, PROBS is lse and delta = rowsum(dO * O) comes
-    from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read."""
+    from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read. SCALES: float32 [4], read
+    with fp16 halves only; DELTA is stored unscaled."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
     dtype: gl.constexpr = GRAD_ATTN_HI.dtype.element_ty      # the operands' bf16 / fp16
     PARTS: gl.constexpr = 2 if PRODUCTS == 3 else 1         # hi and lo, or hi alone
+    SCALED: gl.constexpr = fp16_halves(PRODUCTS, dtype)
+    P_FACTOR: gl.constexpr = P_SCALE if SCALED else 1.0
+    HALVES: gl.constexpr = halves_parts(PRODUCTS, dtype)
     # [BM,BN] tiles (P, dP) and [BM,D] accumulators (dQ); A operands of the [BM,D]
     # products come from registers.
     tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)
@@ -424,6 +483,10 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
 
     batch, head, m_start, batch_head, head_start, grad_attn_start = program_coordinates(
         BLOCK_M, SEQ_LEN, NUM_HEADS, HEAD_DIM, QKV_BATCH_STRIDE, QKV_HEAD_STRIDE)
+    # dP and delta in the units of the scaled dO and v; the logits in those of q and k
+    do_s, q_s, k_s, v_s, ds_s = operand_scales(SCALES, SCALED)
+    grad_p_units = do_s * v_s
+    logit_scale = scale * LOG2E / (q_s * k_s)
 
     # this program's queries: dO (and q) once; the key-side tiles k_j, v_j in a ring
     own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_M, HEAD_DIM],
@@ -459,7 +522,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         if PARTS == 2:
             grad_attn += gl.load(GRAD_ATTN_LO + offsets, mask=row_ok, other=0.0).to(gl.float32)
         attn_output = gl.load(ATTN_OUT + offsets, mask=row_ok, other=0.0).to(gl.float32)
-        delta = gl.sum(grad_attn * attn_output, axis=1)                   # [BM]
+        delta = gl.sum(grad_attn * attn_output, axis=1) * v_s             # [BM]
     else:
         delta = gl.zeros([BLOCK_M], gl.float32, layout=query_vector)      # summed below
         row_offsets = (clamped(queries, SEQ_LEN) * SEQ_LEN)[:, None]
@@ -496,14 +559,14 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             logits, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
                 PRODUCTS, deps=(logits, grad_s_hi, grad_s_lo))
             valid = (queries < SEQ_LEN)[:, None] & (keys < SEQ_LEN)[None, :]
-            p = gl.where(valid, gl.exp2(logits * (scale * LOG2E)
+            p = gl.where(valid, gl.exp2(logits * logit_scale
                                         - (lse * LOG2E)[:, None]), 0.0)
             grad_p = warpgroup_mma_wait(0, deps=(grad_p,))
             grad_s = p * (grad_p - delta[:, None])
         else:
             p_hi, p_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_hi, p_lo))
             p = p_next
-            p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout)
+            p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout, P_FACTOR)
             p_k = issue_products(p_hi, p_lo, k_hi, k_lo, p_k, True, PRODUCTS)
             p_next = gl.load(probs_rows + row_offsets
                              + clamped(keys + BLOCK_N, SEQ_LEN)[None, :])
@@ -514,7 +577,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                 PRODUCTS, deps=(grad_p, grad_s_hi, grad_s_lo))
             grad_s = p * grad_p
             delta += gl.sum(grad_s, axis=1)
-        grad_s_hi, grad_s_lo = split_operand(grad_s, dtype, PRODUCTS, a_layout)
+        grad_s_hi, grad_s_lo = split_operand(grad_s, dtype, PRODUCTS, a_layout, ds_s)
         grad_s_k = issue_products(grad_s_hi, grad_s_lo, k_hi, k_lo, grad_s_k, True,
                                   PRODUCTS)
         gl.thread_barrier()
@@ -530,17 +593,20 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     if RECOMPUTE_P:
         grad_s_k, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
             0, deps=(grad_s_k, grad_s_hi, grad_s_lo))
-        grad_q = grad_s_k * scale
+        grad_q = grad_s_k * (scale / (ds_s * grad_p_units * k_s))
     else:
         grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
             0, deps=(grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo))
         delta_acc = gl.convert_layout(delta, gl.SliceLayout(1, acc_layout))
-        grad_q = (grad_s_k - delta_acc[:, None] * p_k) * scale
+        grad_q = ((grad_s_k - delta_acc[:, None] * p_k * (ds_s / P_FACTOR))
+                  * (scale / (ds_s * grad_p_units * k_s)))
 
     delta_rows = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
+    if SCALED:
+        delta = delta * (1.0 / grad_p_units)
     gl.store(DELTA + batch_head * SEQ_LEN + delta_rows, delta, mask=delta_rows < SEQ_LEN)
     store_gradient(GRAD_Q16, GRAD_Q_HALVES, grad_q, batch, m_start, head * HEAD_DIM,
-                   SEQ_LEN, EMBED, 2 * EMBED * (PARTS - 1), EMBED, BLOCK_M, HEAD_DIM,
+                   SEQ_LEN, EMBED, 2 * EMBED * HALVES, EMBED, BLOCK_M, HEAD_DIM,
                    acc_layout)
     store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start, head * HEAD_DIM, SEQ_LEN, EMBED,
                       SUM_ROWS, BLOCK_M, HEAD_DIM, acc_layout)
