@@ -34,8 +34,9 @@ def test_every_configured_tile_is_compiled(resources):
     passes = {"rows", "cols", "rows recompute P", "cols recompute P"}
     one_product = {f"gluon {name} recompute P {dtype}" for name in ("rows", "cols")
                    for dtype in ("bf16", "fp16")}
+    fp16_halves = {f"gluon {name} fp16 halves" for name in passes}     # "highest"
     assert names == ({"forward", "layer norm"} | passes
-                     | {f"gluon {name}" for name in passes} | one_product)
+                     | {f"gluon {name}" for name in passes} | one_product | fp16_halves)
     assert all(configured for *_, configured, _ in resources)
 
 

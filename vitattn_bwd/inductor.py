@@ -23,7 +23,9 @@ operands (the module's one-product path) go to the Gluon kernels as they are (ea
 tensor twice, its lo never read; q, k and v as the head views of the QKV projection,
 read where they lie), with one product per matmul; the templates do not take
 them, so there the Gluon configs are the only candidates, and where Gluon does not run
-the operator's own implementation does.
+the operator's own implementation does. So too for the scaled fp16 halves of precision
+"highest" (the operators' operand_scales), which the lowering makes by one pointwise
+pass per operand.
 """
 import functools
 import inspect

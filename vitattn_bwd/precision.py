@@ -27,9 +27,10 @@ operand is first scaled by a power of two (exact) that brings its largest magnit
 into [2^14, 2^15) (fp16_scale): then every element down to 2^-28 of the largest keeps a
 normal hi, and the products are scaled back exactly. On the H200 what bounds such
 products is then the tensor cores' float32 accumulation, which truncates: the core's
-gradients at ~2e-6 against float64 at S = 577, against ~1e-5 for bf16x3 (and GEMMs of
-either kind at 20x float32's own error in a 4-layer CLIP tower, where cuBLAS SGEMM gives
-1x: docs/performance.md, session 13). So "highest" runs its GEMMs in float32.
+gradients at ~2e-6 against float64 at S = 577, against ~1e-5 for bf16x3; fp16x3 GEMMs
+left a 4-layer CLIP tower's gradients at 20x float32's own error, float32 GEMMs with the
+fp16x3 core at 8.3x (docs/performance.md, session 13). So "highest" runs its GEMMs in
+float32.
 
 Splits are written with integer rounding and masking, not with casts: Inductor folds a
 float32 -> bf16 -> float32 round trip inside a fused kernel, which would make lo == 0

@@ -61,9 +61,10 @@ dO, q, k and v by powers of two (SCALES: s_do, s_q, s_k, s_v) so that each one's
 magnitude lies in [2^14, 2^15), and gives s_ds, which brings dS below 2^14 (|dS| <= |dP| +
 |delta| <= 2 max_i |dO_i| max_j |v_j| over rows, in the scaled units); the S x S tiles
 are scaled before their split (rounded to nearest): P (at most 1) by P_SCALE, dS by
-s_ds. A bound of dS from the largest elements of dO and v instead (2 * HEAD_DIM * 2^30)
-left a typical dS tile 2^8 below fp16's normal range for its lo part: 2e-6 error on the
-H200, where the row norms' bound gives ~1e-7 (docs/performance.md, session 13). Every
+s_ds (a bound from the largest elements of dO and v, 2 * HEAD_DIM * 2^30, would leave a
+typical dS tile 2^8 lower). What bounds these products on the H200 is then the tensor
+cores' float32 accumulation, which truncates: ~2e-6 against float64 at S = 577, against
+~1e-5 for bf16x3 (docs/performance.md, session 13). Every
 scale is a power of two, so scaling is exact; the kernels take the scales out of the
 logits, delta and the outputs, and store each gradient once, in float32, in GRAD16 (no
 halves: the graph makes the next GEMMs' operands, with scales of their own).
