@@ -258,9 +258,9 @@ def check_operand_scales(q, operand_scales):
     return True
 
 
-def _to_fp16_halves_format(grad, halves):
-    """An eager bf16x3 launch's (grad16, halves) as the fp16-halves format: the gradient
-    in float32 (hi + lo), no halves."""
+def _to_fp16_halves_format(halves):
+    """An eager bf16x3 launch's halves as the fp16-halves format's (grad, halves): the
+    gradient in float32 (hi + lo), no halves."""
     return float32_from_halves(halves), halves[..., :0]
 
 
@@ -275,7 +275,7 @@ def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
         grad_q16, grad_q_halves, delta, grad_q_sums = launch_rows(
             probs, grad_attn, q, k, v, attn_output, scale)
         if fp16_halves:
-            grad_q16, grad_q_halves = _to_fp16_halves_format(grad_q16, grad_q_halves)
+            grad_q16, grad_q_halves = _to_fp16_halves_format(grad_q_halves)
         return grad_q16, grad_q_halves, delta, grad_q_sums
     dtype = k.dtype
     if attn_output is not None:
@@ -310,7 +310,7 @@ def softmax_bwd_cols(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
         grad_kv16, grad_kv_halves, grad_kv_sums = launch_cols(probs, grad_attn, q, k, v,
                                                               delta, scale)
         if fp16_halves:
-            grad_kv16, grad_kv_halves = _to_fp16_halves_format(grad_kv16, grad_kv_halves)
+            grad_kv16, grad_kv_halves = _to_fp16_halves_format(grad_kv_halves)
         return grad_kv16, grad_kv_halves, grad_kv_sums
     # dK and dV need delta, which the math recomputes from P and dP itself
     dtype = q.dtype

@@ -317,56 +317,45 @@ def _rounded(value, bias, shift, mask):
     return ops.to_dtype_bitcast(masked, torch.float32, torch.int32)
 
 
-def _split_bf16(node):
-    """Realized, contiguous bf16 (hi, lo) buffers of a float32 IR node: the math of
-    precision.split_bf16_rounded (hi rounded to nearest even by integer operations, so no
-    cast can be folded away), emitted as pointwise IR. Rounded, because the Gluon
-    kernels split their S x S tiles by truncation: one rounded and one truncated operand
-    per product keep the neglected lo * lo term at 2^-15 of the product."""
+# How the lowering splits a float32 operand into (hi, lo): their dtype, and the bias,
+# bit and mask that round hi to nearest even by integer operations (so no cast can be
+# folded away). bf16 halves: precision.split_bf16_rounded, rounded because the Gluon
+# kernels split their S x S tiles by truncation (one rounded and one truncated operand
+# per product keep the neglected lo * lo term at 2^-15 of the product). fp16 halves
+# (precision "highest"): precision.split_fp16, of the operand scaled into fp16's range.
+_BF16_SPLIT = (torch.bfloat16, BF16_ROUNDING_BIAS, 16, BF16_HI_MASK)
+_FP16_SPLIT = (torch.float16, FP16_ROUNDING_BIAS, 13, FP16_HI_MASK)
+
+
+def _split(node, split, operand_scales=None, index=None):
+    """Realized, contiguous (hi, lo) buffers of a float32 IR node, split as `split` says
+    (_BF16_SPLIT or _FP16_SPLIT), of the node times the power of two
+    operand_scales[index] where operand_scales (a realized node) is given; emitted as
+    pointwise IR, once per graph for each node and scale."""
+    dtype, bias, shift, mask = split
     node = _contiguous(node)
-    key = _split_key(node)
+    scaled_by = () if operand_scales is None else (operand_scales.get_name(), index)
+    key = (*_split_key(node), dtype, *scaled_by)
     splits = _SPLITS.setdefault(V.graph, {})
     if key in splits:
         return splits[key]
     load = node.make_loader()
+    if operand_scales is not None:
+        load_unscaled, load_scale = load, operand_scales.make_loader()
 
-    def hi_float32(index):
-        return _rounded(load(index), BF16_ROUNDING_BIAS, 16, BF16_HI_MASK)
-
-    def hi(index):
-        return ops.to_dtype(hi_float32(index), torch.bfloat16)
-
-    def lo(index):
-        return ops.to_dtype(ops.sub(load(index), hi_float32(index)), torch.bfloat16)
-
-    splits[key] = tuple(_pointwise(node, torch.bfloat16, fn) for fn in (hi, lo))
-    return splits[key]
-
-
-def _split_fp16(node, operand_scales, index):
-    """Realized, contiguous fp16 (hi, lo) buffers of a float32 IR node times the power of
-    two operand_scales[index]: the math of precision.split_fp16, emitted as pointwise
-    IR."""
-    node = _contiguous(node)
-    key = (*_split_key(node), operand_scales.get_name(), index)
-    splits = _SPLITS.setdefault(V.graph, {})
-    if key in splits:
-        return splits[key]
-    load, load_scale = node.make_loader(), operand_scales.make_loader()
-
-    def scaled(index_):
-        return ops.mul(load(index_), load_scale([sympy.Integer(index)]))
+        def load(index_):
+            return ops.mul(load_unscaled(index_), load_scale([sympy.Integer(index)]))
 
     def hi_float32(index_):
-        return _rounded(scaled(index_), FP16_ROUNDING_BIAS, 13, FP16_HI_MASK)
+        return _rounded(load(index_), bias, shift, mask)
 
     def hi(index_):
-        return ops.to_dtype(hi_float32(index_), torch.float16)
+        return ops.to_dtype(hi_float32(index_), dtype)
 
     def lo(index_):
-        return ops.to_dtype(ops.sub(scaled(index_), hi_float32(index_)), torch.float16)
+        return ops.to_dtype(ops.sub(load(index_), hi_float32(index_)), dtype)
 
-    splits[key] = tuple(_pointwise(node, torch.float16, fn) for fn in (hi, lo))
+    splits[key] = tuple(_pointwise(node, dtype, fn) for fn in (hi, lo))
     return splits[key]
 
 
@@ -404,13 +393,14 @@ def _operands(probs, grad_attn, q, k, v, operand_scales):
     (`_as_they_lie`)."""
     if operand_scales is not None:
         return [_contiguous(probs), *(part for index, t in enumerate((grad_attn, q, k, v))
-                                      for part in _split_fp16(t, operand_scales, index))]
+                                      for part in _split(t, _FP16_SPLIT, operand_scales,
+                                                         index))]
     if attention_core.products_of(k.get_dtype()) == 1:
         return [_contiguous(probs), *(t for t in [_contiguous(grad_attn),
                                                   *_as_they_lie(q, k, v)]
                                       for _ in range(2))]
-    return [_contiguous(probs), *_split_bf16(grad_attn), *_split_bf16(q), *_split_bf16(k),
-            *_split_bf16(v)]
+    return [_contiguous(probs), *(part for t in (grad_attn, q, k, v)
+                                  for part in _split(t, _BF16_SPLIT))]
 
 
 def _constexprs(probs, num_heads, seq_len, head_dim, scale):

@@ -68,11 +68,18 @@ def split_bf16_truncated(t):
     return hi.to(torch.bfloat16), (t - hi).to(torch.bfloat16)
 
 
+def _rounded(t, bias, shift, mask):
+    """float32 t rounded to nearest even at bit `shift` by integer operations: `mask`
+    keeps the bits above it, `bias` (just under half of bit `shift`) plus its parity
+    rounds."""
+    bits = t.view(torch.int32)
+    return ((bits + bias + ((bits >> shift) & 1)) & mask).view(torch.float32)
+
+
 def split_bf16_rounded(t):
     """float32 t -> (hi, lo) bf16: hi = t rounded to the nearest bf16 (ties to even),
     lo = t - hi rounded. What the kernels' epilogues store (kernels/softmax_bwd.py)."""
-    bits = t.view(torch.int32)
-    hi = ((bits + BF16_ROUNDING_BIAS + ((bits >> 16) & 1)) & BF16_HI_MASK).view(torch.float32)
+    hi = _rounded(t, BF16_ROUNDING_BIAS, 16, BF16_HI_MASK)
     return hi.to(torch.bfloat16), (t - hi).to(torch.bfloat16)
 
 
@@ -102,10 +109,10 @@ def fp16_scale(t):
 def split_fp16(t):
     """float32 t, scaled into fp16's range (fp16_scale) -> (hi, lo) fp16: hi = t rounded
     to fp16's 11 significant bits (to nearest even, by integer operations), lo = t - hi
-    rounded: the split the compiled graph gives the attention core (inductor.py). Elements below fp16's normal range (2^-28 of the largest, once scaled) keep
-    about 2^-25 of absolute precision."""
-    bits = t.view(torch.int32)
-    hi = ((bits + FP16_ROUNDING_BIAS + ((bits >> 13) & 1)) & FP16_HI_MASK).view(torch.float32)
+    rounded: the split the compiled graph gives the attention core (inductor.py).
+    Elements below fp16's normal range (2^-28 of the largest, once scaled) keep about
+    2^-25 of absolute precision."""
+    hi = _rounded(t, FP16_ROUNDING_BIAS, 13, FP16_HI_MASK)
     return hi.to(torch.float16), (t - hi).to(torch.float16)
 
 
@@ -139,9 +146,8 @@ def mm_half(a, b):
 
 def products_halves_by_weight(a_halves, weight, split=split_bf16_truncated):
     """The two GEMMs of a [M,K] (given as halves [M,2K]) @ weight [K,N] float32 in
-    bf16x3 (fp16x3 for fp16 halves and split_fp16, a and the weight scaled), small term
-    first: (a_hi @ w_lo, [a_hi | a_lo] @ [w_hi ; w_hi]), each [M,N]; the weight split by
-    `split`."""
+    bf16x3, small term first: (a_hi @ w_lo, [a_hi | a_lo] @ [w_hi ; w_hi]), each [M,N];
+    the weight split by `split`."""
     K = weight.shape[0]
     w_hi, w_lo = split(weight)
     return (mm_float32(a_halves[:, :K], w_lo),
@@ -166,9 +172,8 @@ def linear_bf16x3(a, weight, bias):
 
 
 def matmul_halves_transposed(a_halves, c_halves):
-    """a^T @ c for a [K,M], c [K,N] given as halves [K,2M], [K,2N] -> [M,N], bf16x3 (or
-    fp16x3 of fp16 halves) with the three products as separate GEMMs (K = B*S is
-    large)."""
+    """a^T @ c for a [K,M], c [K,N] given as halves [K,2M], [K,2N] -> [M,N], bf16x3 with
+    the three products as separate GEMMs (K = B*S is large)."""
     M, N = a_halves.shape[1] // 2, c_halves.shape[1] // 2
     hi_and_lo_by_c_hi = mm_float32(a_halves.t(), c_halves[:, :N])          # [2M,N]
     a_hi_by_c_lo = mm_float32(a_halves[:, :M].t(), c_halves[:, N:])        # [M,N]
