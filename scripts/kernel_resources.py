@@ -32,6 +32,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vitattn_bwd.attention_core import COLUMN_SUM_ROWS, TileConfig  # noqa: E402
+from vitattn_bwd.split_gemm import GROUP_M, GemmTiles  # noqa: E402
 
 SEQ_LEN, NUM_HEADS, HEAD_DIM = 577, 16, 64
 
@@ -78,7 +79,7 @@ def _signature(kernel, constexprs, operand_dtype=None):
             signature[name] = "fp32"
         elif name == "norm_eps":            # as Inductor launches the LayerNorm operator
             signature[name] = "fp64"
-        elif not name.isupper():
+        elif not name.isupper() or name in ("M", "N", "K"):
             signature[name] = "i32"
         elif name.endswith(("_HI", "_LO", "_HALVES")):
             signature[name] = "*bf16"
@@ -90,10 +91,12 @@ def _signature(kernel, constexprs, operand_dtype=None):
 
 
 def _tile_constexprs(tiles):
-    """The constexprs a launch configuration sets: an attention kernel's TileConfig, or
-    the LayerNorm kernel's LayerNormTiles."""
+    """The constexprs a launch configuration sets: an attention kernel's TileConfig, the
+    split GEMM's GemmTiles, or the LayerNorm kernel's LayerNormTiles."""
     if isinstance(tiles, TileConfig):
         return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
+    if isinstance(tiles, GemmTiles):
+        return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
     return dict(ROWS_PER_CHUNK=tiles.rows_per_chunk, CHUNKS=tiles.chunks)
 
 
@@ -151,6 +154,7 @@ def kernels():
     from vitattn_bwd import attention_fwd, inductor, layer_norm
     from vitattn_bwd.kernels.attention_fwd import attention_fwd_kernel
     from vitattn_bwd.kernels.layer_norm_bwd import layer_norm_bwd_kernel
+    from vitattn_bwd.kernels.split_gemm import split_gemm_kernel
     from vitattn_bwd.kernels.softmax_bwd import (softmax_bwd_cols_kernel,
                                                  softmax_bwd_rows_kernel)
     shape = dict(SEQ_LEN=SEQ_LEN, NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM)
@@ -190,6 +194,11 @@ def kernels():
             variants.append((f"gluon {name}{mode} fp16 halves", kernel,
                              dict(shape, **constexprs, OPERAND_DTYPE="fp16 halves",
                                   RECOMPUTE_P=recompute, SUM_ROWS=COLUMN_SUM_ROWS), tiles))
+    # and its GEMMs: the split GEMM on fp16 halves, K that of the weight gradients at
+    # batch 32, operands with unit inner strides (as a launch specializes them)
+    variants.append(("split gemm fp16 halves", split_gemm_kernel,
+                     dict(K=32 * SEQ_LEN, GROUP_M=GROUP_M, stride_ak=1, stride_bn=1,
+                          OPERAND_DTYPE="fp16 halves"), inductor.GEMM_TILES))
     return variants
 
 

@@ -9,8 +9,8 @@ convolutions (set per test and restored).
 Bounds. Our backward is float32-grade (bf16x3), and at precision "high" the QKV weight
 gradient one round-to-nearest fp16 product: per gradient ~1e-4 relative against float64
 and ~1e-3 for the QKV weights (tests/test_gpu.py). (With TF32 off, torch's float32 matmul
-precision is "highest", which precision None follows: float32 GEMMs and an fp16x3
-attention core, well inside those bounds.)
+precision is "highest", which precision None follows: fp16x3 split GEMMs with
+two-level accumulation and an fp16x3 attention core, well inside those bounds.)
 """
 import copy
 
@@ -412,7 +412,8 @@ def test_hf_vit_l14_336_highest_against_float32s_own_error():
     q/k/v weight gradients over 5x closer than "high"'s, whose one fp16 product puts
     them at ~2e2x. Measured in a 4-layer tower (scripts/tower_accuracy.py): output 1.2x,
     gradients up to 8.3x (the k_proj biases, zero in exact math; the rest up to 5x),
-    bounded by the fp16x3 attention core's ~2e-6 (docs/performance.md, session 13)."""
+    bounded by the fp16x3 attention core's ~2e-6 (docs/performance.md, sessions 13 and
+    14: the same with float32 SGEMMs and with the split GEMMs)."""
     stock, highest = _towers("highest")
     _, high = _towers("high")
     pixels, weight = _batch(0)

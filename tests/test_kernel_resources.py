@@ -1,5 +1,5 @@
 """Every Triton and Gluon kernel (the attention forward, both backward passes, the
-LayerNorm backward), with every tile configuration we launch or let max-autotune
+LayerNorm backward, the split GEMM), with every tile configuration we launch or let max-autotune
 choose, compiled for the H100/H200 (sm_90) here on the CPU (Triton's front end and the
 ptxas bundled with it; no GPU): it fits the 227 KB of shared memory a block may use and
 spills no registers. A spilling tile runs at a fraction of the tensor cores' rate
@@ -35,7 +35,7 @@ def test_every_configured_tile_is_compiled(resources):
     one_product = {f"gluon {name} recompute P {dtype}" for name in ("rows", "cols")
                    for dtype in ("bf16", "fp16")}
     fp16_halves = {f"gluon {name} fp16 halves" for name in passes}     # "highest"
-    assert names == ({"forward", "layer norm"} | passes
+    assert names == ({"forward", "layer norm", "split gemm fp16 halves"} | passes
                      | {f"gluon {name}" for name in passes} | one_product | fp16_halves)
     assert all(configured for *_, configured, _ in resources)
 
@@ -51,7 +51,10 @@ def test_tiles_of_64_rows_use_warpgroup_mma(resources):
     for name, tiles, _, r in resources:
         if name == "layer norm":                   # no matrix products
             continue
-        block_m, block_n, num_warps, _ = tiles
+        if name.startswith("split gemm"):              # GemmTiles: BLOCK_K third
+            block_m, block_n, _, num_warps, _ = tiles
+        else:
+            block_m, block_n, num_warps, _ = tiles
         mma_rows = block_n if name.startswith("cols") else block_m
         if mma_rows // (num_warps // 4) >= 64:
             assert r["hgmma"] > 0, (name, block_m, block_n, r)

@@ -8,14 +8,15 @@
 LayerNorm, the QKV projection, the fused attention operator (attention_fwd.py: no S x S
 tensor, saves the log-sum-exp) and the out projection with the residual. With
 split_precision "high" (CUDA, float32) both projections are bf16x3 GEMMs from rounded
-splits (precision.py), with "highest" float32 matmuls (F.linear): with "high" the
-activation is split into its bf16 halves by the kernel that makes it (Inductor fuses the
-split into the LayerNorm kernel), the weights once per call; at both the attention
+splits (precision.py), with "highest" split GEMMs as faithful as float32's
+(split_gemm.py: fp16x3, two-level accumulation): the activation is split into its
+halves by the kernel that makes it (Inductor fuses the split into the LayerNorm
+kernel), the weights once per call; at both the attention
 operator gets q, k and v split into bf16 halves by the kernel that adds up the QKV GEMMs
 (truncated, or rounded for "highest": the attention forward's bf16x3 barely moves the
 gradients' error, docs/performance.md, session 13). cuBLAS float32 GEMMs
-without TF32, what F.linear runs, take about fifteen times as long per FLOP (at batch 32
-the two projections are ~2.4 ms of float32 GEMM). With split_precision None (the CPU,
+without TF32, what F.linear runs, take about fifteen times as long per FLOP as bf16
+ones (at batch 32 the two projections are ~2.4 ms of float32 GEMM). With split_precision None (the CPU,
 float64) the projections are F.linear in the inputs' dtype. With half_dtype (bf16 or
 fp16: VisionAttentionBlock under autocast or at precision "medium") the LayerNorm is
 float32 and the projections and the attention are one product each in half_dtype, what
@@ -39,6 +40,7 @@ from .attention_core import HALF_DTYPES, triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_split
 from .layout import split_heads
 from .precision import linear_bf16x3, operand_split
+from .split_gemm import linear_fp16x3
 
 
 def _linear_in(dtype):
@@ -72,7 +74,7 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
         attn_output, lse = attention_fwd_half(q, k, v, scale)    # [B,S,E], [B,H,S]
         y = x + linear(attn_output, out_weight, out_bias)
         return y, x_mean, x_var, qkv, lse, attn_output
-    linear = linear_bf16x3 if split_precision == "high" else F.linear
+    linear = {"high": linear_bf16x3, "highest": linear_fp16x3}.get(split_precision, F.linear)
     qkv = linear(x_norm, qkv_weight, qkv_bias)                                 # [B,S,3E]
     if split_precision and triton_supports("cuda", x.dtype, head_dim):
         # the attention kernel's bf16 split, fused where qkv is made

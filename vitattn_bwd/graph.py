@@ -6,8 +6,9 @@ operators (attention_core.py), which Inductor lowers to our Triton templates
 (inductor.py) and which write their gradients in the formats the next GEMMs read; the
 QKV weight gradient is one fp16 GEMM, of operands brought to fp16's range by a
 power-of-two scale of the upstream gradient (precision "high"; "highest" runs the GEMMs
-as float32 matmuls and the attention core as fp16x3 from fp16 halves of its operands
-scaled into fp16's range, on the Gluon kernels); the LayerNorm backward, with
+and the attention core as fp16x3 from fp16 halves of their operands scaled into fp16's
+range: the GEMMs as our split GEMM with two-level accumulation, split_gemm.py, the core
+on the Gluon kernels); the LayerNorm backward, with
 the sums over rows of its parameters' and the out-projection bias's gradients, is one
 Triton kernel (layer_norm.py) that reads the QKV input gradient as the four GEMM outputs
 it is the sum of. The QKV bias gradient adds the partial sums over rows that the attention core
@@ -38,6 +39,7 @@ from .layout import split_heads
 from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
                         matmul_halves_transposed, mm_float32, mm_half, power_of_two_scale,
                         products_halves_by_weight, split_bf16_truncated)
+from .split_gemm import fp16_halves, matmul_fp16x3, transposed
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
@@ -94,21 +96,22 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
             grad_qkv_bias * unscale, unscale)
 
 
-def _float32_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                      attn_weights, forward_output, q, k, v, scale):
-    """The same products at precision "highest" (CUDA): the GEMMs as float32 matmuls
-    (cuBLAS SGEMM unless the process enabled TF32), the attention core fp16x3 on the
-    scaled fp16 halves of its operands (attention_core.fp16_operand_scales), which
-    writes float32 gradients. Split GEMMs, bf16x3 or fp16x3, are not float32-faithful
-    on the H200: the tensor cores' float32 accumulation truncates, which put fp16x3
-    GEMMs' gradients at 20x float32's own error in a 4-layer CLIP tower, SGEMM at 8x
-    (docs/performance.md, session 13). Returns what _split_precision_products returns,
-    with two grad_x_norm parts."""
+def _faithful_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
+                       attn_weights, forward_output, q, k, v, scale):
+    """The same products at precision "highest" (CUDA), float32-faithful: every GEMM
+    fp16x3 from scaled fp16 halves with two-level accumulation (split_gemm.py), the
+    attention core fp16x3 on the scaled fp16 halves of its operands
+    (attention_core.fp16_operand_scales), which writes float32 gradients. Each operand is
+    split once for the GEMMs that read it (grad_rows, grad_q and grad_kv twice, once as
+    a transposed view). Returns what _split_precision_products returns, with two
+    grad_x_norm parts."""
     B, H, S, D = q.shape
     E = H * D
     rows = B * S
-    grad_out_weight = grad_rows.t() @ attn_rows                                # [E,E]
-    grad_attn = (grad_rows @ out_weight).view(B, S, E)
+    grad_rows_halves = fp16_halves(grad_rows)                                  # [B*S,E]
+    grad_out_weight = matmul_fp16x3(transposed(grad_rows_halves),
+                                    fp16_halves(attn_rows))                    # [E,E]
+    grad_attn = matmul_fp16x3(grad_rows_halves, fp16_halves(out_weight)).view(B, S, E)
     # the core's float32 gradients and their partial sums over rows
     operand_scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)     # [5]
     grad_q, _, delta, grad_q_sums = attention_core.softmax_bwd_rows(
@@ -116,9 +119,14 @@ def _float32_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
         operand_scales)                                 # [B,S,E], [B,H,S], [B,G,E]
     grad_kv, _, grad_kv_sums = attention_core.softmax_bwd_cols(
         attn_weights, grad_attn, q, k, v, delta, scale, operand_scales)  # [B,S,2E], [B,G,2E]
-    grad_q, grad_kv = grad_q.view(rows, E), grad_kv.view(rows, 2 * E)
-    grad_x_norm_parts = (grad_q @ qkv_weight[:E], grad_kv @ qkv_weight[E:])
-    grad_qkv_weight = torch.cat([grad_q.t() @ x_norm_rows, grad_kv.t() @ x_norm_rows])
+    grad_q_halves = fp16_halves(grad_q.view(rows, E))                          # [B*S,E]
+    grad_kv_halves = fp16_halves(grad_kv.view(rows, 2 * E))                    # [B*S,2E]
+    x_norm_halves = fp16_halves(x_norm_rows)
+    grad_x_norm_parts = (matmul_fp16x3(grad_q_halves, fp16_halves(qkv_weight[:E])),
+                         matmul_fp16x3(grad_kv_halves, fp16_halves(qkv_weight[E:])))
+    grad_qkv_weight = torch.cat([                                              # [3E,E]
+        matmul_fp16x3(transposed(grad_q_halves), x_norm_halves),
+        matmul_fp16x3(transposed(grad_kv_halves), x_norm_halves)])
     grad_qkv_bias = torch.cat([grad_q_sums.sum((0, 1)), grad_kv_sums.sum((0, 1))])  # [3E]
     return (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
             grad_out_weight.new_ones(()))
@@ -200,7 +208,7 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
 
     split_precision: None for plain products in the inputs' dtype (the CPU, float64),
     else the precision of the split products (CUDA float32): "high"
-    (_split_precision_products) or "highest" (_float32_products). Where the module saved its activations (qkv,
+    (_split_precision_products) or "highest" (_faithful_products). Where the module saved its activations (qkv,
     attn_output) in bf16 or fp16, every product is one product in that dtype
     (_one_product_products), on any device, whatever split_precision says; for a block
     all in bf16 or fp16 (x in that dtype), every gradient is returned in that dtype.
@@ -226,7 +234,7 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     if q.dtype in HALF_DTYPES:
         products = _one_product_products(*product_args)
     elif split_precision == "highest":
-        products = _float32_products(*product_args)
+        products = _faithful_products(*product_args)
     elif split_precision:
         products = _split_precision_products(*product_args)
     else:

@@ -26,6 +26,11 @@ them, so there the Gluon configs are the only candidates, and where Gluon does n
 the operator's own implementation does. So too for the scaled fp16 halves of precision
 "highest" (the operators' operand_scales), which the lowering makes by one pointwise
 pass per operand.
+
+The split GEMM of precision "highest" (split_gemm.py) has a template of its own, on the
+device code of kernels/split_gemm.py in the same way; its operands arrive as fp16
+halves made by the graph, read where they lie (a transposed view too), and only its
+template configs are candidates (cuBLAS has no two-level accumulation).
 """
 import functools
 import inspect
@@ -45,8 +50,9 @@ except ImportError as error:              # pragma: no cover - depends on the to
     raise ImportError(f"vitattn_bwd needs Inductor APIs that torch {torch.__version__} "
                       f"lacks ({error}); it was written against torch 2.11-2.13") from error
 
-from . import attention_core, gluon_core
+from . import attention_core, gluon_core, split_gemm
 from .attention_core import TileConfig
+from .split_gemm import GemmTiles
 from .precision import BF16_HI_MASK, BF16_ROUNDING_BIAS, FP16_HI_MASK, FP16_ROUNDING_BIAS
 
 # The configs max-autotune times against each other for both templates. At batch 32 on
@@ -147,18 +153,19 @@ _COLS_ENTRY = r'''
 '''
 
 
-def device_functions():
-    """The @triton.jit functions of kernels/softmax_bwd.py that the templates paste in:
-    all but the raw kernels, in source order."""
-    from .kernels import softmax_bwd
-    functions = [obj for name, obj in vars(softmax_bwd).items()      # jit or interpreted
+def device_functions(module=None):
+    """The @triton.jit functions of a kernels module (kernels/softmax_bwd.py unless
+    given) that its templates paste in: all but the raw kernels, in source order."""
+    if module is None:
+        from .kernels import softmax_bwd as module
+    functions = [obj for name, obj in vars(module).items()           # jit or interpreted
                  if inspect.isfunction(getattr(obj, "fn", None)) and not name.endswith("_kernel")]
     return sorted(functions, key=lambda jit: jit.fn.__code__.co_firstlineno)
 
 
-def _device_source():
-    """Source of the shared device functions, protected from Jinja."""
-    sources = [inspect.getsource(jit.fn) for jit in device_functions()]
+def _device_source(module=None):
+    """Source of a kernels module's shared device functions, protected from Jinja."""
+    sources = [inspect.getsource(jit.fn) for jit in device_functions(module)]
     return "{% raw %}\n" + "\n\n".join(sources) + "{% endraw %}\n"
 
 
@@ -485,3 +492,83 @@ def _lower_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
                                    inputs, layout, scale)
     return _selected_outputs(cols_template, choices, inputs, layout,
                              (grad_kv_halves, grad_kv_sums), grad_kv_halves)
+
+
+# ---- the split GEMM template (precision "highest") -------------------------------------
+
+# The configs max-autotune times against each other for the split GEMM (split_gemm.py).
+# Each keeps two [BLOCK_M, BLOCK_N] float32 accumulators (the running sum and the
+# slice's partial) in registers.
+GEMM_TILES = (
+    GemmTiles(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=4),
+    GemmTiles(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+    GemmTiles(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3),
+    GemmTiles(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4),
+)
+
+_SPLIT_GEMM_ENTRY = r'''
+{{def_kernel("A_HI", "A_LO", "B_HI", "B_LO", "OUT_SCALE")}}
+    M = {{size("A_HI", 0)}}
+    N = {{size("B_HI", 1)}}
+    K = {{size("A_HI", 1)}}
+    tile_m, tile_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    acc = split_gemm_tile(A_HI, A_LO, B_HI, B_LO, M, N, K, {{stride("A_HI", 0)}},
+                          {{stride("A_HI", 1)}}, {{stride("B_HI", 0)}},
+                          {{stride("B_HI", 1)}}, tile_m, tile_n, BLOCK_M, BLOCK_N, BLOCK_K)
+    acc = acc * tl.load(OUT_SCALE)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    mask = (rows < M) & (cols < N)
+    {{store_output(("rows", "cols"), "acc", "mask", val_shape=("BLOCK_M", "BLOCK_N"))}}
+
+'''
+
+
+@SymbolicGridFn
+def _gemm_grid(m, n, meta, *, cdiv):
+    return (cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"]), 1, 1)
+
+
+@functools.cache
+def _gemm_template():
+    from .kernels import split_gemm as kernels
+    return TritonTemplate(name="vitattn_split_gemm", grid=_gemm_grid,
+                          source=_SPLIT_GEMM_ENTRY + _device_source(kernels))
+
+
+def _gemm_operand(node):
+    """A realized 2-d operand as it lies if it is contiguous or a transposed view of a
+    contiguous buffer (A^T of a weight gradient), else a contiguous copy."""
+    node = ir.ExternKernel.realize_input(node)
+    (rows, _), stride = node.get_size(), node.get_stride()
+    known = V.graph.sizevars.statically_known_equals
+    if isinstance(node, ir.ReinterpretView) and known(stride[0], 1) and known(stride[1], rows):
+        return node
+    return _contiguous(node)
+
+
+_SPLIT_GEMM_OP = torch.ops.vitattn_bwd.split_gemm.default
+
+
+@register_lowering(_SPLIT_GEMM_OP, type_promotion_kind=None)
+def _lower_split_gemm(a_hi, a_lo, b_hi, b_lo, out_scale):
+    if a_hi.get_device().type != "cuda":
+        return fallback_handler(_SPLIT_GEMM_OP, add_to_fallback_set=False)(
+            a_hi, a_lo, b_hi, b_lo, out_scale)
+    operands = [_gemm_operand(t) for t in (a_hi, a_lo, b_hi, b_lo)]
+    if (operands[0].get_stride() != operands[1].get_stride()
+            or operands[2].get_stride() != operands[3].get_stride()):
+        operands = [_contiguous(t) for t in operands]       # the halves share strides
+    (M, _), (_, N) = operands[0].get_size(), operands[2].get_size()
+    layout = ir.FixedLayout(operands[0].get_device(), torch.float32, [M, N])   # [M,N]
+    inputs = [*operands, _contiguous(out_scale)]
+    template = _gemm_template()
+    choices = []
+    for tiles in GEMM_TILES:
+        template.maybe_append_choice(
+            choices, input_nodes=inputs, layout=layout, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+            BLOCK_K=tiles.block_k, GROUP_M=split_gemm.GROUP_M)
+    if not choices:
+        raise RuntimeError(f"{template.name}: no template config could be generated")
+    return _select(template, choices, inputs, layout)

@@ -18,19 +18,19 @@ are separate GEMMs added small terms first, which stays accurate at large K (CON
 
 The QKV weight gradient, which the contract's tolerance lets run on one product, is ONE
 GEMM of round-to-nearest fp16 operands (unbiased, unlike truncating TF32) at precision
-"high"; "highest" takes it as bf16x3 like the others (graph.py).
+"high" (graph.py).
 
-"fp16x3" (the attention core at precision "highest"): the same three products of fp16
+"fp16x3" (every product at precision "highest"): the same three products of fp16
 hi + lo, which carry 22 of float32's 24 mantissa bits (the neglected lo * lo term is
 2^-22 of a product). fp16's range is narrow (normal from 2^-14, at most 65504), so each
 operand is first scaled by a power of two (exact) that brings its largest magnitude
 into [2^14, 2^15) (fp16_scale): then every element down to 2^-28 of the largest keeps a
 normal hi, and the products are scaled back exactly. On the H200 what bounds such
 products is then the tensor cores' float32 accumulation, which truncates: the core's
-gradients at ~2e-6 against float64 at S = 577, against ~1e-5 for bf16x3; fp16x3 GEMMs
-left a 4-layer CLIP tower's gradients at 20x float32's own error, float32 GEMMs with the
-fp16x3 core at 8.3x (docs/performance.md, session 13). So "highest" runs its GEMMs in
-float32.
+gradients at ~2e-6 against float64 at S = 577, against ~1e-5 for bf16x3; cuBLAS fp16x3
+GEMMs, one accumulator over all of K, left a 4-layer CLIP tower's gradients at 10-20x
+float32's own error (docs/performance.md, sessions 13 and 14). So "highest" runs its
+GEMMs as split_gemm.py's, which adds the partials of K slices in float32 registers.
 
 Splits are written with integer rounding and masking, not with casts: Inductor folds a
 float32 -> bf16 -> float32 round trip inside a fused kernel, which would make lo == 0
@@ -44,8 +44,8 @@ bf16 or fp16 values: the CPU reproduces the GPU's arithmetic up to summation ord
 import torch
 
 # The precisions of the fused float32 path, PyTorch's names for float32 matmul precision
-# (torch.set_float32_matmul_precision): "highest", float32 GEMMs and the attention core
-# fp16x3 from scaled fp16 halves; "high" the fastest map the benchmark's tolerance
+# (torch.set_float32_matmul_precision): "highest", every product fp16x3 from scaled fp16
+# halves (split_gemm.py's GEMMs, the Gluon attention core); "high" the fastest map the benchmark's tolerance
 # allows: bf16x3 from truncated splits, one fp16 product for the QKV weight gradient
 # (graph.py).
 FUSED_PRECISIONS = ("highest", "high")

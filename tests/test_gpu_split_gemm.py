@@ -1,0 +1,77 @@
+"""On the GPU: the split GEMM of precision "highest" (split_gemm.py), compiled (the
+Inductor template, autotuned) and raw (every configured tile), at the block's GEMM
+shapes, against float64 and against float32 SGEMM's own error. Operands carry column
+means, as gradients do, so that a product accumulated in one tensor-core accumulator
+over all of K (cuBLAS fp16x3: 50-190x SGEMM's error at K = 18,464) would fail the bound."""
+import pytest
+import torch
+
+from vitattn_bwd import inductor, split_gemm
+
+pytestmark = pytest.mark.gpu
+
+E, S = 1024, 577
+
+
+def _operands(rows, a_width, b_width, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def gradient_like(*shape):
+        return (torch.randn(*shape, device="cuda", generator=g)
+                + 0.5 * torch.randn(1, shape[1], device="cuda", generator=g))
+    return gradient_like(rows, a_width), gradient_like(rows, b_width)
+
+
+def _faithful(a, b):
+    return split_gemm.matmul_fp16x3(split_gemm.fp16_halves(a), split_gemm.fp16_halves(b))
+
+
+def _faithful_transposed(a, b):
+    return split_gemm.matmul_fp16x3(split_gemm.transposed(split_gemm.fp16_halves(a)),
+                                    split_gemm.fp16_halves(b))
+
+
+def _error(got, want):
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
+def _sgemm(a, b):
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return a @ b
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@pytest.mark.parametrize("batch", [2, 5, 32])
+@pytest.mark.parametrize("transposed", [False, True], ids=["a@b", "a^T@c"])
+def test_compiled_is_as_close_to_float64_as_sgemm(batch, transposed):
+    """The block's activation-gradient product (K = E) and weight-gradient product (K =
+    B*S), compiled with a dynamic M (batches 2 and 5 share a graph), bitwise repeatable."""
+    if transposed:
+        a, b = _operands(batch * S, E, E, seed=batch)
+        fn, a_op = _faithful_transposed, a.t()
+    else:
+        a, _ = _operands(batch * S, E, E, seed=batch)
+        b = torch.randn(E, E, device="cuda") / 32
+        fn, a_op = _faithful, a
+    compiled = torch.compile(fn, dynamic=batch != 32, options=inductor.compile_options(
+        f"test-split-gemm-{transposed}", max_autotune=False))
+    want = a_op.double() @ b.double()
+    got = compiled(a, b)
+    assert torch.equal(got, compiled(a, b))
+    error, sgemm_error = _error(got, want), _error(_sgemm(a_op, b), want)
+    assert error < 1.5 * sgemm_error, (error, sgemm_error)
+
+
+@pytest.mark.parametrize("tiles", inductor.GEMM_TILES, ids=str)
+def test_every_configured_tile_is_as_close_to_float64_as_sgemm(tiles):
+    a, b = _operands(7 * S, E, E, seed=7)
+    halves_a, halves_b = split_gemm.transposed(split_gemm.fp16_halves(a)), \
+        split_gemm.fp16_halves(b)
+    out_scale = (1 / (halves_a.scale * halves_b.scale)).reshape(1)
+    got = split_gemm.launch(halves_a.hi, halves_a.lo, halves_b.hi, halves_b.lo, out_scale,
+                            tiles)
+    want = a.double().t() @ b.double()
+    assert _error(got, want) < 1.5 * _error(_sgemm(a.t(), b), want)

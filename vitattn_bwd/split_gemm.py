@@ -1,0 +1,131 @@
+"""Float32-faithful GEMMs at tensor-core speed (precision "highest"): fp16x3 with
+two-level accumulation, as one custom operator and the graph-level helpers around it.
+
+    split_gemm(a_hi, a_lo, b_hi, b_lo, out_scale) -> float32 [M,N]
+        = (a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi) * out_scale
+
+a_hi, a_lo [M,K] and b_hi, b_lo [K,N] are fp16 halves (hi + lo, 22 of float32's 24
+mantissa bits) of float32 operands scaled by powers of two into fp16's range
+(`fp16_halves`); out_scale, a float32 [1] tensor, takes the scales back out exactly.
+Any strides: a transposed view of halves is read as it lies (`transposed`).
+
+On CUDA and under TRITON_INTERPRET=1 the operator runs the Triton kernel of
+kernels/split_gemm.py, which accumulates each BLOCK_K slice of K on the tensor cores
+and adds the slices' partials in float32 registers: the tensor cores' accumulation
+truncates, and one accumulator over all of K put cuBLAS fp16x3 GEMMs 5-190x above
+float32 SGEMM's error against float64 (docs/performance.md, session 14). Under
+torch.compile on CUDA, inductor.py lowers it to a Triton template that autotuning
+tunes. Elsewhere it runs as float32 matmuls of the upcast halves (exact products,
+float32 accumulation, rounded to nearest).
+"""
+import os
+from typing import NamedTuple
+
+import torch
+
+from .precision import fp16_scale, split_fp16
+
+
+class GemmTiles(NamedTuple):
+    """A launch configuration of the split GEMM kernel."""
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+# The eager launch's tiles (the compiled path tunes its own, inductor.py).
+EAGER_TILES = GemmTiles(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
+GROUP_M = 8
+
+
+class Fp16Halves(NamedTuple):
+    """fp16 hi + lo of a float32 tensor times `scale` (a 0-dim power of two)."""
+    hi: torch.Tensor
+    lo: torch.Tensor
+    scale: torch.Tensor
+
+
+def fp16_halves(t):
+    """float32 t [M,N] -> its Fp16Halves: t scaled so that its largest magnitude lies in
+    [2^14, 2^15) (precision.fp16_scale), split by rounding (precision.split_fp16).
+    Elements below 2^-28 of the largest keep about 2^-25 of its absolute precision."""
+    scale = fp16_scale(t)
+    hi, lo = split_fp16(t * scale)
+    return Fp16Halves(hi, lo, scale)
+
+
+def transposed(halves):
+    """The halves of t^T, as views."""
+    return Fp16Halves(halves.hi.t(), halves.lo.t(), halves.scale)
+
+
+def matmul_fp16x3(a, b):
+    """a @ b -> float32 [M,N] for a [M,K] and b [K,N] given as Fp16Halves."""
+    out_scale = (1 / (a.scale * b.scale)).reshape(1)
+    return split_gemm(a.hi, a.lo, b.hi, b.lo, out_scale)
+
+
+def linear_fp16x3(a, weight, bias):
+    """F.linear(a, weight, bias) for float32 a [.., K], weight [N,K], bias [N], as
+    faithful as float32's: a @ weight^T by split_gemm, the weight read transposed."""
+    rows = a.reshape(-1, a.shape[-1])                                        # [M,K]
+    out = matmul_fp16x3(fp16_halves(rows), transposed(fp16_halves(weight))) + bias
+    return out.view(*a.shape[:-1], weight.shape[0])                          # [..,N]
+
+
+def _use_triton(t):
+    return t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check(a_hi, a_lo, b_hi, b_lo, out_scale):
+    """ValueError naming the argument that does not fit."""
+    for name, t in (("a_hi", a_hi), ("a_lo", a_lo), ("b_hi", b_hi), ("b_lo", b_lo)):
+        if t.dtype != torch.float16 or t.dim() != 2:
+            raise ValueError(f"split_gemm: {name} must be a 2-d float16 tensor, got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    if a_lo.shape != a_hi.shape or b_lo.shape != b_hi.shape:
+        raise ValueError(f"split_gemm: a_lo {tuple(a_lo.shape)} / b_lo {tuple(b_lo.shape)} "
+                         f"must have the shapes of a_hi {tuple(a_hi.shape)} / b_hi "
+                         f"{tuple(b_hi.shape)}")
+    if a_hi.shape[1] != b_hi.shape[0]:
+        raise ValueError(f"split_gemm: a_hi {tuple(a_hi.shape)} and b_hi "
+                         f"{tuple(b_hi.shape)} do not multiply")
+    if out_scale.dtype != torch.float32 or tuple(out_scale.shape) != (1,):
+        raise ValueError(f"split_gemm: out_scale must be a float32 [1] tensor, got "
+                         f"{out_scale.dtype} {tuple(out_scale.shape)}")
+
+
+def launch(a_hi, a_lo, b_hi, b_lo, out_scale, tiles=EAGER_TILES):
+    """Run the kernel on tensors Triton can reach (the halves of each operand sharing
+    strides); returns C [M,N] float32."""
+    from .kernels.split_gemm import split_gemm_kernel
+    if a_lo.stride() != a_hi.stride():
+        a_hi, a_lo = a_hi.contiguous(), a_lo.contiguous()
+    if b_lo.stride() != b_hi.stride():
+        b_hi, b_lo = b_hi.contiguous(), b_lo.contiguous()
+    (M, K), N = a_hi.shape, b_hi.shape[1]
+    out = a_hi.new_empty(M, N, dtype=torch.float32)
+    grid = (-(-M // tiles.block_m) * -(-N // tiles.block_n),)
+    split_gemm_kernel[grid](a_hi, a_lo, b_hi, b_lo, out_scale, out, M, N, K, *a_hi.stride(),
+                            *b_hi.stride(), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                            BLOCK_K=tiles.block_k, GROUP_M=GROUP_M,
+                            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+@torch.library.custom_op("vitattn_bwd::split_gemm", mutates_args=())
+def split_gemm(a_hi: torch.Tensor, a_lo: torch.Tensor, b_hi: torch.Tensor,
+               b_lo: torch.Tensor, out_scale: torch.Tensor) -> torch.Tensor:
+    _check(a_hi, a_lo, b_hi, b_lo, out_scale)
+    if _use_triton(a_hi):
+        return launch(a_hi, a_lo, b_hi, b_lo, out_scale)
+    a_hi, a_lo, b_hi, b_lo = (t.float() for t in (a_hi, a_lo, b_hi, b_lo))
+    return ((a_lo @ b_hi + a_hi @ b_lo) + a_hi @ b_hi) * out_scale
+
+
+@split_gemm.register_fake
+def _(a_hi, a_lo, b_hi, b_lo, out_scale):
+    _check(a_hi, a_lo, b_hi, b_lo, out_scale)             # at trace time, not in a graph
+    return a_hi.new_empty(a_hi.shape[0], b_hi.shape[1], dtype=torch.float32)
