@@ -70,8 +70,7 @@ def test_every_configured_tile_is_as_close_to_float64_as_sgemm(tiles):
     a, b = _operands(7 * S, E, E, seed=7)
     halves_a, halves_b = split_gemm.transposed(split_gemm.fp16_halves(a)), \
         split_gemm.fp16_halves(b)
-    out_scale = (1 / (halves_a.scale * halves_b.scale)).reshape(1)
-    got = split_gemm.launch(halves_a.hi, halves_a.lo, halves_b.hi, halves_b.lo, out_scale,
-                            tiles)
+    got = split_gemm.launch(halves_a.hi, halves_a.lo, halves_b.hi, halves_b.lo,
+                            split_gemm.unscale_of(halves_a, halves_b), tiles)
     want = a.double().t() @ b.double()
     assert _error(got, want) < 1.5 * _error(_sgemm(a.t(), b), want)

@@ -43,6 +43,20 @@ def test_math_is_float32_grade(monkeypatch):
     _check_against_float32(*_operands(70, 50, 40, seed=1))
 
 
+TINY = dict(a_magnitude=1e-18, b_magnitude=1e-15)   # scales 2^74 and 2^64: 2^138 > float32
+
+
+def test_kernel_unscales_tiny_operands_one_scale_at_a_time(triton_interpreter):
+    """Operands whose scales' product overflows float32 while their product (~1e-32) is
+    a normal float32: the scales come out one after the other."""
+    _check_against_float32(*_operands(40, 50, 30, seed=5, **TINY))
+
+
+def test_math_unscales_tiny_operands_one_scale_at_a_time(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _check_against_float32(*_operands(40, 50, 30, seed=5, **TINY))
+
+
 def test_kernel_and_math_agree_to_rounding(triton_interpreter, monkeypatch):
     a, b, _ = _operands(64, 96, 48, seed=2)
     halves_a, halves_b = split_gemm.fp16_halves(a), split_gemm.fp16_halves(b)
@@ -56,15 +70,15 @@ def test_kernel_and_math_agree_to_rounding(triton_interpreter, monkeypatch):
 def test_bad_arguments_are_refused_by_name():
     a, b, _ = _operands(8, 16, 8, seed=3)
     ha, hb = split_gemm.fp16_halves(a), split_gemm.fp16_halves(b)
-    scale = torch.ones(1)
+    scale = torch.ones(2)
     with pytest.raises(ValueError, match="a_hi must be a 2-d float16"):
         split_gemm.split_gemm(ha.hi.float(), ha.lo, hb.hi, hb.lo, scale)
     with pytest.raises(ValueError, match="b_lo"):
         split_gemm.split_gemm(ha.hi, ha.lo, hb.hi, hb.lo[:4], scale)
     with pytest.raises(ValueError, match="do not multiply"):
         split_gemm.split_gemm(ha.hi, ha.lo, ha.hi, ha.lo, scale)
-    with pytest.raises(ValueError, match="out_scale must be a float32 \\[1\\]"):
-        split_gemm.split_gemm(ha.hi, ha.lo, hb.hi, hb.lo, torch.ones(()))
+    with pytest.raises(ValueError, match="unscale must be a float32 \\[2\\]"):
+        split_gemm.split_gemm(ha.hi, ha.lo, hb.hi, hb.lo, torch.ones(1))
 
 
 def test_compiled_cpu_graph_goes_through_the_lowering_fallback(monkeypatch):

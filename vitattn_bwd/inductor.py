@@ -507,7 +507,7 @@ GEMM_TILES = (
 )
 
 _SPLIT_GEMM_ENTRY = r'''
-{{def_kernel("A_HI", "A_LO", "B_HI", "B_LO", "OUT_SCALE")}}
+{{def_kernel("A_HI", "A_LO", "B_HI", "B_LO", "UNSCALE")}}
     M = {{size("A_HI", 0)}}
     N = {{size("B_HI", 1)}}
     K = {{size("A_HI", 1)}}
@@ -515,7 +515,7 @@ _SPLIT_GEMM_ENTRY = r'''
     acc = split_gemm_tile(A_HI, A_LO, B_HI, B_LO, M, N, K, {{stride("A_HI", 0)}},
                           {{stride("A_HI", 1)}}, {{stride("B_HI", 0)}},
                           {{stride("B_HI", 1)}}, tile_m, tile_n, BLOCK_M, BLOCK_N, BLOCK_K)
-    acc = acc * tl.load(OUT_SCALE)
+    acc = unscaled(acc, UNSCALE)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < M) & (cols < N)
@@ -551,17 +551,17 @@ _SPLIT_GEMM_OP = torch.ops.vitattn_bwd.split_gemm.default
 
 
 @register_lowering(_SPLIT_GEMM_OP, type_promotion_kind=None)
-def _lower_split_gemm(a_hi, a_lo, b_hi, b_lo, out_scale):
+def _lower_split_gemm(a_hi, a_lo, b_hi, b_lo, unscale):
     if a_hi.get_device().type != "cuda":
         return fallback_handler(_SPLIT_GEMM_OP, add_to_fallback_set=False)(
-            a_hi, a_lo, b_hi, b_lo, out_scale)
+            a_hi, a_lo, b_hi, b_lo, unscale)
     operands = [_gemm_operand(t) for t in (a_hi, a_lo, b_hi, b_lo)]
     if (operands[0].get_stride() != operands[1].get_stride()
             or operands[2].get_stride() != operands[3].get_stride()):
         operands = [_contiguous(t) for t in operands]       # the halves share strides
     (M, _), (_, N) = operands[0].get_size(), operands[2].get_size()
     layout = ir.FixedLayout(operands[0].get_device(), torch.float32, [M, N])   # [M,N]
-    inputs = [*operands, _contiguous(out_scale)]
+    inputs = [*operands, _contiguous(unscale)]
     template = _gemm_template()
     choices = []
     for tiles in GEMM_TILES:

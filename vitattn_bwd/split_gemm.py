@@ -1,12 +1,14 @@
 """Float32-faithful GEMMs at tensor-core speed (precision "highest"): fp16x3 with
 two-level accumulation, as one custom operator and the graph-level helpers around it.
 
-    split_gemm(a_hi, a_lo, b_hi, b_lo, out_scale) -> float32 [M,N]
-        = (a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi) * out_scale
+    split_gemm(a_hi, a_lo, b_hi, b_lo, unscale) -> float32 [M,N]
+        = (a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi) * unscale[0] * unscale[1]
 
 a_hi, a_lo [M,K] and b_hi, b_lo [K,N] are fp16 halves (hi + lo, 22 of float32's 24
 mantissa bits) of float32 operands scaled by powers of two into fp16's range
-(`fp16_halves`); out_scale, a float32 [1] tensor, takes the scales back out exactly.
+(`fp16_halves`); unscale, float32 [2] (the scales' inverses, `unscale_of`), takes them
+back out exactly, one after the other: their product can lie outside float32's range
+where a @ b does not (operands at 1e-18 and 1e-15: scales 2^74 and 2^64).
 Any strides: a transposed view of halves is read as it lies (`transposed`).
 
 On CUDA and under TRITON_INTERPRET=1 the operator runs the Triton kernel of
@@ -63,8 +65,13 @@ def transposed(halves):
 
 def matmul_fp16x3(a, b):
     """a @ b -> float32 [M,N] for a [M,K] and b [K,N] given as Fp16Halves."""
-    out_scale = (1 / (a.scale * b.scale)).reshape(1)
-    return split_gemm(a.hi, a.lo, b.hi, b.lo, out_scale)
+    return split_gemm(a.hi, a.lo, b.hi, b.lo, unscale_of(a, b))
+
+
+def unscale_of(a, b):
+    """The split GEMM's unscale for Fp16Halves a and b: float32 [2], 1/a.scale and
+    1/b.scale (exact: powers of two)."""
+    return torch.stack([1 / a.scale, 1 / b.scale])
 
 
 def linear_fp16x3(a, weight, bias):
@@ -79,7 +86,7 @@ def _use_triton(t):
     return t.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _check(a_hi, a_lo, b_hi, b_lo, out_scale):
+def _check(a_hi, a_lo, b_hi, b_lo, unscale):
     """ValueError naming the argument that does not fit."""
     for name, t in (("a_hi", a_hi), ("a_lo", a_lo), ("b_hi", b_hi), ("b_lo", b_lo)):
         if t.dtype != torch.float16 or t.dim() != 2:
@@ -92,12 +99,12 @@ def _check(a_hi, a_lo, b_hi, b_lo, out_scale):
     if a_hi.shape[1] != b_hi.shape[0]:
         raise ValueError(f"split_gemm: a_hi {tuple(a_hi.shape)} and b_hi "
                          f"{tuple(b_hi.shape)} do not multiply")
-    if out_scale.dtype != torch.float32 or tuple(out_scale.shape) != (1,):
-        raise ValueError(f"split_gemm: out_scale must be a float32 [1] tensor, got "
-                         f"{out_scale.dtype} {tuple(out_scale.shape)}")
+    if unscale.dtype != torch.float32 or tuple(unscale.shape) != (2,):
+        raise ValueError(f"split_gemm: unscale must be a float32 [2] tensor, got "
+                         f"{unscale.dtype} {tuple(unscale.shape)}")
 
 
-def launch(a_hi, a_lo, b_hi, b_lo, out_scale, tiles=EAGER_TILES):
+def launch(a_hi, a_lo, b_hi, b_lo, unscale, tiles=EAGER_TILES):
     """Run the kernel on tensors Triton can reach (the halves of each operand sharing
     strides); returns C [M,N] float32."""
     from .kernels.split_gemm import split_gemm_kernel
@@ -108,7 +115,7 @@ def launch(a_hi, a_lo, b_hi, b_lo, out_scale, tiles=EAGER_TILES):
     (M, K), N = a_hi.shape, b_hi.shape[1]
     out = a_hi.new_empty(M, N, dtype=torch.float32)
     grid = (-(-M // tiles.block_m) * -(-N // tiles.block_n),)
-    split_gemm_kernel[grid](a_hi, a_lo, b_hi, b_lo, out_scale, out, M, N, K, *a_hi.stride(),
+    split_gemm_kernel[grid](a_hi, a_lo, b_hi, b_lo, unscale, out, M, N, K, *a_hi.stride(),
                             *b_hi.stride(), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                             BLOCK_K=tiles.block_k, GROUP_M=GROUP_M,
                             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
@@ -117,15 +124,15 @@ def launch(a_hi, a_lo, b_hi, b_lo, out_scale, tiles=EAGER_TILES):
 
 @torch.library.custom_op("vitattn_bwd::split_gemm", mutates_args=())
 def split_gemm(a_hi: torch.Tensor, a_lo: torch.Tensor, b_hi: torch.Tensor,
-               b_lo: torch.Tensor, out_scale: torch.Tensor) -> torch.Tensor:
-    _check(a_hi, a_lo, b_hi, b_lo, out_scale)
+               b_lo: torch.Tensor, unscale: torch.Tensor) -> torch.Tensor:
+    _check(a_hi, a_lo, b_hi, b_lo, unscale)
     if _use_triton(a_hi):
-        return launch(a_hi, a_lo, b_hi, b_lo, out_scale)
+        return launch(a_hi, a_lo, b_hi, b_lo, unscale)
     a_hi, a_lo, b_hi, b_lo = (t.float() for t in (a_hi, a_lo, b_hi, b_lo))
-    return ((a_lo @ b_hi + a_hi @ b_lo) + a_hi @ b_hi) * out_scale
+    return ((a_lo @ b_hi + a_hi @ b_lo) + a_hi @ b_hi) * unscale[0] * unscale[1]
 
 
 @split_gemm.register_fake
-def _(a_hi, a_lo, b_hi, b_lo, out_scale):
-    _check(a_hi, a_lo, b_hi, b_lo, out_scale)             # at trace time, not in a graph
+def _(a_hi, a_lo, b_hi, b_lo, unscale):
+    _check(a_hi, a_lo, b_hi, b_lo, unscale)             # at trace time, not in a graph
     return a_hi.new_empty(a_hi.shape[0], b_hi.shape[1], dtype=torch.float32)

@@ -5,7 +5,7 @@ three products per K slice, with two-level accumulation:
     for each BLOCK_K slice of K:
         partial = a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi     (tensor cores, from zero)
         acc    += partial                                     (float32 adds, rounded)
-    C = acc * out_scale
+    C = acc * unscale[0] * unscale[1]
 
 Why two levels: the H200's tensor cores accumulate in float32 with truncation, so a
 product's error grows with the number of MMA steps that add into one accumulator, and
@@ -76,17 +76,25 @@ def split_gemm_tile(A_HI, A_LO, B_HI, B_LO, M, N, K, stride_am, stride_ak, strid
 
 
 @triton.jit
-def split_gemm_kernel(A_HI, A_LO, B_HI, B_LO, OUT_SCALE, C, M, N, K: tl.constexpr,
+def unscaled(acc, UNSCALE):
+    """The tile with the operands' scales taken out, one after the other (exact, powers
+    of two; their product may lie outside float32's range)."""
+    return acc * tl.load(UNSCALE) * tl.load(UNSCALE + 1)
+
+
+@triton.jit
+def split_gemm_kernel(A_HI, A_LO, B_HI, B_LO, UNSCALE, C, M, N, K: tl.constexpr,
                       stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """C [M,N] float32 (contiguous) = (A @ B) * OUT_SCALE[0]; grid: one program per tile.
+    """C [M,N] float32 (contiguous) = (A @ B) * UNSCALE[0] * UNSCALE[1]; grid: one
+    program per tile.
     K is a constexpr here (the template passes it at run time): Triton 3.6's interpreter
     cannot loop to a run-time bound under numpy 2 (it calls int() on a 1-element
     array)."""
     tile_m, tile_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = split_gemm_tile(A_HI, A_LO, B_HI, B_LO, M, N, K, stride_am, stride_ak, stride_bk,
                           stride_bn, tile_m, tile_n, BLOCK_M, BLOCK_N, BLOCK_K)
-    acc = acc * tl.load(OUT_SCALE)
+    acc = unscaled(acc, UNSCALE)
     rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(C + rows * N + cols, acc, mask=(rows < M) & (cols < N))
