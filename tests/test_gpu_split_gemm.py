@@ -74,3 +74,16 @@ def test_every_configured_tile_is_as_close_to_float64_as_sgemm(tiles):
                             split_gemm.unscale_of(halves_a, halves_b), tiles)
     want = a.double().t() @ b.double()
     assert _error(got, want) < 1.5 * _error(_sgemm(a.t(), b), want)
+
+
+def test_module_refuses_a_batch_past_32_bit_offsets_in_the_forward():
+    """At precision "highest", batch * tokens * 2 * embed_dim >= 2^31 is refused by the
+    module's forward, naming x, before any work (not by the backward's trace)."""
+    import vitattn_bwd
+    from vitattn_bwd.module import VisionAttentionFunction
+    block = vitattn_bwd.VisionAttentionBlock(64, 1).cuda()
+    x = torch.empty(2 ** 24, 1, 64, device="cuda")                 # B*S*2E = 2^31
+    params = [p.detach() for p in (block.norm.weight, block.norm.bias, block.qkv.weight,
+                                   block.qkv.bias, block.out_proj.weight, block.out_proj.bias)]
+    with pytest.raises(ValueError, match="x: precision 'highest'"):
+        VisionAttentionFunction.apply(x, *params, 1, 1e-5, "highest")

@@ -95,3 +95,11 @@ def test_compiled_cpu_graph_goes_through_the_lowering_fallback(monkeypatch):
                              options=compile_options("test-split-gemm", max_autotune=False))
     c = torch.randn(40, 16)
     assert torch.equal(compiled(a, c), product(a, c))
+
+
+def test_operands_of_2_31_elements_are_refused_by_name():
+    """The kernel's offsets are 32-bit: the module and the contract entry point check
+    the widest operand (grad_kv [B*S, 2E]) in the call, before any work."""
+    split_gemm.check_operand_elements("x", 2 ** 20, 2047)           # 2^31 - 2^20 elements
+    with pytest.raises(ValueError, match=r"x: precision 'highest' .* \[1048576, 2048\]"):
+        split_gemm.check_operand_elements("x", 2 ** 20, 2048)           # 2^31

@@ -10,6 +10,7 @@ import torch
 from .graph import compiled_backward
 from .layout import LN_GRAD_MODES
 from .precision import check_fused_precision
+from .split_gemm import check_operand_elements
 
 
 class BlockGrads(NamedTuple):
@@ -164,8 +165,9 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
     rejects them with a ValueError instead (one extra pass over every input).
     precision: "high" (the default, whatever torch's float32 matmul precision: the
     fastest products the benchmark's tolerance allows) or "highest" (float32-faithful:
-    bf16x3 from rounded splits everywhere, the QKV weight gradient too); on the CPU the
-    products are plain matmuls either way.
+    every product fp16x3, the GEMMs with two-level accumulation, split_gemm.py; batch *
+    tokens * 2 * embed_dim below 2^31); on the CPU the products are plain matmuls either
+    way.
     """
     check_fused_precision(precision)
     tensors = dict(grad_output=grad_output, x=x, x_mean=x_mean, x_var=x_var, x_norm=x_norm,
@@ -173,5 +175,8 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
                    attn_weights=attn_weights, attn_output=attn_output, out_weight=out_weight)
     inputs, scale, norm_eps, _ = validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad,
                                                  check_finite)
+    if precision == "highest" and x.is_cuda:
+        # the widest split GEMM operand: grad_kv [B*S, 2E]
+        check_operand_elements("x", x.shape[0] * x.shape[1], 2 * x.shape[-1])
     return BlockGrads(*compiled_backward(inputs, scale=scale, norm_eps=norm_eps,
                                          ln_grad=ln_grad, precision=precision))

@@ -37,6 +37,21 @@ class GemmTiles(NamedTuple):
     num_stages: int
 
 
+# The kernel's element offsets are 32-bit: an operand must span fewer elements.
+MAX_OPERAND_ELEMENTS = 2 ** 31
+
+
+def check_operand_elements(name, rows, width):
+    """ValueError naming `name` (an input of the caller) where a [rows, width] operand
+    of the split GEMM would span MAX_OPERAND_ELEMENTS or more: checked where the call
+    starts, not left to the backward or to a wrong offset."""
+    if rows * width >= MAX_OPERAND_ELEMENTS:
+        raise ValueError(f"{name}: precision 'highest' takes at most {MAX_OPERAND_ELEMENTS} "
+                         f"elements per GEMM operand (its kernel's offsets are 32-bit), and "
+                         f"this call's largest operand would be [{rows}, {width}] "
+                         f"(batch * tokens rows); split the batch or use precision 'high'")
+
+
 # The eager launch's tiles (the compiled path tunes its own, inductor.py).
 EAGER_TILES = GemmTiles(block_m=128, block_n=128, block_k=32, num_warps=8, num_stages=3)
 GROUP_M = 8
