@@ -208,10 +208,11 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
 
     split_precision: None for plain products in the inputs' dtype (the CPU, float64),
     else the precision of the split products (CUDA float32): "high"
-    (_split_precision_products) or "highest" (_faithful_products). Where the module saved its activations (qkv,
-    attn_output) in bf16 or fp16, every product is one product in that dtype
-    (_one_product_products), on any device, whatever split_precision says; for a block
-    all in bf16 or fp16 (x in that dtype), every gradient is returned in that dtype.
+    (_split_precision_products) or "highest" (_faithful_products). Where the module
+    saved its activations (qkv, attn_output) in bf16 or fp16, every product is one
+    product in that dtype (_one_product_products), on any device, whatever
+    split_precision says; for a block all in bf16 or fp16 (x in that dtype), every
+    gradient is returned in that dtype.
 
     attn_weights is P [B,H,S,S], or its row log-sum-exp [B,H,S] (VisionAttentionBlock
     saves only that; the attention core recomputes P). q, k, v [B,H,S,D] may instead come

@@ -29,11 +29,12 @@ Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precisi
   ops themselves (`stock_forward`). Otherwise the block runs at
   torch.get_float32_matmul_precision(), read at each call: "highest" (PyTorch's
   default), "high" or "medium", as below.
-- "highest": the fused float32 path, as float32-faithful as bf16x3 goes: every GEMM
-  bf16x3 from operands split rounded to nearest, the QKV weight gradient's too (three
-  bf16 GEMMs where "high" takes one fp16 product); the attention core is the same bf16x3
-  at both float32 precisions (the Gluon kernels split its S x S tiles by truncation, the
-  Triton templates round them; max-autotune picks).
+- "highest": the fused float32 path, float32-faithful: every product fp16x3 from fp16
+  halves of operands scaled into fp16's range, the GEMMs as the split GEMM with
+  two-level accumulation (split_gemm.py), the attention core on the Gluon kernels (off
+  Hopper it stays bf16x3); every gradient within 10x of float32's own error in a CLIP
+  tower (docs/performance.md, sessions 13 and 14). A call whose batch * tokens * 2 *
+  embed_dim reaches 2^31 is refused (the split GEMM's 32-bit offsets).
 - "high": the fused float32 path with the fastest map the benchmark's tolerance allows
   (truncated splits, one fp16 product for the QKV weight gradient; the contract entry
   point, vitattn_bwd.attention_block_backward, runs this by default).

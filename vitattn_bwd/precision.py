@@ -45,9 +45,9 @@ import torch
 
 # The precisions of the fused float32 path, PyTorch's names for float32 matmul precision
 # (torch.set_float32_matmul_precision): "highest", every product fp16x3 from scaled fp16
-# halves (split_gemm.py's GEMMs, the Gluon attention core); "high" the fastest map the benchmark's tolerance
-# allows: bf16x3 from truncated splits, one fp16 product for the QKV weight gradient
-# (graph.py).
+# halves (split_gemm.py's GEMMs, the Gluon attention core); "high" the fastest map the
+# benchmark's tolerance allows: bf16x3 from truncated splits, one fp16 product for the
+# QKV weight gradient (graph.py).
 FUSED_PRECISIONS = ("highest", "high")
 
 
@@ -109,7 +109,8 @@ def fp16_scale(t):
 def split_fp16(t):
     """float32 t, scaled into fp16's range (fp16_scale) -> (hi, lo) fp16: hi = t rounded
     to fp16's 11 significant bits (to nearest even, by integer operations), lo = t - hi
-    rounded: the split the compiled graph gives the attention core (inductor.py).
+    rounded: the split of the split GEMM's operands (split_gemm.fp16_halves), and the
+    one the compiled graph gives the attention core (inductor.py).
     Elements below fp16's normal range (2^-28 of the largest, once scaled) keep about
     2^-25 of absolute precision."""
     hi = _rounded(t, FP16_ROUNDING_BIAS, 13, FP16_HI_MASK)

@@ -47,9 +47,10 @@ def swap_attention(model, *, vision_only=True, libraries=None, precision=None):
     True): only layers inside a module whose class name contains "Vision" (a CLIP
     model's vision tower, timm's VisionTransformer), so text towers stay stock; False
     swaps every recognized layer (a bare encoder or list of blocks). precision: as
-    VisionAttentionBlock's (None follows torch.autocast, an all-bf16/fp16 model's dtype
-    (both the one-product path) and torch's float32 matmul precision; "highest" or "high" keeps the fused
-    float32-grade path everywhere; vitattn_bwd.module). Raises ValueError if
+    VisionAttentionBlock's (None follows torch.autocast (the one-product path), an
+    all-bf16/fp16 model's dtype (the stock ops) and torch's float32 matmul precision;
+    "highest" or "high" keeps the fused float32-grade path everywhere;
+    vitattn_bwd.module). Raises ValueError if
     no layer is recognized or a recognized one cannot be computed exactly (the message
     names the layer and why), or for an unknown precision; nothing is swapped then."""
     names = list(LIBRARIES) if libraries is None else list(libraries)

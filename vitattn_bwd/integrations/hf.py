@@ -8,9 +8,10 @@
 
 Every encoder layer of a vision tower whose attention half is LayerNorm -> q/k/v/out
 Linear projections -> softmax attention -> residual runs that half as
-`vitattn_bwd.module.vision_attention` (the fused backward: float32-grade, or the
-one-product path under autocast and for an all-bf16/fp16 model, as its precision says;
-the stock ops where that path does not run). Matched:
+`vitattn_bwd.module.vision_attention` (the fused backward: float32-grade, or one
+product per matmul under autocast and, at precision "medium", for an all-bf16/fp16
+model; the stock ops where that path does not run and for an all-bf16/fp16 model at
+precision None). Matched:
 - CLIP / SigLIP style (CLIPEncoderLayer, SiglipEncoderLayer, ...): `layer_norm1`,
   `self_attn.{q_proj,k_proj,v_proj,out_proj}`, then `layer_norm2` and `mlp`;
 - Molmo style (ResidualAttentionBlock): `attention_norm`, `attention.{wq,wk,wv,wo}`,
