@@ -7,10 +7,9 @@ from typing import NamedTuple
 
 import torch
 
-from .graph import compiled_backward
+from .graph import check_faithful_batch, compiled_backward
 from .layout import LN_GRAD_MODES
 from .precision import check_fused_precision
-from .split_gemm import check_operand_elements
 
 
 class BlockGrads(NamedTuple):
@@ -175,8 +174,6 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
                    attn_weights=attn_weights, attn_output=attn_output, out_weight=out_weight)
     inputs, scale, norm_eps, _ = validate_inputs(tensors, scale, norm_eps, num_heads, ln_grad,
                                                  check_finite)
-    if precision == "highest" and x.is_cuda:
-        # the widest split GEMM operand: grad_kv [B*S, 2E]
-        check_operand_elements("x", x.shape[0] * x.shape[1], 2 * x.shape[-1])
+    check_faithful_batch(x, precision)
     return BlockGrads(*compiled_backward(inputs, scale=scale, norm_eps=norm_eps,
                                          ln_grad=ln_grad, precision=precision))

@@ -39,7 +39,7 @@ from .layout import split_heads
 from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
                         matmul_halves_transposed, mm_float32, mm_half, power_of_two_scale,
                         products_halves_by_weight, split_bf16_truncated)
-from .split_gemm import fp16_halves, matmul_fp16x3, transposed
+from .split_gemm import check_operand_elements, fp16_halves, matmul_fp16x3, transposed
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
@@ -130,6 +130,14 @@ def _faithful_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight
     grad_qkv_bias = torch.cat([grad_q_sums.sum((0, 1)), grad_kv_sums.sum((0, 1))])  # [3E]
     return (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
             grad_out_weight.new_ones(()))
+
+
+def check_faithful_batch(x, precision):
+    """At precision "highest" on CUDA, ValueError naming x where the widest split-GEMM
+    operand of _faithful_products, grad_kv [B*S, 2E], would pass the split GEMM's 32-bit
+    offsets: for the callers to check before any work."""
+    if precision == "highest" and x.is_cuda:
+        check_operand_elements("x", x.shape[0] * x.shape[1], 2 * x.shape[-1])
 
 
 def _one_product_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,

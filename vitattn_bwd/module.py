@@ -83,7 +83,6 @@ from .attention_core import HALF_DTYPES
 from .forward_graph import attention_block_forward
 from .layout import merge_heads, split_heads
 from .precision import FUSED_PRECISIONS, check_fused_precision
-from .split_gemm import check_operand_elements
 
 # The accepted values of `precision` (module docstring).
 PRECISIONS = (None, *FUSED_PRECISIONS, "medium")
@@ -232,9 +231,8 @@ class VisionAttentionFunction(torch.autograd.Function):
         for name, t in zip(_PARAM_NAMES, params):
             if t.dtype != x.dtype:
                 raise TypeError(f"{name} has dtype {t.dtype}, but x has {x.dtype}")
-        if precision == "highest" and x.is_cuda and half_dtype is None:
-            # the backward's widest split GEMM operand: grad_kv [B*S, 2E]
-            check_operand_elements("x", x.shape[0] * x.shape[1], 2 * x.shape[-1])
+        if half_dtype is None:
+            graph.check_faithful_batch(x, precision)
         # The math runs as written, whatever autocast region the caller is in: an
         # autocast linear would hand bf16 q, k, v to the float32 backward.
         with _autocast_off(x.device.type):
