@@ -91,12 +91,12 @@ def _signature(kernel, constexprs, operand_dtype=None):
 
 
 def _tile_constexprs(tiles):
-    """The constexprs a launch configuration sets: an attention kernel's TileConfig, the
-    split GEMM's GemmTiles, or the LayerNorm kernel's LayerNormTiles."""
-    if isinstance(tiles, TileConfig):
-        return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n)
-    if isinstance(tiles, GemmTiles):
-        return dict(BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
+    """The constexprs a launch configuration sets: an attention kernel's TileConfig or
+    the split GEMM's GemmTiles (their block sizes, as the templates get them), or the
+    LayerNorm kernel's LayerNormTiles."""
+    if isinstance(tiles, (TileConfig, GemmTiles)):
+        from vitattn_bwd.inductor import block_constexprs
+        return block_constexprs(tiles)
     return dict(ROWS_PER_CHUNK=tiles.rows_per_chunk, CHUNKS=tiles.chunks)
 
 

@@ -200,13 +200,22 @@ def _select(template, choices, inputs, layout):
     return selected[0] if isinstance(selected, tuple) else selected
 
 
-def _tile_choices(template, input_nodes, layout, mutated_inputs, call_sizes, constexprs):
+def block_constexprs(tiles):
+    """The block-size constexprs of a TileConfig or GemmTiles: BLOCK_M, BLOCK_N (and
+    BLOCK_K) from its block_m, block_n (and block_k)."""
+    return {f"BLOCK_{name[-1].upper()}": size for name, size in tiles._asdict().items()
+            if name.startswith("block_")}
+
+
+def _tile_choices(template, tile_configs, input_nodes, layout, constexprs, **choice_args):
+    """One choice of `template` per config of tile_configs, with `constexprs` and any
+    further maybe_append_choice arguments (mutated_inputs, call_sizes)."""
     choices = []
-    for tiles in TILE_CONFIGS:
+    for tiles in tile_configs:
         template.maybe_append_choice(
-            choices, input_nodes=input_nodes, layout=layout, mutated_inputs=mutated_inputs,
-            call_sizes=call_sizes, num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, **constexprs)
+            choices, input_nodes=input_nodes, layout=layout, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages, **block_constexprs(tiles), **constexprs,
+            **choice_args)
     if not choices:
         raise RuntimeError(f"{template.name}: no template config could be generated")
     return choices
@@ -454,9 +463,9 @@ def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=No
     rows_template, _ = _templates()
     choices = []
     if _template_applies(k, head_dim) and not fp16_halves:
-        choices = _tile_choices(rows_template, inputs, layout,
-                                [delta, grad_q_halves, grad_q_sums],
-                                [batch, num_heads, seq_len], constexprs)
+        choices = _tile_choices(rows_template, TILE_CONFIGS, inputs, layout, constexprs,
+                                mutated_inputs=[delta, grad_q_halves, grad_q_sums],
+                                call_sizes=[batch, num_heads, seq_len])
     choices += _gluon_tile_choices(_gluon_choices()[0], gluon_core.ROWS_TILES, k, head_dim,
                                    inputs, layout, scale)
     return _selected_outputs(rows_template, choices, inputs, layout,
@@ -486,8 +495,9 @@ def _lower_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
     _, cols_template = _templates()
     choices = []
     if _template_applies(q, head_dim) and not fp16_halves:
-        choices = _tile_choices(cols_template, inputs, layout, [grad_kv_halves, grad_kv_sums],
-                                [batch, num_heads, seq_len], constexprs)
+        choices = _tile_choices(cols_template, TILE_CONFIGS, inputs, layout, constexprs,
+                                mutated_inputs=[grad_kv_halves, grad_kv_sums],
+                                call_sizes=[batch, num_heads, seq_len])
     choices += _gluon_tile_choices(_gluon_choices()[1], gluon_core.COLS_TILES, q, head_dim,
                                    inputs, layout, scale)
     return _selected_outputs(cols_template, choices, inputs, layout,
@@ -563,12 +573,6 @@ def _lower_split_gemm(a_hi, a_lo, b_hi, b_lo, unscale):
     layout = ir.FixedLayout(operands[0].get_device(), torch.float32, [M, N])   # [M,N]
     inputs = [*operands, _contiguous(unscale)]
     template = _gemm_template()
-    choices = []
-    for tiles in GEMM_TILES:
-        template.maybe_append_choice(
-            choices, input_nodes=inputs, layout=layout, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-            BLOCK_K=tiles.block_k, GROUP_M=split_gemm.GROUP_M)
-    if not choices:
-        raise RuntimeError(f"{template.name}: no template config could be generated")
+    choices = _tile_choices(template, GEMM_TILES, inputs, layout,
+                            dict(GROUP_M=split_gemm.GROUP_M))
     return _select(template, choices, inputs, layout)
