@@ -17,15 +17,15 @@ grad_attn, q, k and v as bf16 (hi, lo) pairs, the forward's output with the log-
 `halves` is (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo): grad_attn
 [B,S,E] with heads merged and contiguous; q, k, v [B,H,S,D], all with one set of
 strides and a contiguous last dim: contiguous (the halves the graph splits), or the
-head views of the module's QKV projection [B,S,3E] (bf16 / fp16, read where they lie). `products` is 3 for the
-bf16 halves of float32 tensors (bf16x3), or 1 for bf16 / fp16 tensors given as they are
-(each tensor twice: its lo is never read); with one product grad_q16 / grad_kv16 are in
-the operands' dtype and the halves buffers are empty (attention_core.py). With
-`operand_scales` (float32 [5], attention_core.fp16_operand_scales: the powers of two
-s_do, s_q, s_k, s_v that grad_attn, q, k and v were scaled by into fp16's range before
-their split, and s_ds for dS), the halves are fp16 and the
-products fp16x3 (precision "highest"): grad_q16 / grad_kv16 are then float32 gradients,
-unscaled, and the halves buffers empty. max-autotune
+head views of the module's QKV projection [B,S,3E] (bf16 / fp16, read where they
+lie). `products` is 3 for the bf16 halves of float32 tensors (bf16x3), or 1 for bf16 /
+fp16 tensors given as they are (each tensor twice: its lo is never read); with one
+product grad_q16 / grad_kv16 are in the operands' dtype and the halves buffers are
+empty (attention_core.py). With `operand_scales` (float32 [5],
+attention_core.fp16_operand_scales: the powers of two s_do, s_q, s_k, s_v that
+grad_attn, q, k and v were scaled by into fp16's range before their split, and s_ds for
+dS), the halves are fp16 and the products fp16x3 (precision "highest"): grad_q16 /
+grad_kv16 are then float32 gradients, unscaled, and the halves buffers empty. max-autotune
 weighs these kernels against the Triton templates (inductor.py) on the GPUs where
 `available` says they run; for bf16 / fp16 operands, which the templates do not take,
 they are the only candidates.
@@ -122,8 +122,7 @@ def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
     grid = (-(-seq_len // tiles.block_m), batch * num_heads)
     softmax_bwd_rows_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
                                   v_hi, v_lo, scales, attn_output, grad_q16, grad_q_halves,
-                                  delta,
-                                  grad_q_sums, scale,
+                                  delta, grad_q_sums, scale,
                                   **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
                                                 tiles, products, prefetch))
 
