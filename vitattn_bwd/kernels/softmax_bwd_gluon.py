@@ -83,7 +83,6 @@ LOG2E = gl.constexpr(1.4426950408889634)
 P_SCALE = gl.constexpr(16384.0)
 
 
-
 @gluon.constexpr_function
 def fp16_halves(products, dtype):
     """Whether operands of `dtype` at `products` products are scaled fp16 halves."""
@@ -253,8 +252,8 @@ def store_gradient(GRAD16, HALVES, value, batch, row_start, col, SEQ_LEN: gl.con
     """A float32 [BLOCK, HEAD_DIM] gradient tile of rows [row_start, +BLOCK) of one
     batch element: rounded to GRAD16's dtype (fp16 with float32 operands, else the
     operands' dtype; float32 with fp16 halves) at column `col` of GRAD16
-    [B,S,ROW_WIDTH16], and, where HALVES_WIDTH > 0 (bf16 halves), as bf16 hi at column `col` and lo at `col + LO_OFFSET` of
-    HALVES [B,S,HALVES_WIDTH]."""
+    [B,S,ROW_WIDTH16], and, where HALVES_WIDTH > 0 (bf16 halves), as bf16 hi at column
+    `col` and lo at `col + LO_OFFSET` of HALVES [B,S,HALVES_WIDTH]."""
     rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
     cols = col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     token = (batch * SEQ_LEN + rows[:, None]).to(gl.int64)
@@ -303,7 +302,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     """dK, dV of keys [n_start, n_start + BLOCK_N) of one (batch, head): program ids
     (key block, batch * NUM_HEADS + head). Outputs as kernels/softmax_bwd.py's cols
     kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16, GRAD_KV_SUMS
-    [B,G,2E] float32. SCALES: float32 [4], read with fp16 halves only."""
+    [B,G,2E] float32. SCALES: float32 [5], read with fp16 halves only."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     dtype: gl.constexpr = GRAD_ATTN_HI.dtype.element_ty      # the operands' bf16 / fp16
@@ -463,7 +462,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     program ids (query block, batch * NUM_HEADS + head). Outputs as
     kernels/softmax_bwd.py's rows kernel: GRAD_Q16 [B,S,E] fp16, GRAD_Q_HALVES [B,S,2E]
     bf16, DELTA [B,H,S], GRAD_Q_SUMS [B,G,E] float32. With RECOMPUTE_P, PROBS is lse and delta = rowsum(dO * O) comes
-    from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read. SCALES: float32 [4], read
+    from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read. SCALES: float32 [5], read
     with fp16 halves only; DELTA is stored unscaled."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
