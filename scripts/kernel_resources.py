@@ -154,9 +154,9 @@ def kernels():
     from vitattn_bwd import attention_fwd, inductor, layer_norm
     from vitattn_bwd.kernels.attention_fwd import attention_fwd_kernel
     from vitattn_bwd.kernels.layer_norm_bwd import layer_norm_bwd_kernel
-    from vitattn_bwd.kernels.split_gemm import split_gemm_kernel
     from vitattn_bwd.kernels.softmax_bwd import (softmax_bwd_cols_kernel,
                                                  softmax_bwd_rows_kernel)
+    from vitattn_bwd.kernels.split_gemm import split_gemm_kernel
     shape = dict(SEQ_LEN=SEQ_LEN, NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM)
     variants = [("forward", attention_fwd_kernel, shape,
                  (attention_fwd.FWD_TILES[HEAD_DIM],)),
@@ -187,7 +187,7 @@ def kernels():
                              dict(shape, **dict(constexprs, PRODUCTS=1, **qkv_views),
                                   OPERAND_DTYPE=dtype, RECOMPUTE_P=True,
                                   SUM_ROWS=COLUMN_SUM_ROWS), tiles))
-    # precision "highest": bf16x3's products on scaled fp16 halves, P given or recomputed
+    # precision "highest": fp16x3 products on scaled fp16 halves, P given or recomputed
     for recompute in (False, True):
         mode = " recompute P" if recompute else ""
         for name, kernel, tiles, constexprs in gluon:

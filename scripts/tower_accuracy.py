@@ -16,8 +16,8 @@ With --autocast, two more rows: the stock and the swapped model (precision None)
 their forwards under torch.autocast(bfloat16), the swapped one's ratios against the
 stock one's under the same autocast (issue 24: no worse than stock's).
 """
-import contextlib
 import argparse
+import contextlib
 import copy
 import json
 import sys
