@@ -41,9 +41,13 @@ def reference_grads(inputs, num_heads, ln_grad, dtype=torch.float64, device="cpu
     return reference.attention_block_backward(**args, num_heads=num_heads, ln_grad=ln_grad)
 
 
+def relative_error(output, ref):
+    """Normwise relative error of `output` against `ref`, in float64."""
+    return ((output.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
 def relative_errors(outputs, refs):
-    return [((o.double() - r.double()).norm() / r.double().norm()).item()
-            for o, r in zip(outputs, refs)]
+    return [relative_error(o, r) for o, r in zip(outputs, refs)]
 
 
 def assert_within_bounds(outputs, inputs, num_heads, ln_grad):

@@ -8,6 +8,8 @@ import torch
 
 from vitattn_bwd import inductor, split_gemm
 
+from .helpers import relative_error
+
 pytestmark = pytest.mark.gpu
 
 E, S = 1024, 577
@@ -29,10 +31,6 @@ def _faithful(a, b):
 def _faithful_transposed(a, b):
     return split_gemm.matmul_fp16x3(split_gemm.transposed(split_gemm.fp16_halves(a)),
                                     split_gemm.fp16_halves(b))
-
-
-def _error(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def _sgemm(a, b):
@@ -61,7 +59,7 @@ def test_compiled_is_as_close_to_float64_as_sgemm(batch, transposed):
     want = a_op.double() @ b.double()
     got = compiled(a, b)
     assert torch.equal(got, compiled(a, b))
-    error, sgemm_error = _error(got, want), _error(_sgemm(a_op, b), want)
+    error, sgemm_error = relative_error(got, want), relative_error(_sgemm(a_op, b), want)
     assert error < 1.5 * sgemm_error, (error, sgemm_error)
 
 
@@ -73,7 +71,7 @@ def test_every_configured_tile_is_as_close_to_float64_as_sgemm(tiles):
     got = split_gemm.launch(halves_a.hi, halves_a.lo, halves_b.hi, halves_b.lo,
                             split_gemm.unscale_of(halves_a, halves_b), tiles)
     want = a.double().t() @ b.double()
-    assert _error(got, want) < 1.5 * _error(_sgemm(a.t(), b), want)
+    assert relative_error(got, want) < 1.5 * relative_error(_sgemm(a.t(), b), want)
 
 
 def test_module_refuses_a_batch_past_32_bit_offsets_in_the_forward():

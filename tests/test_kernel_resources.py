@@ -1,6 +1,6 @@
 """Every Triton and Gluon kernel (the attention forward, both backward passes, the
-LayerNorm backward, the split GEMM), with every tile configuration we launch or let max-autotune
-choose, compiled for the H100/H200 (sm_90) here on the CPU (Triton's front end and the
+LayerNorm backward, the split GEMM), with every tile configuration we launch or let
+max-autotune choose, compiled for the H100/H200 (sm_90) here on the CPU (Triton's front end and the
 ptxas bundled with it; no GPU): it fits the 227 KB of shared memory a block may use and
 spills no registers. A spilling tile runs at a fraction of the tensor cores' rate
 (docs/performance.md, v9), and nothing else would notice."""

@@ -128,8 +128,8 @@ def test_highest_products_are_float32s_on_the_cpu(monkeypatch):
     """precision "highest" (the CUDA graph's map, run here on the CPU: the split GEMM
     operator's float32 math on fp16 halves and the attention core's operator with operand
     scales, whose CPU math, without Triton's interpreter, is float64): every output as
-    close to float64 as the plain float32 graph's, where "high"'s truncated bf16x3 splits are ~1e-5 off and its one fp16
-    product ~3e-4."""
+    close to float64 as the plain float32 graph's, where "high"'s truncated bf16x3
+    splits are ~1e-5 off and its one fp16 product ~3e-4."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from tests.helpers import make_case, reference_grads, relative_errors
     from vitattn_bwd import graph

@@ -7,16 +7,14 @@ import torch
 
 from vitattn_bwd import split_gemm
 
+from .helpers import relative_error
+
 
 def _operands(M, K, N, seed, a_magnitude=1e-6, b_magnitude=3e2):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(M, K, generator=g) * a_magnitude,
             torch.randn(K, N, generator=g) * b_magnitude,
             torch.randn(M, N, generator=g))
-
-
-def _error(got, want):
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 def _check_against_float32(a, b, c):
@@ -27,8 +25,8 @@ def _check_against_float32(a, b, c):
                                      split_gemm.fp16_halves(c))
     assert got.dtype == got_t.dtype == torch.float32
     assert got.shape == want.shape and got_t.shape == want_t.shape
-    assert _error(got, want) < 2 * _error(a @ b, want) + 1e-8
-    assert _error(got_t, want_t) < 2 * _error(a.t() @ c, want_t) + 1e-8
+    assert relative_error(got, want) < 2 * relative_error(a @ b, want) + 1e-8
+    assert relative_error(got_t, want_t) < 2 * relative_error(a.t() @ c, want_t) + 1e-8
 
 
 @pytest.mark.parametrize("M,K,N", [(70, 50, 40), (20, 33, 130)])
