@@ -1,7 +1,7 @@
 """Prototype, not package code (session 10): P tiles staged in shared memory for the
 Gluon attention core, the pieces a producer-warp design would reuse.
 
-What was measured (H200, batch 32, raw kernels; docs/runs/core_gluon_staged_p_s10.json):
+What was measured (H200, batch 32, raw kernels; docs/runs/kernels/core_gluon_staged_p_s10.json):
 the consumer warpgroup itself filling a NUM_STAGES-deep ring of P tiles by cp.async
 (NUM_STAGES - 1 tiles ahead, in the commit groups of the k / v or dO / q rings) and
 loading each tile from it into the wgmma accumulator layout was slower than loading P
