@@ -78,6 +78,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
+from .gluon_compat import async_load, cta_barrier
+
 LOG2E = gl.constexpr(1.4426950408889634)
 # what the fp16-halves kernels multiply a P tile by before its split
 P_SCALE = gl.constexpr(16384.0)
@@ -173,7 +175,7 @@ def copy_rows(smem, base, row_start, row_stride, SEQ_LEN: gl.constexpr,
     rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     pointers = base + rows[:, None].to(gl.int64) * row_stride + cols[None, :]
-    async_copy.async_copy_global_to_shared(smem, pointers, mask=(rows < SEQ_LEN)[:, None])
+    async_load(smem, pointers, mask=(rows < SEQ_LEN)[:, None])
 
 
 @gluon.jit
@@ -373,7 +375,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         slot = m_tile % NUM_STAGES
         m_start = m_tile * BLOCK_M
         async_copy.wait_group(NUM_STAGES - 2)          # this tile's copies have landed
-        gl.thread_barrier()
+        cta_barrier()
         fence_async_shared()
         grad_attn_hi, grad_attn_lo = tile_parts(ring_grad_attn, slot, PARTS)  # [BM,D]
         q_hi, q_lo = tile_parts(ring_q, slot, PARTS)                          # [BM,D]
@@ -418,7 +420,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         grad_k = issue_products(grad_s_t_hi, grad_s_t_lo, q_hi, q_lo, grad_k, True,
                                 PRODUCTS)
         # every warpgroup is past the products of tile m_tile - 1: refill its slot
-        gl.thread_barrier()
+        cta_barrier()
         refill = m_tile + NUM_STAGES - 1
         copy_pair(ring_grad_attn, refill % NUM_STAGES, GRAD_ATTN_HI + grad_attn_start,
                   GRAD_ATTN_LO + grad_attn_start, refill * BLOCK_M, EMBED, SEQ_LEN,
@@ -543,7 +545,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         slot = n_tile % NUM_STAGES
         n_start = n_tile * BLOCK_N
         async_copy.wait_group(NUM_STAGES - 2)
-        gl.thread_barrier()
+        cta_barrier()
         fence_async_shared()
         k_hi, k_lo = tile_parts(ring_k, slot, PARTS)                       # [BN,D]
         v_hi, v_lo = tile_parts(ring_v, slot, PARTS)
@@ -580,7 +582,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         grad_s_hi, grad_s_lo = split_operand(grad_s, dtype, PRODUCTS, a_layout, ds_s)
         grad_s_k = issue_products(grad_s_hi, grad_s_lo, k_hi, k_lo, grad_s_k, True,
                                   PRODUCTS)
-        gl.thread_barrier()
+        cta_barrier()
         refill = n_tile + NUM_STAGES - 1
         copy_pair(ring_k, refill % NUM_STAGES, K_HI + head_start, K_LO + head_start,
                   refill * BLOCK_N, QKV_ROW_STRIDE, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS,

@@ -1,0 +1,41 @@
+"""The Gluon names that moved between Triton releases, chosen by what the installed
+triton offers (never by its version string), so that kernels/softmax_bwd_gluon.py reads
+the same on every release:
+
+    cta_barrier()                      all threads of the program (CTA) meet:
+                                       gl.barrier (3.7+), gl.thread_barrier (3.6)
+    async_load(smem, pointers, mask)   cp.async of a tile from global into shared memory:
+                                       async_copy.async_load (3.8+; 3.9 removed the old
+                                       name), async_copy.async_copy_global_to_shared (3.6,
+                                       3.7)
+
+Both pairs lower to the same instructions (bar.sync; cp.async with the same cache
+modifiers), so the kernels' machine code does not depend on which name was found:
+scripts/kernel_resources.py --sass on each release shows it. `MISSING` lists what this
+triton lacks of the rest the kernels use (empty where they compile).
+"""
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia import hopper
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+
+def _first(module, *names):
+    """The first of `names` that `module` has, else None."""
+    return next((getattr(module, name) for name in names if hasattr(module, name)), None)
+
+
+cta_barrier = _first(gl, "barrier", "thread_barrier")
+async_load = _first(async_copy, "async_load", "async_copy_global_to_shared")
+
+# Everything else the kernels name, which every release from 3.6 to 3.9 has.
+_REQUIRED = {gl: ("NVMMADistributedLayout", "DotOperandLayout", "BlockedLayout",
+                  "SliceLayout", "NVMMASharedLayout", "allocate_shared_memory",
+                  "inline_asm_elementwise", "convert_layout", "static_range"),
+             async_copy: ("commit_group", "wait_group"),
+             hopper: ("fence_async_shared", "warpgroup_mma", "warpgroup_mma_init",
+                      "warpgroup_mma_wait")}
+MISSING = tuple(
+    [name for name, found in (("barrier", cta_barrier), ("async_load", async_load))
+     if found is None]
+    + [f"{module.__name__}.{name}" for module, names in _REQUIRED.items()
+       for name in names if not hasattr(module, name)])
