@@ -316,8 +316,9 @@ def store_column_sums(SUMS, grad, batch, row_start, cols, SEQ_LEN: tl.constexpr,
     sums = tl.sum(tl.where((rows < SEQ_LEN)[:, None], grad, 0.0), axis=0)  # [N]
     for part in tl.static_range(BLOCK // SUM_ROWS):
         group = row_start // SUM_ROWS + part
-        tl.store(SUMS + (batch * GROUPS + group) * SUMS_WIDTH + cols,
-                 sums if part == 0 else tl.zeros_like(sums), mask=group < GROUPS)
+        if group < GROUPS:          # a branch: triton 3.9's interpreter takes no scalar mask
+            tl.store(SUMS + (batch * GROUPS + group) * SUMS_WIDTH + cols,
+                     sums if part == 0 else tl.zeros_like(sums))
 
 
 # ---- raw kernels: one program per (row or column block, batch * head) ----------------
