@@ -31,6 +31,7 @@ weighs these kernels against the Triton templates (inductor.py) on the GPUs wher
 they are the only candidates.
 """
 import functools
+import warnings
 
 import torch
 
@@ -53,23 +54,81 @@ ROWS_PREFETCH = 4
 COLS_PREFETCH = 2
 
 
-@functools.cache
-def _gluon_importable():
-    try:
-        from .kernels import softmax_bwd_gluon  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def available(device, dtype, head_dim):
     """The Gluon kernels run on Hopper (compute capability 9.x) CUDA devices, for float32,
-    bfloat16 and float16 inputs and the head dims in HEAD_DIMS, with a Triton that has
-    Gluon."""
+    bfloat16 and float16 inputs and the head dims in HEAD_DIMS, with a Triton whose
+    Gluon compiles them (compile_failure)."""
     if (device.type != "cuda" or dtype not in (torch.float32, *HALF_DTYPES)
             or head_dim not in HEAD_DIMS):
         return False
-    return torch.cuda.get_device_capability(device)[0] == 9 and _gluon_importable()
+    major, minor = torch.cuda.get_device_capability(device)
+    return major == 9 and compile_failure(10 * major + minor) is None
+
+
+@functools.cache
+def compile_failure(arch):
+    """None where both kernels compile for compute capability `arch` (90 for sm_90) with
+    the installed triton, else why not, in one line; and then, once per process, a
+    RuntimeWarning naming the triton, after which the attention core runs on the Triton
+    templates and the one-product path on the stock ops. Decided by compiling each
+    kernel once (about a second each, cached by triton on disk: little next to the
+    autotuning that follows), because Gluon's API moves between triton releases and a
+    kernel file that imports may still not compile."""
+    try:
+        _compile_probe(arch)
+    except Exception as error:                # any failure to compile: fall back
+        import triton
+        lines = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {lines[-1] if lines else ''}"
+        warnings.warn(f"vitattn_bwd: the Gluon kernels do not compile for sm_{arch} with "
+                      f"triton {triton.__version__} ({reason}); the attention core runs "
+                      f"on the Triton templates, and the one-product path (autocast, "
+                      f"precision 'medium') on the stock ops", RuntimeWarning,
+                      stacklevel=2)
+        return reason
+    return None
+
+
+def _compile_probe(arch):
+    """Compile the rows and cols kernels (P given, three products of bf16 halves: the
+    variant that uses every Gluon feature the family has) at ViT-L/14-336's shape and
+    their first configured tiles for `arch`, launching nothing."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .kernels import gluon_compat, softmax_bwd_gluon
+    if gluon_compat.MISSING:
+        raise ImportError(f"this Gluon lacks {', '.join(gluon_compat.MISSING)}")
+    seq_len, num_heads, head_dim = 577, 16, HEAD_DIMS[0]
+    strides = (num_heads * seq_len * head_dim, seq_len * head_dim, head_dim)
+    for kernel, tiles, prefetch in (
+            (softmax_bwd_gluon.softmax_bwd_rows_kernel, ROWS_TILES[0], ROWS_PREFETCH),
+            (softmax_bwd_gluon.softmax_bwd_cols_kernel, COLS_TILES[0], COLS_PREFETCH)):
+        constexprs = kernel_constexprs(seq_len, num_heads, head_dim, strides, tiles,
+                                       recompute_p=False, products=3, prefetch=prefetch)
+        signature = _probe_signature(kernel, constexprs)
+        aligned = {(index,): [["tt.divisibility", 16]]            # as torch allocates
+                   for index, kind in enumerate(signature.values()) if kind[0] == "*"}
+        triton_compile(GluonASTSource(kernel, signature, constexprs=constexprs,
+                                      attrs=aligned),
+                       target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=tiles.num_warps))
+
+
+def _probe_signature(kernel, constexprs):
+    """The argument types of a launch on float32 tensors, by name: bf16 operand halves
+    (*_HI, *_LO) and gradient halves (*_HALVES), fp16 gradients (*16), float32 other
+    tensors, a float32 `scale`."""
+    def kind(name):
+        if name in constexprs:
+            return "constexpr"
+        if name == "scale":
+            return "fp32"
+        if name.endswith(("_HI", "_LO", "_HALVES")):
+            return "*bf16"
+        return "*fp16" if name.endswith("16") else "*fp32"
+    return {name: kind(name) for name in kernel.arg_names}
 
 
 @functools.cache
@@ -88,15 +147,23 @@ def _qkv_strides(*qkv_parts):
     return qkv_parts[0].stride()[:3]
 
 
-def _constexprs(probs, qkv_parts, tiles, products, prefetch):
-    _, num_heads, seq_len, head_dim = qkv_parts[0].shape
-    batch_stride, head_stride, row_stride = _qkv_strides(*qkv_parts)
+def kernel_constexprs(seq_len, num_heads, head_dim, qkv_strides, tiles, recompute_p,
+                      products, prefetch):
+    """The kernels' constexpr arguments: the shape, the (batch, head, row) element
+    strides of q, k, v, the tiles and the mode."""
+    batch_stride, head_stride, row_stride = qkv_strides
     return dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
-                RECOMPUTE_P=probs.dim() == 3, PRODUCTS=products, PREFETCH=prefetch,
+                RECOMPUTE_P=recompute_p, PRODUCTS=products, PREFETCH=prefetch,
                 SUM_ROWS=COLUMN_SUM_ROWS, OPERAND_SMEM=_operand_smem_layout(head_dim),
                 QKV_BATCH_STRIDE=batch_stride, QKV_HEAD_STRIDE=head_stride,
                 QKV_ROW_STRIDE=row_stride, num_warps=tiles.num_warps)
+
+
+def _constexprs(probs, qkv_parts, tiles, products, prefetch):
+    _, num_heads, seq_len, head_dim = qkv_parts[0].shape
+    return kernel_constexprs(seq_len, num_heads, head_dim, _qkv_strides(*qkv_parts), tiles,
+                             probs.dim() == 3, products, prefetch)
 
 
 def _check_operand_scales(operand_scales, grad_attn_hi, products):
