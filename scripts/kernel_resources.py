@@ -100,6 +100,15 @@ def _tile_constexprs(tiles):
     return dict(ROWS_PER_CHUNK=tiles.rows_per_chunk, CHUNKS=tiles.chunks)
 
 
+def _cuda_tools():
+    """(ptxas, cuobjdump): the paths of the tools triton itself runs for sm_90. Which
+    ptxas that is differs by release (3.9 compiles sm_90 with its bundled
+    ptxas-blackwell, and its PTX is newer than its plain ptxas reads)."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas
+    return get_ptxas(90).path, knobs.nvidia.cuobjdump.path
+
+
 def sm90_resources(kernel, constexprs, tiles, sass_file=None):
     """Compile `kernel` (Triton or Gluon) with `constexprs` and `tiles` (a TileConfig or
     LayerNormTiles) for sm_90a; its SASS, without instruction addresses, to `sass_file`
@@ -125,15 +134,15 @@ def sm90_resources(kernel, constexprs, tiles, sass_file=None):
         source(kernel, signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=tiles.num_warps, num_stages=num_stages))
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    ptxas, cuobjdump = _cuda_tools()
     with tempfile.TemporaryDirectory() as tmp:
         ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
         ptx.write_text(compiled.asm["ptx"])
         cubin.write_bytes(compiled.asm["cubin"])
-        report = subprocess.run([str(tools / "ptxas"), "-v", "-arch=sm_90a", str(ptx),
+        report = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(ptx),
                                  "-o", str(Path(tmp) / "ptxas.cubin")],
                                 capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)],
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)],
                               capture_output=True, text=True, check=True).stdout
     if sass_file is not None:
         Path(sass_file).write_text("\n".join(re.sub(r"/\*[0-9a-f]{4}\*/", "", line)
