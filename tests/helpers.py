@@ -74,3 +74,31 @@ def recorded_half_dtypes(monkeypatch):
         return forward(*args)
     monkeypatch.setattr(module, "attention_block_forward", recording_forward)
     return calls
+
+
+# Where .ci/run installed the newest triton a fresh GPU install resolves (a folder of its
+# own, outside this environment): the compile-for-sm_90 tests run with it too.
+NEWEST_TRITON_VARIABLE = "VITATTN_BWD_NEWEST_TRITON"
+
+
+def triton_environments():
+    """{label: environment} for subprocesses that compile kernels for sm_90, without
+    Triton's interpreter: the installed triton, and the newest one where .ci/run put it
+    (NEWEST_TRITON_VARIABLE, first on PYTHONPATH)."""
+    import os
+    base = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environments = {"installed triton": base}
+    newest = os.environ.get(NEWEST_TRITON_VARIABLE)
+    if newest:
+        path = os.pathsep.join(p for p in (newest, base.get("PYTHONPATH")) if p)
+        environments["newest triton"] = dict(base, PYTHONPATH=path)
+    return environments
+
+
+def triton_version_in(environment):
+    """The triton version a subprocess with `environment` imports."""
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
+                          env=environment, capture_output=True, text=True,
+                          check=True).stdout.strip()

@@ -1,31 +1,35 @@
 """Every Triton and Gluon kernel (the attention forward, both backward passes, the
 LayerNorm backward, the split GEMM), with every tile configuration we launch or let
-max-autotune choose, compiled for the H100/H200 (sm_90) here on the CPU (Triton's front end and the
-ptxas bundled with it; no GPU): it fits the 227 KB of shared memory a block may use and
-spills no registers. A spilling tile runs at a fraction of the tensor cores' rate
-(docs/performance.md, v9), and nothing else would notice."""
+max-autotune choose, compiled for the H100/H200 (sm_90) here on the CPU (Triton's front
+end and the ptxas it runs; no GPU), with the installed triton and with the newest one
+(.ci/run): it fits the 227 KB of shared memory a block may use and spills no
+registers. A spilling tile runs at a fraction of the tensor cores' rate
+(docs/performance.md), and nothing else would notice."""
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .helpers import triton_environments, triton_version_in
+
 H200_SHARED_MEMORY = 227 * 1024          # bytes a block may use on sm_90
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(scope="module")
-def resources():
+@pytest.fixture(scope="module", params=list(triton_environments()))
+def resources(request):
+    """scripts/kernel_resources.py --json with each triton (helpers.triton_environments),
+    in a subprocess: the interpreter (set by conftest) would replace the compiler."""
     pytest.importorskip("triton")
-    # in a subprocess: the interpreter (set by conftest) would replace the compiler
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    environment = triton_environments()[request.param]
     result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--json"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                            cwd=ROOT, env=environment, capture_output=True, text=True,
+                            timeout=600)
     if result.returncode and "No module named 'triton.backends.nvidia" in result.stderr:
         pytest.skip("this triton has no CUDA backend")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, (triton_version_in(environment), result.stderr[-3000:])
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
