@@ -53,17 +53,24 @@ def step_times(step, device, repeats):
     return times
 
 
-def compare_ms(steps, device, rounds=5, repeats=10):
-    """Median ms of each of `steps` (name -> step) after one untimed call each (compiles,
-    autotunes, captures): the steps take turns, `rounds` times `repeats` calls each, so
-    that a drift of the machine's speed during the run falls on all of them alike."""
+def compare_times(steps, device, rounds=5, repeats=10):
+    """ms of every timed call of each of `steps` (name -> step), after one untimed call
+    each (compiles, autotunes, captures): the steps take turns, `rounds` times `repeats`
+    calls each, so that a drift of the machine's speed during the run falls on all of
+    them alike."""
     for step in steps.values():
         step()
     times = {name: [] for name in steps}
     for _ in range(rounds):
         for name, step in steps.items():
             times[name] += step_times(step, device, repeats)
-    return {name: statistics.median(t) for name, t in times.items()}
+    return times
+
+
+def compare_ms(steps, device, rounds=5, repeats=10):
+    """Median ms of each of `steps` (compare_times)."""
+    return {name: statistics.median(t)
+            for name, t in compare_times(steps, device, rounds, repeats).items()}
 
 
 def _block_step(model, x, grad, amp):
