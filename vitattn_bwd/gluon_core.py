@@ -45,8 +45,8 @@ ROWS_TILES = (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 4, 2))
 COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 3))
 HEAD_DIMS = (64,)
 # How many P tiles ahead of its register loads a program asks the L2 for them (the
-# kernels' prefetch_to_l2; 0: not at all). At batch 32 on the H200 (docs/performance.md,
-# session 9) the cols pass at 32 x 64 tiles ran 0.774-0.775 ms without, 0.661-0.680 at 2
+# kernels' prefetch_to_l2; 0: not at all). At batch 32 on the H200 (docs/performance.md, the
+# Gluon kernels) the cols pass at 32 x 64 tiles ran 0.774-0.775 ms without, 0.661-0.680 at 2
 # ahead. The rows pass showed no gain beyond its run-to-run spread: 0.593 / 0.603 without,
 # 0.546 / 0.603 at 4 ahead (two machines), 0.588-0.621 at 64 x 64 tiles either way; 4 is
 # what the committed runs used.
@@ -267,7 +267,7 @@ def _cols_outputs(q_hi, products):
 # The operators are defined through torch.library.Library, not custom_op: the graph calls
 # them on every backward, and under cProfile on the H200's host custom_op's wrapper
 # (autograd layer, per-call aliasing checks) took 0.22 ms of its own per call
-# (scripts/profile_host.py, session 9). Their outputs are new tensors and never need a
+# (scripts/profile_host.py; docs/performance.md). Their outputs are new tensors and never need a
 # gradient.
 _LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
 _OPERANDS = ("Tensor probs, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_hi, "

@@ -59,7 +59,7 @@ from .precision import BF16_HI_MASK, BF16_ROUNDING_BIAS, FP16_HI_MASK, FP16_ROUN
 # the H200 the rows pass runs fastest with (64, 32, 4, 3), the cols pass with
 # (64, 64, 4, 2); (32, 64, 4, 3) is there for small batches (more programs). Every one
 # compiles for sm_90 without register spills (tests/test_kernel_resources.py). Dropped
-# after the v9 sweep (docs/performance.md): (64, 64, 4, 3), whose 128 KB of shared
+# after a sweep of tiles on the H200 (docs/performance.md): (64, 64, 4, 3), whose 128 KB of shared
 # memory leaves one program per SM (0.94-1.26 ms), and (128, 64, 8, 2), which spills in
 # the cols pass (0.90-2.46 ms).
 TILE_CONFIGS = (
@@ -312,7 +312,7 @@ def _pointwise(node, dtype, inner_fn):
 # matters: a view that is already contiguous is not copied, and keeps its buffer's name.
 # The module's q, k and v at batch 1 and one token are such views of one qkv buffer,
 # with equal sizes and strides (size-1 dimensions); keyed without the offset, k and v
-# were given q's halves (found on the H200 by the module property, session 7).
+# were given q's halves (found on the H200 by the module's property test).
 _SPLITS = weakref.WeakKeyDictionary()
 
 

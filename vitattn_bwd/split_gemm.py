@@ -15,7 +15,7 @@ On CUDA and under TRITON_INTERPRET=1 the operator runs the Triton kernel of
 kernels/split_gemm.py, which accumulates each BLOCK_K slice of K on the tensor cores
 and adds the slices' partials in float32 registers: the tensor cores' accumulation
 truncates, and one accumulator over all of K put cuBLAS fp16x3 GEMMs 5-190x above
-float32 SGEMM's error against float64 (docs/performance.md, session 14). Under
+float32 SGEMM's error against float64 (docs/performance.md, the split GEMM). Under
 torch.compile on CUDA, inductor.py lowers it to a Triton template that autotuning
 tunes. Elsewhere it runs as float32 matmuls of the upcast halves (exact products,
 float32 accumulation, rounded to nearest).

@@ -11,7 +11,7 @@ Why two levels: the H200's tensor cores accumulate in float32 with truncation, s
 product's error grows with the number of MMA steps that add into one accumulator, and
 it is biased. A cuBLAS fp16x3 GEMM of K = 1,154 was 5.6x float32 SGEMM's error against
 float64, at K = 18,464 (batch 32's weight gradients) 50-190x; K cut into slices of 128
-(24 MMA steps each) brought it to 1.3x SGEMM's (docs/performance.md, session 14). Here a
+(24 MMA steps each) brought it to 1.3x SGEMM's (docs/performance.md, the split GEMM). Here a
 partial takes 3 * BLOCK_K / 16 MMA steps, and the partials are added by ordinary
 float32 adds, which round to nearest.
 
