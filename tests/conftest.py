@@ -48,14 +48,23 @@ def pytest_terminal_summary(terminalreporter):
     if not RUN_STATS:
         return
     terminalreporter.section(f"property runs (profile {settings.get_current_profile_name()})")
+    terminalreporter.write_line(
+        "Runs with a planted error (tests/plants.py) must fail: that they do is what their "
+        "tests assert.")
     for name, stats in RUN_STATS.items():
         errors = ", ".join(f"{k} {v:.2e}" for k, v in stats["max_errors"].items())
         over = stats["rejected_over_budget"]
+        failed = stats.get("failed", False)
+        if stats["plant"] is None:
+            verdict = " -- FAILED" if failed else ""
+        elif failed:
+            verdict = f" -- failed, as expected: planted error {stats['plant']}"
+        else:
+            verdict = f" -- NOT CAUGHT: passed with planted error {stats['plant']}"
         terminalreporter.write_line(
             f"{name}: {stats['examples']} examples in {stats['seconds']:.1f} s"
             + (f" (time budget reached, {over} draws rejected)" if over else "")
-            + (" -- FAILED" if stats.get("failed") else "")
-            + (f"; max errors of the passing ones: {errors}" if errors else ""))
+            + verdict + (f"; max errors of the passing ones: {errors}" if errors else ""))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -279,6 +279,14 @@ def plant_targets(*targets):
     return [(name, target) for target in targets for name in plants_for(target)]
 
 
+_ACTIVE = []          # the plants applied now, innermost last
+
+
+def active():
+    """The plant applied now (innermost), or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
 @contextlib.contextmanager
 def planted(name, only=None):
     """Apply plant `name` to every target it has (None: nothing), or to target `only`
@@ -294,6 +302,7 @@ def planted(name, only=None):
         wrappers = {only: wrappers[only]}
     saved = _process_settings()
     compiled = [COMPILED_GRAPHS[t] for t in wrappers if t in COMPILED_GRAPHS]
+    _ACTIVE.append(name)
     try:
         with pytest.MonkeyPatch.context() as mp:
             for target, factory in wrappers.items():
@@ -307,6 +316,7 @@ def planted(name, only=None):
                 cached_compile.cache_clear()
             yield
     finally:
+        _ACTIVE.pop()
         for cached_compile in compiled:
             cached_compile.cache_clear()
         _restore_process_settings(saved)

@@ -22,6 +22,7 @@ from vitattn_bwd import VisionAttentionBlock, reference
 from vitattn_bwd import attention_fwd as fwd
 from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs
 
+from . import plants
 from .test_attention_fwd import assert_accurate
 
 # ---------------------------------------------------------------------------------------
@@ -616,7 +617,8 @@ def check_module(case, device, bounds):
 # Running a property with bounded examples and time
 # ---------------------------------------------------------------------------------------
 
-# name -> {"examples": run, "rejected_over_budget": n, "seconds": s, "max_errors": {...}}
+# name -> {"examples": run, "rejected_over_budget": n, "seconds": s, "max_errors": {...},
+#          "plant": the planted error's name or None, "failed": True where it failed}
 RUN_STATS = {}
 
 
@@ -624,8 +626,10 @@ def run_property(name, check, strategy, *, explicit=(), budget_s=None, **setting
     """Run `check(case)` as a hypothesis property over `strategy` (plus the explicit
     cases first) under the loaded profile overridden by settings_kwargs. With budget_s,
     examples drawn after that many seconds are rejected (cheaply, before any tensor is
-    made): the run is bounded in examples AND in time. Records what ran in RUN_STATS."""
-    stats = {"examples": 0, "rejected_over_budget": 0, "seconds": 0.0, "max_errors": {}}
+    made): the run is bounded in examples AND in time. Records what ran in RUN_STATS,
+    with the plant (tests/plants.py) applied during the run, if any."""
+    stats = {"examples": 0, "rejected_over_budget": 0, "seconds": 0.0, "max_errors": {},
+             "plant": plants.active()}
     RUN_STATS[name] = stats
     start = time.monotonic()
 
