@@ -27,11 +27,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vitattn_bwd import contract, reference  # noqa: E402
-from vitattn_bwd.workloads import (BATCH_SIZES, NUM_HEADS, OUTPUT_NAMES,  # noqa: E402
-                                   make_inputs, within_tolerance)
+from vitattn_bwd.workloads import (BATCH_SIZES, EMBED_DIM, NUM_HEADS,  # noqa: E402
+                                   OUTPUT_NAMES, SEQ_LEN, make_inputs, within_tolerance)
 
 L2_FLUSH_BYTES = 512 * 2 ** 20
 VECTOR_OUTPUTS = ("grad_qkv_bias", "grad_out_bias", "grad_ln_weight", "grad_ln_bias")
+# The shapes that run: the contract's on a GPU, a small one for the CPU demo.
+GPU_SHAPE = dict(seq_len=SEQ_LEN, embed_dim=EMBED_DIM, num_heads=NUM_HEADS)
+CPU_SHAPE = dict(seq_len=65, embed_dim=128, num_heads=4)
 
 
 def reference_fn(*args):
@@ -162,7 +165,7 @@ def cpu_time(fn, args, repeats=3):
 
 
 def run_cpu_demo(batch_sizes):
-    seq_len, embed_dim, num_heads = 65, 128, 4
+    seq_len, embed_dim, num_heads = CPU_SHAPE.values()
     print(f"No CUDA GPU: CPU demo at seq_len={seq_len}, embed_dim={embed_dim}, "
           f"num_heads={num_heads} (Inductor C++ backend)")
     rows = []
@@ -202,7 +205,7 @@ def print_table(rows):
     return means, worst_per_output
 
 
-def plot(rows, path):
+def plot(rows, path, shape):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -213,12 +216,21 @@ def plot(rows, path):
     batches = [r["batch"] for r in rows]
     for key in ("eager_ms", "vitattn_ms"):
         plt.plot(batches, [r[key] for r in rows], marker="o", label=key[:-3])
-    plt.xlabel("batch size (577 tokens, 1024 wide, 16 heads)")
+    plt.xlabel(f"batch size ({shape['seq_len']} tokens, {shape['embed_dim']} wide, "
+               f"{shape['num_heads']} heads)")
     plt.ylabel("first kernel to last kernel, ms (L2 flushed, fresh inputs)")
     plt.legend()
     plt.grid(alpha=0.3)
     plt.savefig(path, dpi=120)
     print(f"plot written to {path}")
+
+
+def _triton_version():
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def main():
@@ -238,21 +250,21 @@ def main():
         start = time.perf_counter()
         rows = run_gpu(args.batch_sizes or BATCH_SIZES, args.calls, args.seeds,
                        args.host_calls)
-        device = torch.cuda.get_device_name()
+        device, shape = torch.cuda.get_device_name(), GPU_SHAPE
         print(f"\n{device}, torch {torch.__version__}; wall time "
               f"{time.perf_counter() - start:.0f} s including compiles")
     else:
         rows = run_cpu_demo(args.batch_sizes or (1, 2, 4))
-        device = "cpu"
+        device, shape = "cpu", CPU_SHAPE
     means, worst = print_table(rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({"device": device, "torch": torch.__version__,
-                                     "num_heads": NUM_HEADS, "rows": rows, "mean_ms": means,
-                                     "worst_matched": worst}, indent=1))
+                                     "triton": _triton_version(), **shape, "rows": rows,
+                                     "mean_ms": means, "worst_matched": worst}, indent=1))
     print(f"results written to {args.json}")
     if len(rows) > 1:
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        plot(rows, args.plot)
+        plot(rows, args.plot, shape)
     if not all(r["within_tolerance"] for r in rows):
         sys.exit("some outputs are out of tolerance")
 
