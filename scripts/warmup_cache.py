@@ -6,7 +6,8 @@ processes reuse (vitattn_bwd.load_compile_cache(DIR) or VITATTN_BWD_CACHE=DIR).
 
 Default: the 16 contract batch sizes at 577 tokens, 1024 wide, 16 heads, on the current
 device, for the backward in both LayerNorm modes and for VisionAttentionBlock's forward and
-backward. It reports the cold time of each first call, then starts a fresh process on the
+backward. On the H200 that set took 90-121 s cold (docs/runs/warmup/); on a CPU, where
+Inductor compiles every graph to C++, far longer: give a few --batch-sizes there. It reports the cold time of each first call, then starts a fresh process on the
 cache and reports its warm first calls, whether anything was compiled again, and where the
 warm first calls' time went (dynamo's per-phase timers, summed over the graphs).
 
@@ -139,13 +140,17 @@ def print_phases(warm, label):
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cache-dir", type=Path, required=True)
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
-    parser.add_argument("--seq-len", type=int, default=SEQ_LEN)
-    parser.add_argument("--embed-dim", type=int, default=EMBED_DIM)
-    parser.add_argument("--num-heads", type=int, default=NUM_HEADS)
+    parser.add_argument("--cache-dir", type=Path, required=True,
+                        help="where the compiled graphs and autotuning results go")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES),
+                        help="default: the contract's %(default)s")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN, help="default: %(default)s")
+    parser.add_argument("--embed-dim", type=int, default=EMBED_DIM,
+                        help="default: %(default)s")
+    parser.add_argument("--num-heads", type=int, default=NUM_HEADS,
+                        help="default: %(default)s")
     parser.add_argument("--ln-grad", nargs="+", default=["contract", "exact"],
-                        choices=["contract", "exact"])
+                        choices=["contract", "exact"], help="default: %(default)s")
     parser.add_argument("--no-module", dest="module", action="store_false",
                         help="skip VisionAttentionBlock's forward and backward")
     parser.add_argument("--compile-threads-1-check", action="store_true",
