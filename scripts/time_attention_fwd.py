@@ -52,21 +52,25 @@ def relative_error(q, k, v, scale):
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-def timing_rows(batch_sizes):
-    """One dict of times (ms) and the relative error per batch size."""
-    rows = []
-    for batch in batch_sizes:
-        q, k, v = make_qkv(batch)
-        scale = 1.0 / math.sqrt(HEAD_DIM)
-        halves = [fwd.split_for_kernel(t) for t in (q, k, v)]
-        rows.append({
-            "batch": batch,
+def timing_row(batch):
+    """Times (ms) and the relative error at one batch size (its tensors are freed on
+    return)."""
+    q, k, v = make_qkv(batch)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    halves = [fwd.split_for_kernel(t) for t in (q, k, v)]
+    return {"batch": batch,
             "operator": bench_ms(lambda: fwd.attention_fwd(q, k, v, scale)),
             "kernel": bench_ms(lambda: fwd.launch_attention_fwd_presplit(*halves, scale)),
             "sdpa": bench_ms(lambda: F.scaled_dot_product_attention(q, k, v, scale=scale)),
             "eager": bench_ms(lambda: eager_math(q, k, v, scale)),
-            "error": relative_error(q, k, v, scale)})
-        del q, k, v, halves
+            "error": relative_error(q, k, v, scale)}
+
+
+def timing_rows(batch_sizes):
+    """One dict of times (ms) and the relative error per batch size."""
+    rows = []
+    for batch in batch_sizes:
+        rows.append(timing_row(batch))
         torch.cuda.empty_cache()
     return rows
 
@@ -85,34 +89,38 @@ def print_table(batch_sizes=(1, 8, 32)):
               f"| {r['eager'] / r['operator']:.2f}x | {r['error']:.1e} |", flush=True)
 
 
+def sweep_head_dim(batch, head_dim):
+    """Time tile configs at one head dim, NUM_HEADS * HEAD_DIM wide; print the fastest
+    (its tensors are freed on return)."""
+    num_heads = NUM_HEADS * HEAD_DIM // head_dim
+    q, k, v = make_qkv(batch, num_heads=num_heads, head_dim=head_dim)
+    scale = 1.0 / math.sqrt(head_dim)
+    halves = [fwd.split_for_kernel(t) for t in (q, k, v)]
+    want = fwd.attention_math(q.double(), k.double(), v.double(), scale)[0]
+    print(f"\nsweep: batch {batch}, {num_heads} heads of {head_dim} "
+          f"(default {tuple(fwd.FWD_TILES[head_dim])})")
+    results = []
+    for block_m, block_n, num_warps, num_stages in itertools.product(
+            (64, 128), (32, 64, 128), (4, 8), (2, 3)):
+        tiles = fwd.TileConfig(block_m, block_n, num_warps, num_stages)
+        try:
+            got = fwd.launch_attention_fwd_presplit(*halves, scale, tiles)[0]
+            error = ((got.double() - want).norm() / want.norm()).item()
+            ms = bench_ms(lambda: fwd.launch_attention_fwd_presplit(*halves, scale, tiles))
+        except Exception as exc:            # out of shared memory or registers
+            print(f"  {tuple(tiles)}: {type(exc).__name__}")
+            continue
+        results.append((ms, tiles))
+        print(f"  {tuple(tiles)}: {ms:.3f} ms, rel. error {error:.1e}", flush=True)
+    if results:
+        ms, tiles = min(results)
+        print(f"fastest for head_dim {head_dim}: {tuple(tiles)} at {ms:.3f} ms")
+
+
 def sweep(batch, head_dims):
-    """Time tile configs per head dim at NUM_HEADS * HEAD_DIM wide; print the fastest."""
+    """sweep_head_dim at each of head_dims."""
     for head_dim in head_dims:
-        num_heads = NUM_HEADS * HEAD_DIM // head_dim
-        q, k, v = make_qkv(batch, num_heads=num_heads, head_dim=head_dim)
-        scale = 1.0 / math.sqrt(head_dim)
-        halves = [fwd.split_for_kernel(t) for t in (q, k, v)]
-        want = fwd.attention_math(q.double(), k.double(), v.double(), scale)[0]
-        print(f"\nsweep: batch {batch}, {num_heads} heads of {head_dim} "
-              f"(default {tuple(fwd.FWD_TILES[head_dim])})")
-        results = []
-        for block_m, block_n, num_warps, num_stages in itertools.product(
-                (64, 128), (32, 64, 128), (4, 8), (2, 3)):
-            tiles = fwd.TileConfig(block_m, block_n, num_warps, num_stages)
-            try:
-                got = fwd.launch_attention_fwd_presplit(*halves, scale, tiles)[0]
-                error = ((got.double() - want).norm() / want.norm()).item()
-                ms = bench_ms(lambda: fwd.launch_attention_fwd_presplit(*halves, scale,
-                                                                        tiles))
-            except Exception as exc:            # out of shared memory or registers
-                print(f"  {tuple(tiles)}: {type(exc).__name__}")
-                continue
-            results.append((ms, tiles))
-            print(f"  {tuple(tiles)}: {ms:.3f} ms, rel. error {error:.1e}", flush=True)
-        if results:
-            ms, tiles = min(results)
-            print(f"fastest for head_dim {head_dim}: {tuple(tiles)} at {ms:.3f} ms")
-        del q, k, v, halves, want
+        sweep_head_dim(batch, head_dim)
         torch.cuda.empty_cache()
 
 
