@@ -83,10 +83,12 @@ def print_table(batch_sizes=(1, 8, 32)):
     print("\n| batch | operator ms | kernel ms | SDPA ms | eager ms | SDPA / operator "
           "| eager / operator | rel. error |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in timing_rows(batch_sizes):
+    rows = timing_rows(batch_sizes)
+    for r in rows:
         print(f"| {r['batch']} | {r['operator']:.3f} | {r['kernel']:.3f} | {r['sdpa']:.3f} "
               f"| {r['eager']:.3f} | {r['sdpa'] / r['operator']:.2f}x "
               f"| {r['eager'] / r['operator']:.2f}x | {r['error']:.1e} |", flush=True)
+    return rows
 
 
 def sweep_head_dim(batch, head_dim):
