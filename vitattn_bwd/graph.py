@@ -35,6 +35,7 @@ import torch
 from . import attention_core, cache, layer_norm
 from .attention_core import HALF_DTYPES
 from .cuda_graphs import GraphedCall
+from .errors import out_of_memory_as_such
 from .layout import split_heads
 from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
                         matmul_halves_transposed, mm_float32, mm_half, power_of_two_scale,
@@ -348,10 +349,12 @@ def split_precision_of(device_type, precision):
 
 
 @torch.compiler.disable
+@out_of_memory_as_such
 def compiled_backward(inputs, *, scale, norm_eps, ln_grad, precision="high"):
     """Run the compiled graph on a dict of validated tensors. Opaque to an enclosing
     torch.compile (of a model using VisionAttentionBlock): our graph is compiled on its
-    own, with its own options, and called from there."""
+    own, with its own options, and called from there. A device out-of-memory, in the
+    compile or the run, raises torch.OutOfMemoryError (errors.py)."""
     x = inputs["x"]
     B, S, E = x.shape
     num_heads = inputs["attn_weights"].shape[1]

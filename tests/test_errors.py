@@ -1,0 +1,77 @@
+"""A device out-of-memory raised inside our calls, also wrapped by Inductor's compile,
+reaches the caller as torch.OutOfMemoryError (vitattn_bwd/errors.py); other errors, and a
+kernel's shared memory running out, stay as they are."""
+import pytest
+import torch
+from torch._inductor.exc import InductorError, LoweringException
+
+from vitattn_bwd import api, graph
+from vitattn_bwd.errors import out_of_memory_as_such, out_of_memory_in
+
+from .helpers import assert_within_bounds, make_case
+
+DEVICE_OOM = "CUDA out of memory. Tried to allocate 51.60 GiB"
+
+
+def _inductor_wrapped(inner):
+    """What Inductor raises when a lowering hits `inner`: a LoweringException raised
+    while handling it, inside an InductorError."""
+    try:
+        try:
+            raise inner
+        except Exception as error:
+            raise LoweringException(error, "aten.mm", [], {}) from None
+    except LoweringException as lowering:
+        return InductorError(lowering, None)
+
+
+def test_an_out_of_memory_inside_a_compile_is_found():
+    cause = torch.OutOfMemoryError(DEVICE_OOM)
+    assert out_of_memory_in(_inductor_wrapped(cause)) is cause
+    copied = RuntimeError(f"LoweringException: OutOfMemoryError: {DEVICE_OOM}")
+    assert out_of_memory_in(copied) is copied
+
+
+def test_shared_memory_and_other_errors_are_not_out_of_memory():
+    resources = RuntimeError("out of resource: shared memory, Required: 262144, "
+                             "Hardware limit: 232448")
+    assert out_of_memory_in(_inductor_wrapped(resources)) is None
+    assert out_of_memory_in(ValueError("x must be [batch, tokens, embed_dim]")) is None
+
+
+def test_the_wrapper_raises_out_of_memory_chained_to_the_original():
+    wrapped = _inductor_wrapped(torch.OutOfMemoryError(DEVICE_OOM))
+
+    @out_of_memory_as_such
+    def compile_and_run():
+        raise wrapped
+
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate") as raised:
+        compile_and_run()
+    assert raised.value.__cause__ is wrapped
+
+    @out_of_memory_as_such
+    def bad_argument():
+        raise ValueError("num_heads must divide embed_dim")
+
+    with pytest.raises(ValueError, match="num_heads"):
+        bad_argument()
+
+
+def test_the_contract_entry_point_raises_out_of_memory_and_then_runs(monkeypatch):
+    """An out-of-memory in the compiled graph's compile reaches the caller of
+    attention_block_backward as torch.OutOfMemoryError; the next call runs."""
+    inputs = make_case(1, 9, 2, 8)
+    compile_graph = graph._compile
+
+    def out_of_memory(*args, **kwargs):
+        def run(**tensors):
+            raise _inductor_wrapped(torch.OutOfMemoryError(DEVICE_OOM))
+        return run
+
+    monkeypatch.setattr(graph, "_compile", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        api.attention_block_backward(**inputs, num_heads=2)
+    monkeypatch.setattr(graph, "_compile", compile_graph)
+    grads = api.attention_block_backward(**inputs, num_heads=2)
+    assert_within_bounds(grads, inputs, num_heads=2, ln_grad="exact")
