@@ -107,22 +107,10 @@ def compile_options(tag, *, max_autotune):
 # per partial sum in GRAD_Q_SUMS / GRAD_KV_SUMS).
 _ROWS_ENTRY = r'''
 {{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "ATTN_OUT", "DELTA", "GRAD_Q_HALVES", "GRAD_Q_SUMS")}}
-    batch = tl.program_id(1) // NUM_HEADS
-    head = tl.program_id(1) % NUM_HEADS
-    m_start = tl.program_id(0) * BLOCK_M
-    grad_q, delta = softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
-                                          K_HI, K_LO, V_HI, V_LO, ATTN_OUT, batch, head,
-                                          m_start, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM,
-                                          BLOCK_M, BLOCK_N, RECOMPUTE_P)
-    store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
-    store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
-                        HEAD_DIM, BLOCK_M)
-    store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start,
-                      head * HEAD_DIM + tl.arange(0, HEAD_DIM), SEQ_LEN, BLOCK_M,
-                      NUM_HEADS * HEAD_DIM, SUM_ROWS)
-    grad_q16 = grad_q.to(tl.float16)
-    rows = m_start + tl.arange(0, BLOCK_M)[:, None]
-    cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    batch, rows, cols, grad_q16 = softmax_bwd_rows_program(
+        PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUT,
+        DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
+        BLOCK_N, RECOMPUTE_P, SUM_ROWS)
     mask = (rows < SEQ_LEN) & (cols < NUM_HEADS * HEAD_DIM)
     {{store_output(("batch", "rows", "cols"), "grad_q16", "mask", val_shape=("BLOCK_M", "HEAD_DIM"))}}
 
@@ -130,23 +118,11 @@ _ROWS_ENTRY = r'''
 
 _COLS_ENTRY = r'''
 {{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES", "GRAD_KV_SUMS")}}
-    batch = tl.program_id(1) // NUM_HEADS
-    head = tl.program_id(1) % NUM_HEADS
-    n_start = tl.program_id(0) * BLOCK_N
-    grad_k, grad_v = softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
-                                           K_HI, K_LO, V_HI, V_LO, DELTA, batch, head,
-                                           n_start, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM,
-                                           BLOCK_M, BLOCK_N, RECOMPUTE_P)
+    batch, rows, cols, grad_kv16 = softmax_bwd_cols_program(
+        PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, DELTA,
+        GRAD_KV_HALVES, GRAD_KV_SUMS, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
+        BLOCK_N, RECOMPUTE_P, SUM_ROWS)
     KV_WIDTH: tl.constexpr = 2 * HEAD_DIM
-    grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)
-    store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
-                         NUM_HEADS, HEAD_DIM, BLOCK_N)
-    store_column_sums(GRAD_KV_SUMS, grad_kv, batch, n_start,
-                      kv_columns(head, NUM_HEADS, HEAD_DIM), SEQ_LEN, BLOCK_N,
-                      2 * NUM_HEADS * HEAD_DIM, SUM_ROWS)
-    grad_kv16 = grad_kv.to(tl.float16)
-    rows = n_start + tl.arange(0, BLOCK_N)[:, None]
-    cols = kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :]
     mask = (rows < SEQ_LEN) & (cols < 2 * NUM_HEADS * HEAD_DIM)
     {{store_output(("batch", "rows", "cols"), "grad_kv16", "mask", val_shape=("BLOCK_N", "KV_WIDTH"))}}
 

@@ -321,15 +321,20 @@ def store_column_sums(SUMS, grad, batch, row_start, cols, SEQ_LEN: tl.constexpr,
                      sums if part == 0 else tl.zeros_like(sums))
 
 
-# ---- raw kernels: one program per (row or column block, batch * head) ----------------
+# ---- one program of each pass, shared by the raw kernels and the Inductor templates ---
+# Each stores every output but its fp16 gradient and returns where that goes, so that the
+# raw kernel stores it with tl.store and the template (inductor.py) with store_output.
 
 @triton.jit
-def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
-                            GRAD_Q_SUMS, scale, SEQ_LEN: tl.constexpr,
-                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            RECOMPUTE_P: tl.constexpr, SUM_ROWS: tl.constexpr):
+def softmax_bwd_rows_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
+                             V_HI, V_LO, ATTN_OUT, DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS,
+                             scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
+                             SUM_ROWS: tl.constexpr):
+    """The rows pass of program (query block, batch * NUM_HEADS + head): stores delta,
+    grad_q's bf16 halves and its partial column sums; returns (batch, rows [BM,1],
+    columns [1,D] in grad_q16 [B,S,E], grad_q [BM,D] in fp16)."""
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
@@ -343,19 +348,21 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start,
                       head * HEAD_DIM + tl.arange(0, HEAD_DIM), SEQ_LEN, BLOCK_M,
                       NUM_HEADS * HEAD_DIM, SUM_ROWS)
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    tl.store(GRAD_Q16 + head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
-                                  NUM_HEADS * HEAD_DIM),
-             grad_q.to(tl.float16), mask=(offs_m < SEQ_LEN)[:, None])
+    rows = m_start + tl.arange(0, BLOCK_M)[:, None]
+    cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
+    return batch, rows, cols, grad_q.to(tl.float16)
 
 
 @triton.jit
-def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
-                            scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
-                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
-                            SUM_ROWS: tl.constexpr):
+def softmax_bwd_cols_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
+                             V_HI, V_LO, DELTA, GRAD_KV_HALVES, GRAD_KV_SUMS, scale,
+                             SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
+                             SUM_ROWS: tl.constexpr):
+    """The cols pass of program (key block, batch * NUM_HEADS + head): stores grad_k's
+    and grad_v's bf16 halves and their partial column sums; returns (batch, rows [BN,1],
+    columns [1,2D] in grad_kv16 [B,S,2E], [grad_k | grad_v] [BN,2D] in fp16)."""
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
@@ -369,7 +376,38 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     store_column_sums(GRAD_KV_SUMS, grad_kv, batch, n_start,
                       kv_columns(head, NUM_HEADS, HEAD_DIM), SEQ_LEN, BLOCK_N,
                       2 * NUM_HEADS * HEAD_DIM, SUM_ROWS)
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    tl.store(GRAD_KV16 + (batch * SEQ_LEN + offs_n[:, None]).to(tl.int64)
-             * (2 * NUM_HEADS * HEAD_DIM) + kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :],
-             grad_kv.to(tl.float16), mask=(offs_n < SEQ_LEN)[:, None])
+    rows = n_start + tl.arange(0, BLOCK_N)[:, None]
+    cols = kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :]
+    return batch, rows, cols, grad_kv.to(tl.float16)
+
+
+# ---- raw kernels: one program per (row or column block, batch * head) ----------------
+
+@triton.jit
+def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
+                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
+                            GRAD_Q_SUMS, scale, SEQ_LEN: tl.constexpr,
+                            NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            RECOMPUTE_P: tl.constexpr, SUM_ROWS: tl.constexpr):
+    batch, rows, cols, grad_q16 = softmax_bwd_rows_program(
+        PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUT,
+        DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
+        BLOCK_N, RECOMPUTE_P, SUM_ROWS)
+    tl.store(GRAD_Q16 + (batch * SEQ_LEN + rows).to(tl.int64) * (NUM_HEADS * HEAD_DIM)
+             + cols, grad_q16, mask=rows < SEQ_LEN)
+
+
+@triton.jit
+def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
+                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
+                            scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                            HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
+                            SUM_ROWS: tl.constexpr):
+    batch, rows, cols, grad_kv16 = softmax_bwd_cols_program(
+        PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, DELTA,
+        GRAD_KV_HALVES, GRAD_KV_SUMS, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
+        BLOCK_N, RECOMPUTE_P, SUM_ROWS)
+    tl.store(GRAD_KV16 + (batch * SEQ_LEN + rows).to(tl.int64) * (2 * NUM_HEADS * HEAD_DIM)
+             + cols, grad_kv16, mask=rows < SEQ_LEN)
