@@ -1,5 +1,6 @@
 """On a CUDA GPU (gpu marker): VisionAttentionBlock under torch.autocast (bf16, fp16; the
-one-product path by default, float32 math with precision "high") and
+stock ops by default, the one-product path at "medium", float32 math with precision
+"high") and
 as a bf16/fp16 block against float64 autograd, float64 refused in the forward, empty
 batches, double backward; and the Hugging Face swap (integrations.hf) of a CLIP vision
 tower at ViT-L/14-336 size (577 tokens, 1024 wide, 16 heads) against the stock model:
@@ -125,17 +126,33 @@ def _check_one_product_path(monkeypatch, block, x, half_dtype, grads_dtype, slac
         assert ours < 4 * UNIT_ROUNDOFF[half_dtype], (name, ours)
 
 
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_autocast_runs_the_stock_ops_by_default(monkeypatch, autocast_dtype):
+    """precision None under autocast: the stock ops (routing.py: our one-product path
+    measured no faster there), bit for bit the stock block's output and gradients."""
+    calls = recorded_half_dtypes(monkeypatch)
+    block = _block()
+    x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
+    grad_y = torch.randn_like(x)
+    with torch.autocast(DEVICE, dtype=autocast_dtype):
+        got = _ours(block, x, grad_y)
+        want = _ours(reference.ReferenceBlock(block), x, grad_y)
+    assert calls == []
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("batch", [BATCH, 16])
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
-def test_autocast_runs_the_one_product_path_by_default(monkeypatch, autocast_dtype, batch):
-    """precision None under autocast: the fused one-product path in the autocast dtype
-    (the attention core's one-product Gluon kernels; batch 2 through a CUDA graph, 16
-    without), computing as the stock block does there: y in the stock block's dtype and
-    as close to float64, every gradient in float32 and no further from float64 than the
-    stock block's (whose GEMMs round the gradients to the half dtype), the same bits on
-    a second call."""
+def test_autocast_with_precision_medium_runs_the_one_product_path(monkeypatch,
+                                                                  autocast_dtype, batch):
+    """precision "medium" under autocast: the fused one-product path in the autocast
+    dtype (the attention core's one-product Gluon kernels; batch 2 through a CUDA graph,
+    16 without), computing as the stock block does there: y in the stock block's dtype
+    and as close to float64, every gradient in float32 and no further from float64 than
+    the stock block's (whose GEMMs round the gradients to the half dtype), the same bits
+    on a second call."""
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
-    block = _block()
+    block = _block(precision="medium")
     x = torch.randn(batch, SEQ, EMBED, device=DEVICE)
     with torch.autocast(DEVICE, dtype=autocast_dtype):
         _check_one_product_path(monkeypatch, block, x, autocast_dtype, torch.float32)
@@ -158,9 +175,10 @@ def test_precision_medium_is_one_bf16_product_per_matmul(monkeypatch):
 
 
 def test_autocast_keeps_no_more_memory_than_the_stock_block():
-    """Under bf16 autocast at batch 8: the peak memory of a forward and backward, above
-    what was allocated before it, at most the stock block's."""
-    block = _block()
+    """Under bf16 autocast at batch 8, the one-product path ("medium"): the peak memory
+    of a forward and backward, above what was allocated before it, at most the stock
+    block's."""
+    block = _block(precision="medium")
     x = torch.randn(8, SEQ, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
     peaks = []

@@ -984,3 +984,77 @@ def test_swap_refuses_an_unknown_precision_and_swaps_nothing():
     with pytest.raises(ValueError, match="precision must be one of"):
         swap_attention(model, precision="low")
     assert not swapped_layers(model)
+
+
+# --------------------------------------------------------------------------------------
+# inside torch.compile
+# --------------------------------------------------------------------------------------
+def _graph_breaks_and_ops(model, x):
+    """torch._dynamo.explain's graph-break count for model(x), and the vitattn_bwd
+    operators in its graphs."""
+    explanation = torch._dynamo.explain(model)(x)
+    ops = {str(node.target) for gm in explanation.graphs for node in gm.graph.nodes
+           if "vitattn_bwd" in str(node.target)}
+    return explanation.graph_break_count, ops
+
+
+def _compiled_grads(model, x, w):
+    """_grads through torch.compile(model, fullgraph=True), read from model's own
+    parameters."""
+    compiled = torch.compile(model, fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_()
+    out = compiled(x)
+    (out.float() * w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads["input"] = x.grad.clone()
+    return out.detach(), grads
+
+
+COMPILED_TOWERS = [(TimmStyleVisionTransformer, dict(init_values=0.3)),
+                   (OpenCLIPStyleVisionTransformer, dict(ls_init_value=0.3)),
+                   (OpenCLIPStyleVisionTransformer, dict(attention="open_clip",
+                                                         batch_first=False))]
+
+
+@pytest.mark.parametrize("cls,kwargs", COMPILED_TOWERS)
+def test_swapped_float32_tower_compiles_in_one_graph(cls, kwargs):
+    """float32: no graph break (torch._dynamo.explain), the fused block's forward as
+    our operator in the user's graph, and torch.compile(fullgraph=True)'s forward and
+    backward as close to the float64 stock tower as the eager swap is, and equal to it
+    within float32 rounding."""
+    stock64 = _make(cls, **kwargs)
+    ours = swap_attention(copy.deepcopy(stock64).float())
+    x, w = _inputs(torch.float32)
+    assert _graph_breaks_and_ops(ours, x) == (0, {"vitattn_bwd.vision_attention_fwd"})
+    got, got_grads = _compiled_grads(ours, x, w)
+    eager, eager_grads = _grads(ours, x, w)
+    want, want_grads = _grads(stock64, x.double(), w.double())
+    assert ((got - eager).norm() / eager.norm()).item() < 1e-6
+    assert ((got.double() - want).norm() / want.norm()).item() < 2e-5
+    for name, err in _errors(got_grads, eager_grads).items():
+        assert err < 1e-5, (name, err)
+    for name, err in _errors(got_grads, want_grads).items():
+        assert err < 2e-5, (name, err)
+    assert all(g.dtype == torch.float32 for g in got_grads.values())
+
+
+@pytest.mark.parametrize("cls,kwargs", COMPILED_TOWERS[:2])
+def test_swapped_tower_under_autocast_compiles_the_stock_ops_in_one_graph(cls, kwargs):
+    """Under bf16 autocast (precision None) the swapped attention halves are the stock
+    ops (vitattn_bwd.routing): no graph break, none of our operators, and the compiled
+    step within bf16 rounding of the eager one and of the float64 tower."""
+    stock64 = _make(cls, **kwargs)
+    ours = swap_attention(copy.deepcopy(stock64).float())
+    x, w = _inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _graph_breaks_and_ops(ours, x) == (0, set())
+        got, got_grads = _compiled_grads(ours, x, w)
+        eager, eager_grads = _grads(ours, x, w)
+    want = stock64(x.double())
+    assert ((got.double() - want).norm() / want.norm()).item() < 2e-2
+    # (measured: 1e-7 for the outputs, up to 2.2e-3 for a gradient, OpenCLIP's)
+    assert ((got.double() - eager.double()).norm() / eager.double().norm()).item() < 1e-3
+    for name, err in _errors(got_grads, eager_grads).items():
+        assert err < 2e-2, (name, err)
+    assert all(g.dtype == torch.float32 for g in got_grads.values())

@@ -149,13 +149,19 @@ def test_eps_zero_is_accepted_and_used():
     torch.testing.assert_close(block(x), want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype,precision", [(torch.float64, None),
+                                             (torch.float32, "medium"),
+                                             (torch.bfloat16, "medium")])
 @pytest.mark.parametrize("shape", [(0, 7, 16), (3, 0, 16)])
-def test_empty_batch_behaves_like_the_stock_block(shape):
-    block = _randomize(VisionAttentionBlock(16, 2, dtype=torch.float64))
+def test_empty_batch_behaves_like_the_stock_block(shape, dtype, precision):
+    """The fused path (float32-grade, and the one-product path on float32 and natively
+    on a bf16 block, whose empty forward runs no kernel) gives an empty y and zero
+    gradients, as the stock block does."""
+    block = _randomize(VisionAttentionBlock(16, 2, dtype=dtype, precision=precision))
     stock = reference.ReferenceBlock(copy.deepcopy(block))
     results = []
     for model in (block, stock):
-        x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+        x = torch.randn(*shape, dtype=dtype, requires_grad=True)
         y = model(x)
         assert y.shape == shape
         y.sum().backward()
@@ -258,16 +264,33 @@ def _ours_and_stock(block, x, grad_y, autocast):
     return results
 
 
-def test_autocast_runs_the_one_product_path_by_default(monkeypatch):
-    """Under autocast (precision None) a float32 block computes as the stock LayerNorm +
-    Linear + SDPA block does there (one bf16 product per matmul, float32 accumulation,
-    the LayerNorm and softmax statistics in float32), on the fused one-product path: the
+def test_autocast_runs_the_stock_ops_by_default(monkeypatch):
+    """Under autocast, precision None computes with the stock ops (routing.py: our
+    one-product path measured no faster there): no fused call, the stock block's output
+    and gradients bit for bit, the same saved activations."""
+    calls = _recorded_precisions(monkeypatch)
+    block = _randomize(VisionAttentionBlock(32, 4))
+    x = torch.randn(3, 13, 32)
+    grad_y = torch.randn(3, 13, 32)
+    (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(
+        block, x, grad_y, autocast=True)
+    assert calls == []
+    assert y.dtype == want_y.dtype == torch.float32
+    assert saved == want_saved
+    assert torch.equal(y, want_y)
+    assert all(torch.equal(g, want) for g, want in zip(grads, want_grads))
+
+
+def test_autocast_with_precision_medium_runs_the_one_product_path(monkeypatch):
+    """Under autocast, precision "medium" computes as the stock LayerNorm + Linear +
+    SDPA block does there (one bf16 product per matmul, float32 accumulation, the
+    LayerNorm and softmax statistics in float32), on the fused one-product path: the
     output dtype of the stock block, an output as close to float64 as the stock one, no
     gradient further from float64 than the stock block's (ours leave their GEMMs in
     float32 where autocast rounds them to bf16), fewer bytes saved for the backward,
     the projections and the attention output saved in bf16."""
     calls = _recorded_precisions(monkeypatch)
-    block = _randomize(VisionAttentionBlock(32, 4))
+    block = _randomize(VisionAttentionBlock(32, 4, precision="medium"))
     x = torch.randn(3, 13, 32)
     grad_y = torch.randn(3, 13, 32)
     (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(
@@ -289,6 +312,18 @@ def test_autocast_runs_the_one_product_path_by_default(monkeypatch):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, saved_dtypes = _saved_dtypes(lambda: block(x))
     assert saved_dtypes.count(torch.bfloat16) == 2       # the QKV projection, attn_output
+
+
+def test_autocast_with_precision_medium_follows_the_autocast_dtype(monkeypatch):
+    """"medium" inside an fp16 autocast region: the one-product path in fp16."""
+    calls = _recorded_precisions(monkeypatch)
+    block = _randomize(VisionAttentionBlock(32, 4, precision="medium"))
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = block(x)
+    y.sum().backward()
+    assert calls == [["torch.float16", "torch.float16"]]
+    assert y.dtype == torch.float32 and x.grad.dtype == torch.float32
 
 
 def _saved_dtypes(fn):

@@ -31,6 +31,7 @@ for an empty batch, the same math eagerly with F.linear.
 """
 import functools
 import math
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -41,6 +42,24 @@ from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_spli
 from .layout import split_heads
 from .precision import linear_bf16x3, operand_split
 from .split_gemm import linear_fp16x3
+
+
+class SavedForBackward(NamedTuple):
+    """What the forward saves for the backward, named as graph.compiled_backward takes
+    them: x [B,S,E], its LayerNorm statistics x_mean, x_var [B,S,1], the LayerNorm
+    parameters, qkv_weight [3E,E], the QKV projection qkv [B,S,3E], the softmax's row
+    log-sum-exp as attn_weights [B,H,S], the attention output [B,S,E] and out_weight
+    [E,E]."""
+    x: torch.Tensor
+    x_mean: torch.Tensor
+    x_var: torch.Tensor
+    ln_weight: torch.Tensor
+    ln_bias: torch.Tensor
+    qkv_weight: torch.Tensor
+    qkv: torch.Tensor
+    attn_weights: torch.Tensor
+    attn_output: torch.Tensor
+    out_weight: torch.Tensor
 
 
 def _linear_in(dtype):
@@ -87,6 +106,20 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     return y, x_mean, x_var, qkv, lse, attn_output
 
 
+def output_specs(x, num_heads, half_dtype):
+    """(shape, dtype) of each of block_forward's outputs for x [B,S,E]: y in x's dtype;
+    the LayerNorm statistics in float32 for a half-precision x, else in x's; qkv and
+    attn_output in half_dtype on the one-product path, else in x's; the log-sum-exp in
+    float32 there (torch's flash forward gives it so), else in x's."""
+    B, S, E = x.shape
+    stats = torch.float32 if x.dtype in HALF_DTYPES else x.dtype
+    activations = x.dtype if half_dtype is None else half_dtype
+    lse = x.dtype if half_dtype is None else torch.float32
+    return (((B, S, E), x.dtype), ((B, S, 1), stats), ((B, S, 1), stats),
+            ((B, S, 3 * E), activations), ((B, num_heads, S), lse),
+            ((B, S, E), activations))
+
+
 @functools.cache
 def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph,
              precision, half_dtype):
@@ -107,17 +140,19 @@ def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph
 
 def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
                             out_bias, num_heads, eps, precision="high", half_dtype=None):
-    """y, the tensors saved for the backward (in VisionAttentionFunction.backward's
-    order) and the softmax scale, for validated tensors of one device and dtype.
-    half_dtype: None for float32-grade math at `precision`, or bf16 / fp16 for one
-    product per matmul in it (block_forward; not for an empty batch, which runs the
-    float32 math)."""
+    """y, the tensors saved for the backward (SavedForBackward) and the softmax scale,
+    for validated tensors of one device and dtype. half_dtype: None for float32-grade
+    math at `precision`, or bf16 / fp16 for one product per matmul in it
+    (block_forward)."""
     tensors = dict(x=x, ln_weight=ln_weight, ln_bias=ln_bias, qkv_weight=qkv_weight,
                    qkv_bias=qkv_bias, out_weight=out_weight, out_bias=out_bias)
     B, S, E = x.shape
     if x.numel() == 0:
-        half_dtype = None
-    if x.is_cuda and x.dtype in (torch.float32, half_dtype) and x.numel() > 0:
+        # an empty batch or no tokens: empty outputs, no kernel (torch's flash-attention
+        # forward does not take zero tokens)
+        outputs = tuple(x.new_empty(shape, dtype=dtype)
+                        for shape, dtype in output_specs(x, num_heads, half_dtype))
+    elif x.is_cuda and x.dtype in (torch.float32, half_dtype):
         fn = _compile(x.dtype, S, E, num_heads, eps, graph.batch_bucket(B),
                       graph.uses_cuda_graph("cuda", B), precision, half_dtype)
         outputs = _run_compiled(fn, tensors)
@@ -125,8 +160,8 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
         outputs = block_forward(**tensors, num_heads=num_heads, eps=eps,
                                 split_precision=None, half_dtype=half_dtype)
     y, x_mean, x_var, qkv, lse, attn_output = outputs
-    saved = (x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse, attn_output,
-             out_weight)
+    saved = SavedForBackward(x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse,
+                             attn_output, out_weight)
     return y, saved, 1.0 / math.sqrt(E // num_heads)
 
 

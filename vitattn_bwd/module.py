@@ -12,23 +12,24 @@ The backward recomputes x_norm from x and the statistics, and every P tile from 
 the log-sum-exp inside the attention-core templates.
 
 `vision_attention` is the functional entry point that VisionAttentionBlock and the
-integrations (vitattn_bwd.integrations) call: it applies the precision and dtype policy
-below, then VisionAttentionFunction.
+integrations (vitattn_bwd.integrations) call: it gathers the call's facts, follows
+routing.route's decision (the stock ops, or the fused path at a precision and in
+dtypes), casts, then runs VisionAttentionFunction, or, while torch.compile traces the
+call, the same forward and backward as torch.library operators (block_ops.py), which the
+user's graph calls as opaque operators instead of breaking around them.
 
 Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precision:
-- None (the default) follows PyTorch. Inside an autocast region (cpu or cuda, bfloat16
-  or float16), for a float32 block and input, the block runs the one-product path below
-  in the autocast dtype: what the stock LayerNorm + Linear + SDPA + Linear block
-  computes there (one product per matmul in that dtype, float32 accumulation, the
-  LayerNorm and softmax statistics in float32, the projections and the attention output
-  saved in that dtype, the stock block's output dtype), with our fused backward. Where
-  that path does not run (GPUs other than Hopper, head dims the Gluon kernels do not
-  take, mixed dtypes under autocast) and for a block whose input and parameters are all
-  bfloat16 or all float16 (a `.bfloat16()` model, FSDP's bf16 parameters: there the
-  stock ops were faster than the fused path on the H200), it computes with the stock
-  ops themselves (`stock_forward`). Otherwise the block runs at
-  torch.get_float32_matmul_precision(), read at each call: "highest" (PyTorch's
-  default), "high" or "medium", as below.
+- None (the default) follows PyTorch, and runs whichever computation measured faster on
+  the H200 (routing.py has the numbers). Inside an autocast region (cpu or cuda,
+  bfloat16 or float16) the block computes with the stock ops themselves
+  (`stock_forward`: torch's LayerNorm, Linear and SDPA under the caller's autocast, and
+  their autograd), eager and under torch.compile: our one-product path was no faster
+  there (a 24-layer Hugging Face CLIP tower 0.76-1.06x stock eager, 0.57-0.85x compiled).
+  So does a block whose input and parameters are all bfloat16 or all float16 (a
+  `.bfloat16()` model, FSDP's bf16 parameters). Otherwise the block runs the fused
+  path at torch.get_float32_matmul_precision(), read at each call (under torch.compile,
+  when the graph is traced): "highest" (PyTorch's default), "high" or "medium", as
+  below.
 - "highest": the fused float32 path, float32-faithful: every product fp16x3 from fp16
   halves of operands scaled into fp16's range, the GEMMs as the split GEMM with
   two-level accumulation (split_gemm.py), the attention core on the Gluon kernels (off
@@ -38,11 +39,14 @@ Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precisi
 - "high": the fused float32 path with the fastest map the benchmark's tolerance allows
   (truncated splits, one fp16 product for the QKV weight gradient; the contract entry
   point, vitattn_bwd.attention_block_backward, runs this by default).
-- "medium": the one-product path in bfloat16 on float32 tensors, inside or outside
-  autocast; for a block all in bfloat16 or all in float16, the same path natively in
-  its own dtype (no float32 copy of an activation; y and every gradient in that dtype,
-  each rounded once from float32). Where it does not run, "high" (more precise than
-  "medium" asks).
+- "medium": the one-product path: in bfloat16 on float32 tensors, or inside an autocast
+  region in the autocast dtype (what the stock block computes there: one product per
+  matmul, float32 accumulation, the LayerNorm and softmax statistics in float32, the
+  projections and the attention output saved in that dtype, the stock block's output
+  dtype, with our fused backward); for a block all in bfloat16 or all in float16, the
+  same path natively in its own dtype (no float32 copy of an activation; y and every
+  gradient in that dtype, each rounded once from float32). Where it does not run,
+  "high" (more precise than "medium" asks).
 The one-product path (forward_graph.py with half_dtype, graph.py's
 _one_product_products): the LayerNorm in float32, the QKV and out projections as bf16 /
 fp16 cuBLAS GEMMs, torch's flash-attention forward (which gives the log-sum-exp), and a
@@ -58,8 +62,8 @@ Dtypes of the fused path. The fused backward runs in float32 (float64 too on the
 or, on the one-product path, on bf16 / fp16 activations of float32 tensors or of a
 block all in that dtype. Otherwise it takes float32 tensors whatever its parameters and
 input are:
-- under torch.autocast with an explicit precision its inputs are cast to float32 and it
-  runs with autocast off, as custom kernels do (torch.amp.custom_fwd(cast_inputs=
+- under torch.autocast with precision "highest" or "high" its inputs are cast to
+  float32 and it runs with autocast off, as custom kernels do (torch.amp.custom_fwd(cast_inputs=
   torch.float32));
 - bfloat16/float16 parameters or input with an explicit precision, or of mixed dtypes (a
   float32 input into a bf16 block), are cast to float32 in the forward; the casts are
@@ -70,7 +74,6 @@ input are:
 y has x's dtype (the residual stream keeps its dtype, as in the stock block). No error
 is left for the backward: everything the backward checks is checked in the forward.
 """
-import contextlib
 import math
 import numbers
 
@@ -78,11 +81,14 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import gluon_core, graph
+from . import block_ops, graph, routing
 from .attention_core import HALF_DTYPES
-from .forward_graph import attention_block_forward
+from .block_ops import autocast_off
+from .forward_graph import SavedForBackward, attention_block_forward
 from .layout import merge_heads, split_heads
 from .precision import FUSED_PRECISIONS, check_fused_precision
+# where the one-product path runs, and torch's float32 matmul precision (routing.py)
+from .routing import one_product_supported, torch_float32_precision  # noqa: F401
 
 # The accepted values of `precision` (module docstring).
 PRECISIONS = (None, *FUSED_PRECISIONS, "medium")
@@ -117,32 +123,6 @@ def check_precision(precision):
     return precision
 
 
-def one_product_supported(device, dtype, head_dim):
-    """Where the one-product path (bf16 / fp16 activations, the attention core's
-    one-product kernels) runs: on Hopper GPUs with Gluon (gluon_core.available), and on
-    the CPU (the same graph with PyTorch math, for correctness). Elsewhere the block
-    computes with the stock ops instead."""
-    return device.type == "cpu" or gluon_core.available(device, dtype, head_dim)
-
-
-def torch_float32_precision():
-    """PyTorch's float32 matmul precision, "highest", "high" or "medium", from whichever
-    setting the process used: the legacy one (torch.set_float32_matmul_precision) or the
-    per-backend one (torch.backends.cuda.matmul.fp32_precision = "tf32" or "ieee"), where
-    torch.get_float32_matmul_precision() raises once the two are mixed."""
-    try:
-        return torch.get_float32_matmul_precision()
-    except RuntimeError:
-        cuda_precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
-        return {"tf32": "high", "bf16": "medium"}.get(cuda_precision, "highest")
-
-
-def fused_precision(precision):
-    """The precision the fused path runs at: `precision`, or for None PyTorch's float32
-    matmul precision read now."""
-    return torch_float32_precision() if precision is None else precision
-
-
 def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
                   num_heads, eps, gamma=None):
     """y = x + out_proj(SDPA(qkv(LayerNorm(x)))) (times gamma, a LayerScale, before the
@@ -156,14 +136,6 @@ def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     attn = merge_heads(F.scaled_dot_product_attention(q, k, v))                # [B,S,E]
     out = F.linear(attn, out_weight, out_bias)
     return x + (out if gamma is None else out * gamma)
-
-
-def _autocast_off(device_type):
-    """torch.autocast(device_type, enabled=False) inside an autocast region; elsewhere
-    nothing, which costs less host time than entering a disabled autocast."""
-    if torch.is_autocast_enabled(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _supported_dtypes(device):
@@ -216,26 +188,11 @@ class VisionAttentionFunction(torch.autograd.Function):
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
                 num_heads, eps, precision="high", half_dtype=None):
         params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
-        _check_tensors(x, params, num_heads)
-        _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
-        check_fused_precision(precision)
-        if half_dtype is not None and (half_dtype not in HALF_DTYPES
-                                       or x.dtype not in (torch.float32, half_dtype)):
-            raise TypeError(f"half_dtype must be None or one of {HALF_DTYPES} with "
-                            f"float32 tensors or tensors of that dtype, got {half_dtype} "
-                            f"with {x.dtype}")
-        allowed = _supported_dtypes(x.device) + ((half_dtype,) if half_dtype else ())
-        if x.dtype not in allowed:
-            raise TypeError(f"x must be one of {allowed} on {x.device.type}, got "
-                            f"{x.dtype} (vitattn_bwd.module.vision_attention casts)")
-        for name, t in zip(_PARAM_NAMES, params):
-            if t.dtype != x.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype}, but x has {x.dtype}")
-        if half_dtype is None:
-            graph.check_faithful_batch(x, precision)
+        num_heads, eps = _check_fused_call(x, params, num_heads, eps, precision,
+                                           half_dtype)
         # The math runs as written, whatever autocast region the caller is in: an
         # autocast linear would hand bf16 q, k, v to the float32 backward.
-        with _autocast_off(x.device.type):
+        with autocast_off(x.device.type):
             y, saved, scale = attention_block_forward(x, *params, num_heads, eps, precision,
                                                       half_dtype)
         ctx.save_for_backward(*saved)
@@ -247,10 +204,8 @@ class VisionAttentionFunction(torch.autograd.Function):
         # Autograd runs a backward with grad mode on only for create_graph=True.
         if torch.is_grad_enabled():
             raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
-        names = ("x", "x_mean", "x_var", "ln_weight", "ln_bias", "qkv_weight", "qkv",
-                 "attn_weights", "attn_output", "out_weight")   # attn_weights: lse
-        saved = dict(zip(names, ctx.saved_tensors))
-        x = saved["x"]
+        saved = SavedForBackward(*ctx.saved_tensors)
+        x = saved.x
         if x.numel() == 0:             # empty batch or no tokens: nothing to sum
             E = x.shape[-1]
             zeros = [x.new_zeros(shape) for shape in
@@ -258,23 +213,46 @@ class VisionAttentionFunction(torch.autograd.Function):
             return (torch.zeros_like(x), *zeros, None, None, None, None)
         # A backward called inside an autocast region (on the CPU it runs on the caller's
         # thread) must not turn our float32 math into bf16 either.
-        with _autocast_off(x.device.type):
+        with autocast_off(x.device.type):
             (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
              grad_ln_weight, grad_ln_bias) = graph.compiled_backward(
-                dict(grad_output=grad_y.contiguous(), **saved), scale=ctx.scale,
+                dict(grad_output=grad_y.contiguous(), **saved._asdict()), scale=ctx.scale,
                 norm_eps=ctx.eps, ln_grad="exact", precision=ctx.precision)
         return (grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
                 grad_out_weight, grad_out_bias, None, None, None, None)
 
 
+def _check_fused_call(x, params, num_heads, eps, precision, half_dtype):
+    """What the fused path takes (VisionAttentionFunction's docstring), checked before
+    any work; returns num_heads and eps as int and float."""
+    _check_tensors(x, params, num_heads)
+    _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
+    check_fused_precision(precision)
+    if half_dtype is not None and (half_dtype not in HALF_DTYPES
+                                   or x.dtype not in (torch.float32, half_dtype)):
+        raise TypeError(f"half_dtype must be None or one of {HALF_DTYPES} with "
+                        f"float32 tensors or tensors of that dtype, got {half_dtype} "
+                        f"with {x.dtype}")
+    allowed = _supported_dtypes(x.device) + ((half_dtype,) if half_dtype else ())
+    if x.dtype not in allowed:
+        raise TypeError(f"x must be one of {allowed} on {x.device.type}, got "
+                        f"{x.dtype} (vitattn_bwd.module.vision_attention casts)")
+    for name, t in zip(_PARAM_NAMES, params):
+        if t.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, but x has {x.dtype}")
+    if half_dtype is None:
+        graph.check_faithful_batch(x, precision)
+    return num_heads, eps
+
+
 def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
                      num_heads, eps, precision=None, gamma=None):
     """y = x + out_proj(attention(qkv(LayerNorm(x)))) for tensors of any floating dtype,
-    inside or outside torch.autocast (see the module docstring): with the fused backward
-    (y in x's dtype, or the stock block's under autocast; each gradient in its tensor's
-    dtype): float32-grade, or one product per matmul under autocast and at "medium"
-    (natively for tensors all in one half dtype); for tensors all in one half dtype with
-    precision None, the stock ops.
+    inside or outside torch.autocast and torch.compile (see the module docstring; which
+    computation runs is routing.route's decision): the fused backward (y in x's dtype,
+    each gradient in its tensor's dtype), float32-grade, or at "medium" one product per
+    matmul (natively for tensors all in one half dtype); at precision None inside an
+    autocast region and for tensors all in one half dtype, the stock ops.
 
     x [B,S,E]; ln_weight, ln_bias [E]; qkv_weight [3E,E] (q | k | v rows); qkv_bias
     [3E]; out_weight [E,E]; out_bias [E]; gamma [E] or None: a LayerScale (timm,
@@ -289,53 +267,36 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     _check_tensors(x, params, num_heads, gamma)
     _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
     device = x.device
-    autocast = torch.is_autocast_enabled(device.type)
     layer_scale = () if gamma is None else (gamma,)
-    dtypes = {t.dtype for t in (x, *params, *layer_scale)}
-    native_half = len(dtypes) == 1 and x.dtype in HALF_DTYPES
     head_dim = x.shape[-1] // num_heads
-    half_dtype = None
-    if precision is None and autocast:
-        # the autocast dtype's one-product path where it runs, else the stock ops
-        half_dtype = torch.get_autocast_dtype(device.type)
-        if dtypes != {torch.float32} or not one_product_supported(device, half_dtype,
-                                                                  head_dim):
-            return stock_forward(x, *params, num_heads, eps, gamma)
-    elif precision is None and native_half:
-        # the stock ops in the block's dtype: faster than the fused path in a bf16 tower
-        # on the H200 (docs/performance.md, session 12); "medium" runs the fused one
+    autocast = torch.is_autocast_enabled(device.type)
+    compiling = torch.compiler.is_compiling()
+    decision = routing.route(
+        device_type=device.type, dtypes={t.dtype for t in (x, *params, *layer_scale)},
+        x_dtype=x.dtype,
+        autocast_dtype=torch.get_autocast_dtype(device.type) if autocast else None,
+        precision=precision,
+        float32_precision=(routing.float32_precision_now(compiling) if precision is None
+                           else None),
+        compiling=compiling,
+        one_product=lambda dtype: one_product_supported(device, dtype, head_dim))
+    if decision.stock:
         return stock_forward(x, *params, num_heads, eps, gamma)
-    fused = fused_precision(precision)
-    if fused == "medium":
-        # one product per matmul where it runs: natively in the dtype of a bf16 / fp16
-        # block, else bf16 on float32 math; elsewhere "high", which is more precise than
-        # "medium" asks
-        fused = "high"
-        if half_dtype is None and native_half and one_product_supported(device, x.dtype,
-                                                                        head_dim):
-            half_dtype = x.dtype
-        elif (half_dtype is None and torch.float64 not in dtypes
-                and one_product_supported(device, torch.bfloat16, head_dim)):
-            half_dtype = torch.bfloat16
-    if native_half and half_dtype == x.dtype:
-        compute = x.dtype                               # a bf16 / fp16 block, as it is
-    elif autocast:
-        compute = torch.float32                 # custom_fwd(cast_inputs=torch.float32)
-    elif torch.float64 in dtypes:
-        if device.type != "cpu":
-            raise TypeError(f"float64 is not supported on {device.type} (the fused "
-                            "backward is float32 there); use float32 or autocast")
-        compute = torch.float64
-    else:
-        compute = torch.float32
+    compute = decision.compute_dtype
     if gamma is not None:                    # folded into the out projection (above)
         scale = gamma.to(compute)
         out_weight = scale[:, None] * out_weight.to(compute)
         out_bias = scale * out_bias.to(compute)
     args = [t if t.dtype == compute else t.to(compute)
             for t in (x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)]
-    with _autocast_off(device.type):
-        y = VisionAttentionFunction.apply(*args, num_heads, eps, fused, half_dtype)
+    fused = (*args, num_heads, eps, decision.precision, decision.half_dtype)
+    with autocast_off(device.type):
+        if decision.opaque_ops:
+            # inside torch.compile: the torch.library operators, opaque to dynamo
+            _check_fused_call(args[0], args[1:], *fused[7:])
+            y = block_ops.vision_attention(*fused)
+        else:
+            y = VisionAttentionFunction.apply(*fused)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
@@ -346,14 +307,13 @@ class VisionAttentionBlock(nn.Module):
     rows), out_proj.weight [E,E] and out_proj.bias [E]. Load Molmo or CLIP weights with
     `load_molmo_state_dict` / `load_clip_state_dict`.
 
-    Any floating dtype and torch.autocast work. precision None (the default) follows
-    autocast inside an autocast region (the one-product path in the autocast dtype:
-    the stock block's computation there, with our fused backward), the dtype of a block
-    that is all bfloat16 or all float16 (the stock ops in that dtype; "medium" runs the
-    one-product path natively in it), and otherwise
-    torch.get_float32_matmul_precision() ("highest": float32-faithful, "high": faster,
-    "medium": one bf16 product per matmul); an explicit precision runs at that precision
-    everywhere (see vitattn_bwd.module). On the fused float32 path the math is float32
+    Any floating dtype, torch.autocast and torch.compile work. precision None (the
+    default) runs the stock ops inside an autocast region and for a block that is all
+    bfloat16 or all float16 (there they were the faster; "medium" runs our one-product
+    path: in the autocast dtype, or natively in the block's), and otherwise the fused
+    path at torch.get_float32_matmul_precision() ("highest": float32-faithful, "high":
+    faster, "medium": one bf16 product per matmul); an explicit precision runs at that
+    precision everywhere (see vitattn_bwd.module). On the fused float32 path the math is float32
     (float64 on the CPU for a float64 block), the output has x's dtype and each gradient
     its tensor's dtype; float64 on CUDA is refused in the forward, and double backward
     (create_graph=True) raises a RuntimeError (the stock path supports it, as the stock

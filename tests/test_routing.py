@@ -1,0 +1,148 @@
+"""routing.route, the pure function behind vision_attention's choice of computation,
+over the settings it decides between: device, dtypes, autocast, the explicit precision
+and torch's, torch.compile tracing, and where the one-product path runs."""
+import itertools
+
+import pytest
+import torch
+
+from vitattn_bwd import routing
+from vitattn_bwd.routing import STOCK, Route
+
+F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+
+
+def _route(dtypes=(F32,), x_dtype=None, autocast=None, precision=None,
+           torch_precision="highest", compiling=False, one_product=(BF16, F16),
+           device="cpu"):
+    """routing.route with defaults: a float32 block on the CPU, no autocast, precision
+    None, torch at "highest", eager, the one-product path in both half dtypes."""
+    return routing.route(device_type=device, dtypes=set(dtypes),
+                         x_dtype=x_dtype or dtypes[0], autocast_dtype=autocast,
+                         precision=precision, float32_precision=torch_precision,
+                         compiling=compiling, one_product=lambda dtype: dtype in one_product)
+
+
+def _fused(precision, half_dtype=None, compute=F32, opaque_ops=False):
+    return Route(stock=False, precision=precision, half_dtype=half_dtype,
+                 compute_dtype=compute, opaque_ops=opaque_ops)
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+@pytest.mark.parametrize("autocast", [BF16, F16])
+@pytest.mark.parametrize("dtypes,x_dtype", [((F32,), F32), ((F32, BF16), BF16),
+                                            ((F32, BF16), F32), ((BF16,), BF16)])
+def test_autocast_at_precision_none_runs_the_stock_ops(compiling, autocast, dtypes,
+                                                       x_dtype):
+    """Measured no faster there, eager (0.76-1.06x) and compiled (0.57-0.85x), for any
+    dtypes and wherever the one-product path would run."""
+    assert _route(dtypes, x_dtype, autocast=autocast, compiling=compiling) == STOCK
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_a_block_all_in_one_half_dtype_at_precision_none_runs_the_stock_ops(compiling,
+                                                                            dtype):
+    assert _route((dtype,), compiling=compiling) == STOCK
+    assert _route((dtype,), torch_precision="medium", compiling=compiling) == STOCK
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+@pytest.mark.parametrize("torch_precision,want", [
+    ("highest", _fused("highest")), ("high", _fused("high")),
+    ("medium", _fused("high", BF16))])
+def test_float32_at_precision_none_follows_torch(compiling, torch_precision, want):
+    """The fused path (1.24-1.45x stock in float32), at torch's float32 matmul
+    precision; inside torch.compile as the opaque operators."""
+    got = _route(torch_precision=torch_precision, compiling=compiling)
+    assert got == want._replace(opaque_ops=compiling)
+
+
+def test_an_explicit_precision_ignores_torch_and_autocast():
+    for precision, autocast in itertools.product(("highest", "high"), (None, BF16)):
+        assert _route(precision=precision, torch_precision=None,
+                      autocast=autocast) == _fused(precision), (precision, autocast)
+    # a half-precision block with an explicit float32-grade precision: cast to float32
+    assert _route((BF16,), precision="high") == _fused("high")
+    assert _route((F16, F32), F16, precision="highest", autocast=BF16) == _fused("highest")
+
+
+@pytest.mark.parametrize("autocast,want", [(None, BF16), (BF16, BF16), (F16, F16)])
+def test_medium_on_float32_is_the_one_product_path(autocast, want):
+    """bf16 outside autocast, the autocast dtype inside it; "high" where the path does
+    not run in that dtype."""
+    assert _route(precision="medium", autocast=autocast) == _fused("high", want)
+    assert _route(precision="medium", autocast=autocast,
+                  one_product=()) == _fused("high")
+    other = {BF16: F16, F16: BF16}[want]
+    assert _route(precision="medium", autocast=autocast,
+                  one_product=(other,)) == _fused("high")
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("autocast", [None, BF16, F16])
+def test_medium_on_a_half_precision_block_runs_natively_in_its_dtype(dtype, autocast):
+    assert _route((dtype,), precision="medium", autocast=autocast) == \
+        _fused("high", dtype, compute=dtype)
+    # where its dtype's path does not run: one product per matmul on float32 copies in
+    # the dtype that "medium" takes for float32 tensors (the autocast dtype, else
+    # bf16), where that one runs; else float32 math ("high")
+    other = {BF16: F16, F16: BF16}[dtype]
+    target = autocast or BF16
+    assert _route((dtype,), precision="medium", autocast=autocast,
+                  one_product=(other,)) == _fused("high", target if target == other
+                                                   else None)
+
+
+def test_medium_on_mixed_dtypes_casts_to_float32():
+    assert _route((F32, BF16), BF16, precision="medium") == _fused("high", BF16)
+    assert _route((F32, F16), F32, precision="medium", autocast=F16) == _fused("high", F16)
+
+
+def test_float64_on_the_cpu_is_float64_math():
+    assert _route((F64,)) == _fused("highest", compute=F64)
+    assert _route((F64,), torch_precision="high") == _fused("high", compute=F64)
+    assert _route((F64, F32), F32, precision="high") == _fused("high", compute=F64)
+    # no one-product path on float64 tensors: "medium" is float64 math
+    assert _route((F64,), precision="medium") == _fused("high", compute=F64)
+    # inside autocast (an explicit precision): float32, as custom kernels cast
+    assert _route((F64,), precision="high", autocast=BF16) == _fused("high")
+    assert _route((F64,), autocast=BF16) == STOCK
+
+
+def test_float64_elsewhere_is_refused():
+    with pytest.raises(TypeError, match="float64 is not supported on cuda"):
+        _route((F64,), device="cuda")
+    with pytest.raises(TypeError, match="float64 is not supported on cuda"):
+        _route((F64, F32), F32, precision="medium", device="cuda")
+    assert _route((F64,), device="cuda", autocast=BF16) == STOCK
+
+
+def test_compiling_selects_the_opaque_operators_on_the_fused_path_only():
+    for kwargs in (dict(), dict(precision="medium"), dict(precision="high", autocast=BF16),
+                   dict(dtypes=(BF16,), precision="medium")):
+        eager, traced = _route(**kwargs), _route(**kwargs, compiling=True)
+        assert not eager.opaque_ops and traced == eager._replace(opaque_ops=True), kwargs
+    assert _route(autocast=BF16, compiling=True) == STOCK
+
+
+def test_the_one_product_facts_asked_are_the_dtypes_it_would_run_in():
+    asked = []
+
+    def one_product(dtype):
+        asked.append(dtype)
+        return True
+    routing.route(device_type="cuda", dtypes={F32}, x_dtype=F32, autocast_dtype=None,
+                  precision=None, float32_precision="high", compiling=False,
+                  one_product=one_product)
+    assert asked == []                         # the fused float32 path needs none
+    routing.route(device_type="cuda", dtypes={F32}, x_dtype=F32, autocast_dtype=F16,
+                  precision="medium", float32_precision=None, compiling=False,
+                  one_product=one_product)
+    assert asked == [F16]
+
+
+def test_one_product_supported_is_the_cpu_or_gluon():
+    assert routing.one_product_supported(torch.device("cpu"), BF16, 72)
+    # no CUDA device here: gluon_core.available says no before asking the device
+    assert not routing.one_product_supported(torch.device("meta"), BF16, 64)

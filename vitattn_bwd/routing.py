@@ -1,0 +1,127 @@
+"""Which computation `vision_attention` runs for a call: the stock ops or the fused path,
+and on the fused path at which precision, in which dtypes, and as what kind of call.
+
+`route(...)` is a pure function of the call's facts (device, dtypes, autocast, the
+explicit `precision` and torch's own, whether torch.compile is tracing, and where the
+one-product path runs); `vision_attention` gathers the facts and follows the decision.
+The defaults by setting, from measurements on the H200 (issue 34; docs/performance.md):
+
+- precision None inside an autocast region: the stock ops (`stock_forward`). Our
+  one-product path (the autocast dtype's products with the fused backward) was measured
+  no faster there: in a 24-layer Hugging Face CLIP ViT-L/14-336 tower under bf16
+  autocast 0.99x / 0.76x / 1.06x stock eager at batch 1 / 8 / 32 (timm 0.98x, OpenCLIP
+  1.20x at batch 32), and swapped-and-compiled 0.57-0.85x torch.compile(stock).
+  `precision="medium"` runs the one-product path there explicitly.
+- precision None for a block all in bfloat16 or all in float16: the stock ops (the
+  fused one-product path in that dtype was 0.95x / 0.97x the stock tower at batch
+  8 / 32, docs/performance.md, session 12).
+- otherwise (float32, no autocast): the fused path at torch's float32 matmul precision,
+  which won 1.24-1.45x in float32, eager and compiled.
+
+Inside torch.compile the fused path runs as two torch.library operators (block_ops.py),
+opaque to dynamo, instead of the autograd.Function that eager calls use.
+"""
+from typing import NamedTuple
+
+import torch
+
+from . import gluon_core
+from .attention_core import HALF_DTYPES
+
+
+class Route(NamedTuple):
+    """The decision for one call.
+
+    stock: run `stock_forward` (torch's own LayerNorm, Linear and SDPA, in the caller's
+      autocast region or the tensors' dtype); the other fields are then None / False.
+    precision: the fused path's precision, "highest" or "high" (VisionAttentionFunction's).
+    half_dtype: None, or bf16 / fp16 for the one-product path in that dtype.
+    compute_dtype: the dtype the fused path's tensors are cast to.
+    opaque_ops: run the fused path as the torch.library operators (under torch.compile)
+      rather than the autograd.Function."""
+    stock: bool
+    precision: str | None = None
+    half_dtype: torch.dtype | None = None
+    compute_dtype: torch.dtype | None = None
+    opaque_ops: bool = False
+
+
+STOCK = Route(stock=True)
+
+
+@torch.compiler.assume_constant_result
+def one_product_supported(device, dtype, head_dim):
+    """Where the one-product path (bf16 / fp16 activations, the attention core's
+    one-product kernels) runs: on Hopper GPUs with Gluon (gluon_core.available), and on
+    the CPU (the same graph with PyTorch math, for correctness). Elsewhere the block
+    computes with the stock ops instead. Constant for a process, so torch.compile reads
+    it once when tracing."""
+    return device.type == "cpu" or gluon_core.available(device, dtype, head_dim)
+
+
+def torch_float32_precision():
+    """PyTorch's float32 matmul precision, "highest", "high" or "medium", from whichever
+    setting the process used: the legacy one (torch.set_float32_matmul_precision) or the
+    per-backend one (torch.backends.cuda.matmul.fp32_precision = "tf32" or "ieee"), where
+    torch.get_float32_matmul_precision() raises once the two are mixed."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        cuda_precision = getattr(torch.backends.cuda.matmul, "fp32_precision", "ieee")
+        return {"tf32": "high", "bf16": "medium"}.get(cuda_precision, "highest")
+
+
+# Under torch.compile: the same, read once when the graph is traced (dynamo cannot put
+# a function returning a string in a graph). Dynamo's global-state guard covers TF32
+# (torch.backends.cuda.matmul.allow_tf32), so a change between "highest" and the other
+# two recompiles; one between "high" and "medium" does not.
+_traced_float32_precision = torch.compiler.assume_constant_result(torch_float32_precision)
+
+
+def float32_precision_now(compiling):
+    """torch_float32_precision(), at each eager call, or once per traced graph where
+    `compiling` (torch.compiler.is_compiling())."""
+    return _traced_float32_precision() if compiling else torch_float32_precision()
+
+
+def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_precision,
+          compiling, one_product):
+    """The Route for a call (module docstring).
+
+    device_type: "cpu" or "cuda"; dtypes: the set of the dtypes of x and every
+    parameter; x_dtype: x's; autocast_dtype: the autocast dtype of an enabled autocast
+    region on that device, else None; precision: the call's (None, "highest", "high",
+    "medium"; checked by the caller); float32_precision: torch's float32 matmul
+    precision (read for precision None only); compiling: torch.compiler.is_compiling();
+    one_product(dtype) -> bool: whether the one-product path runs in that half dtype
+    for this device and head dim (one_product_supported). TypeError for float64 on a
+    device other than the CPU (the fused backward is float32 there)."""
+    native_half = len(dtypes) == 1 and x_dtype in HALF_DTYPES
+    if precision is None:
+        if autocast_dtype is not None or native_half:
+            return STOCK
+        precision = float32_precision
+    half_dtype = None
+    if precision == "medium":
+        # one product per matmul where it runs: natively in the dtype of a bf16 / fp16
+        # block, in the autocast dtype inside an autocast region, else bf16 on float32
+        # math; elsewhere "high", which is more precise than "medium" asks
+        if native_half and one_product(x_dtype):
+            half_dtype = x_dtype
+        elif torch.float64 not in dtypes:
+            half = autocast_dtype if autocast_dtype in HALF_DTYPES else torch.bfloat16
+            half_dtype = half if one_product(half) else None
+        precision = "high"
+    if native_half and half_dtype == x_dtype:
+        compute = x_dtype                               # a bf16 / fp16 block, as it is
+    elif autocast_dtype is not None:
+        compute = torch.float32                 # custom_fwd(cast_inputs=torch.float32)
+    elif torch.float64 in dtypes:
+        if device_type != "cpu":
+            raise TypeError(f"float64 is not supported on {device_type} (the fused "
+                            "backward is float32 there); use float32 or autocast")
+        compute = torch.float64
+    else:
+        compute = torch.float32
+    return Route(stock=False, precision=precision, half_dtype=half_dtype,
+                 compute_dtype=compute, opaque_ops=compiling)
