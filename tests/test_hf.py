@@ -373,3 +373,84 @@ def test_molmo_style_tower(spy):
     for a, b in zip(torch.autograd.grad(got, list(ours.parameters()), g),
                     torch.autograd.grad(want, list(stock.parameters()), g)):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------
+# inside torch.compile
+# --------------------------------------------------------------------------------------
+def _graph_breaks_and_ops(model, pixels):
+    explanation = torch._dynamo.explain(model)(pixel_values=pixels)
+    ops = {str(node.target) for gm in explanation.graphs for node in gm.graph.nodes
+           if "vitattn_bwd" in str(node.target)}
+    return explanation.graph_break_count, ops
+
+
+def _compiled_grads(model, pixels, weight):
+    """_grads through torch.compile(model, fullgraph=True), read from model's own
+    parameters."""
+    compiled = torch.compile(model, fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    loss = _loss(compiled, pixels, weight)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_swapped_float32_tower_compiles_in_one_graph(spy):
+    """float32: no graph break (the output-attentions probe reads no context variable
+    while dynamo traces; the routing reads torch's precision once per trace), the fused
+    block's forward as our operator in the user's graph, and torch.compile
+    (fullgraph=True)'s forward and backward equal to the eager swap's within float32
+    rounding and as close to the float64 stock tower."""
+    stock64 = _clip()
+    ours = swap_attention(copy.deepcopy(stock64).float())
+    pixels, weight = _inputs(torch.float32)
+    assert _graph_breaks_and_ops(ours, pixels) == (0, {"vitattn_bwd.vision_attention_fwd"})
+    assert len(spy) == 2                     # the swapped halves ran, inside the trace
+    got, got_grads = _compiled_grads(ours, pixels, weight)
+    eager, eager_grads = _grads(ours, pixels, weight)
+    want, want_grads = _grads(stock64, pixels.double(), weight.double())
+    assert abs(got - eager) < 1e-6 * abs(eager)
+    assert abs(got.double() - want) < 2e-5 * abs(want)
+    for name, err in _errors(got_grads, eager_grads).items():
+        assert err < 1e-5, (name, err)
+    for name, err in _errors(got_grads, want_grads).items():
+        assert err < 2e-5, (name, err)
+
+
+def test_swapped_tower_under_autocast_compiles_the_stock_ops_in_one_graph():
+    """Under bf16 autocast (precision None) the swapped attention halves are the stock
+    ops (vitattn_bwd.routing): no graph break, none of our operators, the compiled step
+    within bf16 rounding of the eager one."""
+    stock64 = _clip()
+    ours = swap_attention(copy.deepcopy(stock64).float())
+    pixels, weight = _inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _graph_breaks_and_ops(ours, pixels) == (0, set())
+        got, got_grads = _compiled_grads(ours, pixels, weight)
+        eager, eager_grads = _grads(ours, pixels, weight)
+    # (measured: 2.6e-3 for the loss and up to 1.4e-2 for a gradient, the same as the
+    # stock tower's compiled step against its eager one: Inductor rounds to bf16 at
+    # other places than eager autocast does)
+    assert abs(got - eager) < 1e-2 * abs(eager)
+    for name, err in _errors(got_grads, eager_grads).items():
+        assert err < 4e-2, (name, err)
+    assert all(g.dtype == torch.float32 for g in got_grads.values())
+
+
+def test_output_attentions_and_hidden_states_under_compile():
+    """Inside torch.compile the refusal of output_attentions still holds (from the
+    call's kwargs and from the config), and output_hidden_states still works."""
+    stock, ours = _pair(dtype=torch.float32)
+    pixels, _ = _inputs(torch.float32)
+    stock.config._attn_implementation = ours.config._attn_implementation = "eager"
+    compiled = torch.compile(ours)
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        compiled(pixel_values=pixels, output_attentions=True)
+    got = compiled(pixel_values=pixels, output_hidden_states=True).hidden_states
+    want = stock(pixel_values=pixels, output_hidden_states=True).hidden_states
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5)
+    ours.config.output_attentions = True
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        torch.compile(ours)(pixel_values=pixels)

@@ -1058,3 +1058,108 @@ def test_swapped_tower_under_autocast_compiles_the_stock_ops_in_one_graph(cls, k
     for name, err in _errors(got_grads, eager_grads).items():
         assert err < 2e-2, (name, err)
     assert all(g.dtype == torch.float32 for g in got_grads.values())
+
+
+# --------------------------------------------------------------------------------------
+# Stand-in for a transformers 4.x CLIP encoder layer (modeling_clip.py of 4.4x: explicit
+# attention_mask, causal_attention_mask and output_attentions arguments, a tuple out),
+# for the hf integration without transformers. NOT transformers.
+# --------------------------------------------------------------------------------------
+class LegacyStyleCLIPAttention(nn.Module):
+    def __init__(self, dim=DIM, heads=HEADS):
+        super().__init__()
+        self.embed_dim, self.num_heads, self.head_dim = dim, heads, dim // heads
+        self.scale, self.dropout = self.head_dim ** -0.5, 0.0
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(dim, dim)
+                                                                for _ in range(4))
+
+    def forward(self, hidden_states, attention_mask=None, causal_attention_mask=None,
+                output_attentions=False):
+        B, S, E = hidden_states.shape
+        q, k, v = (lin(hidden_states).view(B, S, self.num_heads, -1).transpose(1, 2)
+                   for lin in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, E)
+        return self.out_proj(out), None
+
+
+class LegacyStyleCLIPEncoderLayer(nn.Module):
+    def __init__(self, dim=DIM, heads=HEADS):
+        super().__init__()
+        self.self_attn = LegacyStyleCLIPAttention(dim, heads)
+        self.layer_norm1 = nn.LayerNorm(dim, eps=EPS)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.layer_norm2 = nn.LayerNorm(dim, eps=EPS)
+
+    def forward(self, hidden_states, attention_mask, causal_attention_mask,
+                output_attentions=False):
+        residual = hidden_states
+        hidden_states, attn_weights = self.self_attn(
+            hidden_states=self.layer_norm1(hidden_states), attention_mask=attention_mask,
+            causal_attention_mask=causal_attention_mask, output_attentions=output_attentions)
+        hidden_states = residual + hidden_states
+        hidden_states = hidden_states + self.mlp(self.layer_norm2(hidden_states))
+        outputs = (hidden_states,)
+        if output_attentions:
+            outputs += (attn_weights,)
+        return outputs
+
+
+class LegacyStyleCLIPVisionTower(nn.Module):
+    """As 4.x's CLIPEncoder calls its layers: (hidden, mask, causal mask,
+    output_attentions=...)."""
+
+    def __init__(self, layers=2):
+        super().__init__()
+        self.layers = nn.ModuleList(LegacyStyleCLIPEncoderLayer() for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, None, None, output_attentions=False)[0]
+        return x
+
+
+def _separate_projection_errors(got, want):
+    """_errors, the keys' own bias (k_proj.bias, ~0 in exact math) measured against its
+    layer's query bias gradient."""
+    errors = _errors(got, want)
+    for name in [n for n in errors if n.endswith("k_proj.bias")]:
+        query = want[name.replace("k_proj", "q_proj")].double()
+        errors[name] = ((got[name].double() - want[name].double()).norm()
+                        / query.norm()).item()
+    return errors
+
+
+def test_transformers_4_style_layers_swap_and_bind_their_arguments_by_name():
+    stock, ours = _pair(LegacyStyleCLIPVisionTower)
+    assert swapped_layers(ours) == ["layers.0", "layers.1"]
+    x, w = _inputs(torch.float64)
+    (want, want_grads), (got, got_grads) = _grads(stock, x, w), _grads(ours, x, w)
+    assert ((got - want).norm() / want.norm()).item() < 1e-12
+    for name, err in _separate_projection_errors(got_grads, want_grads).items():
+        assert err < 1e-12, (name, err)
+    layer = ours.layers[0]
+    x = torch.randn(1, TOKENS, DIM, dtype=torch.float64)
+    assert torch.equal(layer(x, None, None)[0], layer(x, None, None, False)[0])
+    mask = torch.zeros(1, 1, TOKENS, TOKENS, dtype=torch.float64)
+    with pytest.raises(ValueError, match="does not support attention_mask"):
+        layer(x, mask, None)
+    with pytest.raises(ValueError, match="does not support causal_attention_mask"):
+        layer(x, None, causal_attention_mask=mask)
+    for call in (lambda: layer(x, None, None, True),
+                 lambda: layer(x, None, None, output_attentions=True)):
+        with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+            call()
+    with pytest.raises(TypeError, match="takes 4 positional arguments, got 5"):
+        layer(x, None, None, False, None)
+
+
+def test_transformers_4_style_tower_compiles_in_one_graph():
+    stock64 = _make(LegacyStyleCLIPVisionTower)
+    ours = swap_attention(copy.deepcopy(stock64).float())
+    x, w = _inputs(torch.float32)
+    assert _graph_breaks_and_ops(ours, x) == (0, {"vitattn_bwd.vision_attention_fwd"})
+    got, got_grads = _compiled_grads(ours, x, w)
+    want, want_grads = _grads(stock64, x.double(), w.double())
+    assert ((got.double() - want).norm() / want.norm()).item() < 2e-5
+    for name, err in _separate_projection_errors(got_grads, want_grads).items():
+        assert err < 2e-5, (name, err)

@@ -13,7 +13,10 @@ each module's docstring for what it matches and refuses. A swapped layer keeps i
 submodules, parameters and state_dict keys, and stays an instance of its own class (it
 gets a subclass whose forward runs the attention half as
 vitattn_bwd.module.vision_attention). A layer that matches but cannot be computed exactly
-raises ValueError naming the layer and the reason, and then nothing is swapped.
+raises ValueError naming the layer and the reason, and then nothing is swapped. Inside
+torch.compile(model) a swapped model compiles without graph breaks (fullgraph=True too):
+a float32 block's forward and backward are opaque operators of the graph
+(vitattn_bwd.block_ops), and under autocast the block is the stock ops.
 
 None of the libraries is imported here or by the submodules: importing vitattn_bwd never
 requires them (timm and OpenCLIP classes are looked up among the imported modules).
@@ -47,10 +50,10 @@ def swap_attention(model, *, vision_only=True, libraries=None, precision=None):
     True): only layers inside a module whose class name contains "Vision" (a CLIP
     model's vision tower, timm's VisionTransformer), so text towers stay stock; False
     swaps every recognized layer (a bare encoder or list of blocks). precision: as
-    VisionAttentionBlock's (None follows torch.autocast (the one-product path), an
-    all-bf16/fp16 model's dtype (the stock ops) and torch's float32 matmul precision;
-    "highest" or "high" keeps the fused float32-grade path everywhere;
-    vitattn_bwd.module). Raises ValueError if
+    VisionAttentionBlock's (None: the stock ops under torch.autocast and for an
+    all-bf16/fp16 model, else the fused path at torch's float32 matmul precision;
+    "medium" our one-product path; "highest" or "high" keeps the fused float32-grade
+    path everywhere; vitattn_bwd.module). Raises ValueError if
     no layer is recognized or a recognized one cannot be computed exactly (the message
     names the layer and why), or for an unknown precision; nothing is swapped then."""
     names = list(LIBRARIES) if libraries is None else list(libraries)

@@ -8,10 +8,10 @@
 
 Every encoder layer of a vision tower whose attention half is LayerNorm -> q/k/v/out
 Linear projections -> softmax attention -> residual runs that half as
-`vitattn_bwd.module.vision_attention` (the fused backward: float32-grade, or one
-product per matmul under autocast and, at precision "medium", for an all-bf16/fp16
-model; the stock ops where that path does not run and for an all-bf16/fp16 model at
-precision None). Matched:
+`vitattn_bwd.module.vision_attention` (the fused backward, float32-grade, or at
+precision "medium" one product per matmul; at precision None the stock ops under
+autocast and for an all-bf16/fp16 model, where they were the faster:
+vitattn_bwd.routing). Matched:
 - CLIP / SigLIP style (CLIPEncoderLayer, SiglipEncoderLayer, ...): `layer_norm1`,
   `self_attn.{q_proj,k_proj,v_proj,out_proj}`, then `layer_norm2` and `mlp`;
 - Molmo style (ResidualAttentionBlock): `attention_norm`, `attention.{wq,wk,wv,wo}`,
@@ -36,10 +36,14 @@ device_map hooks) is refused at the swap. By default only layers inside a module
 "Vision" are swapped, so a CLIPModel's text tower stays stock.
 
 Works with transformers 4.4x (layers return a tuple and take output_attentions) and 5.x
-(layers return a tensor; kwargs).
+(layers return a tensor; kwargs), and inside torch.compile(model) without a graph break
+(fullgraph=True compiles): the swapped forward binds its arguments without inspect and
+decides output_attentions without reading transformers 5's context variable while
+dynamo traces (_attentions_requested).
 """
 import inspect
 import math
+import sys
 
 import torch
 from torch import nn
@@ -123,15 +127,40 @@ def _check_layer(name, layer, kind):
     return num_heads
 
 
-def _attentions_requested(kwargs):
-    if kwargs.get("output_attentions"):
+def _output_collector():
+    """transformers 5's output-capture collector (a context variable holding the dict of
+    outputs being collected), or None (transformers 4.x passes output_attentions to each
+    layer instead)."""
+    module = sys.modules.get("transformers.utils.output_capturing")
+    return getattr(module, "_active_collector", None)
+
+
+def _attentions_requested(layer, kwargs):
+    """Whether the caller asked for attention maps. transformers 4.x passes
+    output_attentions to every layer; transformers 5 may pass it in kwargs, or (from the
+    config) only to its output-capture hooks, through a context variable whose dict
+    holds an "attentions" list while attention maps are being collected.
+
+    Under torch.compile the context variable is not read: dynamo cannot trace
+    ContextVar.get (a graph break). There transformers' CompileableContextVar keeps
+    the dict in a plain attribute while compiling (`compiling`, `global_var`), which is
+    read where it is set; elsewhere (the capture set outside the traced code) the
+    decision is transformers' own rule, output_attentions from kwargs or else from the
+    attention module's config."""
+    requested = kwargs.get("output_attentions")
+    if requested:
         return True
-    try:       # transformers 5: config.output_attentions reaches only the capture hooks
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
+    collector = _output_collector()
+    if not torch.compiler.is_compiling():
+        collected = collector.get() if collector is not None else None
+        return bool(collected) and "attentions" in collected
+    if getattr(collector, "compiling", False):
+        collected = collector.global_var
+        return bool(collected) and "attentions" in collected
+    if requested is not None:                 # False given explicitly
         return False
-    collected = _active_collector.get()
-    return bool(collected) and "attentions" in collected
+    attn = getattr(layer, _CONVENTIONS["clip"]["attn"], None)
+    return bool(getattr(getattr(attn, "config", None), "output_attentions", False))
 
 
 def _no_attentions(layer):
@@ -166,10 +195,14 @@ def _attention_half(layer, hidden_states, conv, num_heads):
 def _clip_forward(self, hidden_states, *args, **kwargs):
     """CLIP / SigLIP layer: the fused attention half, then the stock MLP half."""
     if self._vitattn_legacy:             # transformers 4.x: explicit arguments, a tuple
-        bound = self._vitattn_signature.bind(self, hidden_states, *args, **kwargs)
-        arguments = bound.arguments
-        extra = arguments.pop("kwargs", {})
-        arguments.update(extra)
+        # by name, as the stock signature binds them (a dict from a zip, which dynamo
+        # traces, where inspect.Signature.bind is not traceable)
+        names = self._vitattn_positional
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__}.forward takes {len(names) + 1} "
+                            f"positional arguments, got {len(args) + 1}")
+        arguments = dict(zip(names, args))
+        arguments.update(kwargs)
     else:                                # transformers 5 style: (hidden, mask, **kwargs)
         arguments = dict(kwargs)
         if args:
@@ -177,7 +210,7 @@ def _clip_forward(self, hidden_states, *args, **kwargs):
     for mask in ("attention_mask", "causal_attention_mask"):
         if arguments.get(mask) is not None:
             _no_mask(self, mask)
-    if _attentions_requested(arguments):
+    if _attentions_requested(self, arguments):
         _no_attentions(self)
     conv = _CONVENTIONS["clip"]
     hidden_states = _attention_half(self, hidden_states, conv, self._vitattn_num_heads)
@@ -199,11 +232,13 @@ def _fused_class(stock_cls, kind):
     if cls is None:
         signature = inspect.signature(stock_cls.forward)
         legacy = kind == "clip" and "output_attentions" in signature.parameters
+        positional = [name for name, p in list(signature.parameters.items())[2:]
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         cls = type(f"VitAttn{stock_cls.__name__}", (stock_cls,), {
             "forward": _clip_forward if kind == "clip" else _molmo_forward,
             "_vitattn_stock_class": stock_cls,
             "_vitattn_legacy": legacy,
-            "_vitattn_signature": signature,
+            "_vitattn_positional": tuple(positional),   # after self, hidden_states
             "__module__": __name__,
             "__doc__": f"{stock_cls.__name__} whose attention half runs vitattn_bwd's "
                        "fused block (vitattn_bwd.integrations.hf).",

@@ -14,10 +14,9 @@ with `attn` either an nn.MultiheadAttention (open_clip 2.x-3.x: packed `in_proj_
 [3E,E] / `in_proj_bias`, `out_proj`; batch_first True, or False where OpenCLIP's
 Transformer passes [S,B,E]) or OpenCLIP's own `Attention` (later versions: the same
 parameter names, batch first). The first line runs as
-`vitattn_bwd.module.vision_attention` (the fused backward: float32-grade, or one
-product per matmul under autocast and, at precision "medium", for an all-bf16/fp16
-model; the stock ops where that path does not run and for an all-bf16/fp16 model at
-precision None), the second with the stock modules.
+`vitattn_bwd.module.vision_attention` (the fused backward, float32-grade, or at
+precision "medium" one product per matmul; at precision None the stock ops under
+autocast and for an all-bf16/fp16 model, where they were the faster: vitattn_bwd.routing), the second with the stock modules.
 LayerScale `ls_1` is applied exactly (folded into the out projection on the fused path;
 its gamma gets its gradient).
 

@@ -12,10 +12,9 @@ forward), whose forward is
     x = x + drop_path2(ls2(mlp(norm2(x))))
 with `attn` timm's `Attention` (fused `qkv` Linear [3E,E], `proj` Linear [E,E],
 `num_heads`). The swapped forward runs the first line as
-`vitattn_bwd.module.vision_attention` (the fused backward: float32-grade, or one
-product per matmul under autocast and, at precision "medium", for an all-bf16/fp16
-model; the stock ops where that path does not run and for an all-bf16/fp16 model at
-precision None) and the second with the stock modules.
+`vitattn_bwd.module.vision_attention` (the fused backward, float32-grade, or at
+precision "medium" one product per matmul; at precision None the stock ops under
+autocast and for an all-bf16/fp16 model, where they were the faster: vitattn_bwd.routing) and the second with the stock modules.
 LayerScale `ls1` is supported exactly: vision_attention folds its gamma into the out
 projection on the fused path (x + gamma * (o W^T + b) = x + o (gamma[:, None] W)^T +
 gamma b) and multiplies the projection's output by it on the stock path, so gamma gets
