@@ -35,3 +35,25 @@ def test_static_buffers_made_in_inference_mode_take_later_copies():
     with torch.no_grad():
         torch._foreach_copy_(list(static.values()), list(fresh.values()))
     assert all(torch.equal(static[n].detach(), fresh[n].detach()) for n in fresh)
+
+
+def test_a_call_inside_the_callers_capture_runs_fn_directly(monkeypatch):
+    """Inside a CUDA-graph capture of the caller's (torch.compile's CUDA graphs, a
+    torch.cuda.graph block), GraphedCall neither captures nor replays a graph of its
+    own: it calls fn, whose kernels go into the caller's graph. (Checked first, before
+    any CUDA call, so a stand-in capture state shows it on the CPU.)"""
+    from vitattn_bwd.cuda_graphs import GraphedCall
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    calls = []
+
+    def fn(**inputs):
+        calls.append(sorted(inputs))
+        return [inputs["a"] * 2, inputs["b"].sum()]
+    graphed = GraphedCall(fn)
+    a, b = torch.ones(3), torch.arange(4.0)
+    for _ in range(2):
+        out = graphed(a=a, b=b)
+        assert isinstance(out, tuple)
+        assert torch.equal(out[0], a * 2) and out[1].item() == 6.0
+    assert calls == [["a", "b"], ["a", "b"]]
+    assert graphed._graphs == {}

@@ -33,6 +33,32 @@ def test_replays_equal_direct_calls_and_outputs_are_not_overwritten():
     assert len(graphed._graphs) == 1
 
 
+def test_inside_a_callers_capture_its_kernels_go_into_the_callers_graph():
+    """A GraphedCall whose signature already has a graph of its own, called while the
+    caller captures (as torch.compile's CUDA graphs do around our operators): no replay
+    inside the capture (not allowed there), fn's kernels in the caller's graph, whose
+    replays compute fn on the values copied into its inputs."""
+    graphed = GraphedCall(_product_and_sum)
+    for seed in range(2):
+        graphed(**_inputs(seed))                       # run, capture our own graph
+    static = _inputs(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graphed(**static)                              # a warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    theirs = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(theirs):
+        outputs = graphed(**static)
+    for seed in (3, 4):
+        for name, t in _inputs(seed).items():
+            static[name].copy_(t)
+        theirs.replay()
+        want = _product_and_sum(**_inputs(seed))
+        assert all(torch.equal(g, w) for g, w in zip(outputs, want)), seed
+    assert len(graphed._graphs) == 1
+
+
 def test_one_graph_per_signature():
     graphed = GraphedCall(_product_and_sum)
     for n in (32, 64, 32, 64):

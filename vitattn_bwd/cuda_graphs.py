@@ -7,7 +7,10 @@ normally (compiling and autotuning if need be) and then captures one CUDA graph 
 static copies of those inputs; later calls copy their inputs into the static buffers
 (one multi-tensor copy), replay the graph and copy its outputs out (another). Nothing is
 compiled or allocated by the graph after capture, so every replay launches the same
-kernels.
+kernels. A call made while the caller itself captures a CUDA graph (torch.compile's
+"reduce-overhead" CUDA graphs around our operators, a torch.cuda.graph block) runs the
+compiled function directly, so that its kernels become part of the caller's graph: a
+capture cannot begin, nor a graph be replayed, inside another capture.
 
 Why not Inductor's CUDA graph trees (the `triton.cudagraphs` option): their tree manager
 and memory pool are per device and shared by every thread, and before pytorch PR 184357
@@ -96,7 +99,8 @@ class GraphedCall:
     graphs are) and must not keep references to its inputs or outputs; all inputs on one
     GPU.
 
-    The first call of a signature runs fn directly, then captures. One lock per instance
+    The first call of a signature runs fn directly, then captures. A call made while
+    the current stream is capturing (the caller's CUDA graph) runs fn directly. One lock per instance
     serializes calls, the first (compiling, autotuning) one included. If a capture fails,
     that signature runs fn directly from then on, with a warning: correct, only slower.
     Each captured signature keeps its static inputs and its graph's memory pool (about
@@ -108,6 +112,11 @@ class GraphedCall:
         self._lock = threading.Lock()
 
     def __call__(self, **inputs):
+        if torch.cuda.is_current_stream_capturing():
+            # inside the caller's own capture (torch.compile's CUDA graphs, a
+            # torch.cuda.graph block): fn's kernels become part of the caller's graph;
+            # a capture of our own cannot begin there, nor a replay run inside it
+            return tuple(self.fn(**inputs))
         key = _signature(inputs)
         device = next(iter(inputs.values())).device
         # entering torch.cuda.device costs more host time than the check
