@@ -218,7 +218,8 @@ class BackwardCalls(RuleBasedStateMachine):
                 thread, lambda: observer.watch(lambda: _call(inputs, heads, ln_grad)))
         compiled = counters["unique_graphs"] - graphs_before
         stats = S.RUN_STATS.setdefault("stateful machine", {
-            "examples": 0, "rejected_over_budget": 0, "seconds": 0.0, "max_errors": {}})
+            "examples": 0, "rejected_over_budget": 0, "seconds": 0.0, "max_errors": {},
+            "plant": None})
         stats["examples"] += 1                        # here: calls, in every run so far
         GRAPHS[key] = GRAPHS.get(key, 0) + compiled
         self.keys.add(key)
