@@ -309,12 +309,20 @@ def test_unsupported_layers_are_refused_at_the_swap():
 
 
 def test_attention_mask_is_refused():
+    """... naming the layer by its path in the model (the swap records it, as the timm
+    and OpenCLIP swaps do: integrations._common)."""
     _, ours = _pair()
-    layer = ours.get_submodule(swapped_layers(ours)[0])
+    path = swapped_layers(ours)[0]
+    layer = ours.get_submodule(path)
+    assert layer._vitattn_path == path
     x = torch.randn(1, 5, 32, dtype=torch.float64)
     mask = torch.zeros(1, 1, 5, 5, dtype=torch.float64)
-    with pytest.raises(ValueError, match="does not support attention_mask"):
+    with pytest.raises(ValueError, match=rf"^{path} \(VitAttnCLIPEncoderLayer, vitattn_bwd "
+                                         r"fused attention\) does not support "
+                                         r"attention_mask"):
         layer(x, mask) if not layer._vitattn_legacy else layer(x, mask, None)
+    unswap_attention(ours)
+    assert not any(a.startswith("_vitattn_") for a in vars(layer))
 
 
 # A Molmo-style vision tower (the names of Molmo's image ViT: resblocks of

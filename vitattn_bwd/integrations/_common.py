@@ -1,8 +1,10 @@
-"""What the timm and OpenCLIP integrations share: the swap plan (match every layer, check
-every match, then swap them all or none), the fused subclasses made per stock class, the
-fused attention half with an optional LayerScale folded in, and the refusal messages.
+"""What the Hugging Face, timm and OpenCLIP integrations share: the swap plan (match every
+layer, check every match, then swap them all or none), swap / unswap and what a swapped
+layer carries (its stock class, num_heads, precision and path), the fused subclasses made
+per stock class, the fused attention half with an optional LayerScale folded in, and the
+refusal messages.
 
-A library module provides three functions, as vitattn_bwd.integrations.hf does:
+A library module (hf, timm, open_clip) provides only what differs, three functions:
 `_match(layer) -> kind or None`, `_check_layer(path, layer, kind) -> num_heads` (raises
 ValueError naming `path` and the reason) and `_fused_class(stock_cls, kind)`.
 """
@@ -11,9 +13,25 @@ import sys
 from torch import nn
 
 from ..module import check_config, check_precision, vision_attention
-from .hf import _in_vision_tower, is_swapped
 
 STOCK_CLASS = "_vitattn_stock_class"
+
+
+def is_swapped(layer):
+    """True if `layer`'s class is a fused subclass made by a swap (any integration)."""
+    return STOCK_CLASS in type(layer).__dict__
+
+
+def _in_vision_tower(model, name):
+    """True if `model` or a module on the path to `name` has "Vision" in its class name."""
+    module, parts = model, name.split(".") if name else []
+    if "vision" in type(module).__name__.lower():
+        return True
+    for part in parts:
+        module = getattr(module, part)
+        if "vision" in type(module).__name__.lower():
+            return True
+    return False
 
 
 class ClassRegistry:
@@ -179,9 +197,10 @@ def stock_forward_is(cls, known):
     return any(issubclass(cls, k) and cls.forward is k.forward for k in known)
 
 
-def make_fused_class(stock_cls, forward, module_globals, cache, library):
-    """The subclass of `stock_cls` whose forward is `forward`, made once per class and put
-    in the integration module's namespace (so that pickle finds it after a swap)."""
+def make_fused_class(stock_cls, forward, module_globals, cache, library, attributes=None):
+    """The subclass of `stock_cls` whose forward is `forward` (and which has the class
+    `attributes`, a dict, if given), made once per class and put in the integration
+    module's namespace (so that pickle finds it after a swap)."""
     cls = cache.get(stock_cls)
     if cls is None:
         base = f"VitAttn{stock_cls.__name__}"
@@ -195,6 +214,7 @@ def make_fused_class(stock_cls, forward, module_globals, cache, library):
             "__qualname__": name,
             "__doc__": f"{stock_cls.__name__} whose attention half runs vitattn_bwd's "
                        f"fused block ({module_globals['__name__']}, {library}).",
+            **(attributes or {}),
         })
         cache[stock_cls] = cls
         module_globals[name] = cls
@@ -228,12 +248,15 @@ def apply_plan(plan, precision):
         layer._vitattn_path = name or "model"      # for the refusals at the call
 
 
-def swap(model, libraries, vision_only, looked_for, precision):
+def swap(model, libraries, vision_only, looked_for, precision, what="layer"):
+    """Swap every layer of `model` that one of `libraries` matches (plan_swaps, then
+    apply_plan); ValueError naming `what` was `looked_for` if there is none and none is
+    swapped already."""
     check_precision(precision)
     plan = plan_swaps(model, libraries, vision_only)
     if not plan and not swapped_layers(model):
         raise ValueError(
-            f"swap_attention found no layer to swap in {type(model).__name__} (looked for "
+            f"swap_attention found no {what} to swap in {type(model).__name__} (looked for "
             f"{looked_for}" + (", inside a module whose class name contains 'Vision'; "
                                "pass vision_only=False to swap others" if vision_only
                                else "") + ")")

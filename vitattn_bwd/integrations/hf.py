@@ -48,11 +48,14 @@ import sys
 import torch
 from torch import nn
 
-from ..module import check_config, check_precision, vision_attention
+from ..module import check_config, vision_attention
+from . import _common
 
 __all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped"]
 
 _FUSED_CLASSES = {}        # stock layer class -> its fused subclass
+is_swapped = _common.is_swapped
+swapped_layers = _common.swapped_layers
 
 
 def _linear(module, name):
@@ -165,16 +168,9 @@ def _attentions_requested(layer, kwargs):
 
 def _no_attentions(layer):
     raise ValueError(
-        f"{type(layer).__name__} (vitattn_bwd fused attention) cannot return attention "
-        "maps: output_attentions=True is not supported. Call "
-        "vitattn_bwd.integrations.hf.unswap_attention(model) first to get them from the "
-        "stock layers.")
-
-
-def _no_mask(layer, what):
-    raise ValueError(f"{type(layer).__name__} (vitattn_bwd fused attention) does not "
-                     f"support {what}: got one that is not None. Vision towers pass none; "
-                     "unswap_attention(model) restores the stock layers.")
+        f"{_common._who(layer)} cannot return attention maps: output_attentions=True is "
+        "not supported. Call vitattn_bwd.integrations.hf.unswap_attention(model) first "
+        "to get them from the stock layers.")
 
 
 def _attention_half(layer, hidden_states, conv, num_heads):
@@ -189,7 +185,7 @@ def _attention_half(layer, hidden_states, conv, num_heads):
     ln_bias = norm.bias if norm.bias is not None else q.weight.new_zeros(E)
     return vision_attention(hidden_states, ln_weight, ln_bias, qkv_weight,
                             torch.cat(biases), o.weight, out_bias, num_heads, norm.eps,
-                            getattr(layer, "_vitattn_precision", None))
+                            _common.precision_of(layer))
 
 
 def _clip_forward(self, hidden_states, *args, **kwargs):
@@ -209,7 +205,7 @@ def _clip_forward(self, hidden_states, *args, **kwargs):
             arguments["attention_mask"] = args[0]
     for mask in ("attention_mask", "causal_attention_mask"):
         if arguments.get(mask) is not None:
-            _no_mask(self, mask)
+            _common.refuse_mask(self, mask)
     if _attentions_requested(self, arguments):
         _no_attentions(self)
     conv = _CONVENTIONS["clip"]
@@ -222,46 +218,25 @@ def _clip_forward(self, hidden_states, *args, **kwargs):
 def _molmo_forward(self, x, *args, **kwargs):
     """Molmo ResidualAttentionBlock: x + attention(norm(x)), then the stock FFN half."""
     if args or any(v is not None for v in kwargs.values()):
-        _no_mask(self, "extra forward arguments (a mask)")
+        _common.refuse_mask(self, "extra forward arguments (a mask)")
     x = _attention_half(self, x, _CONVENTIONS["molmo"], self._vitattn_num_heads)
     return x + self.feed_forward(self.ffn_norm(x))
 
 
 def _fused_class(stock_cls, kind):
-    cls = _FUSED_CLASSES.get(stock_cls)
-    if cls is None:
-        signature = inspect.signature(stock_cls.forward)
-        legacy = kind == "clip" and "output_attentions" in signature.parameters
-        positional = [name for name, p in list(signature.parameters.items())[2:]
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        cls = type(f"VitAttn{stock_cls.__name__}", (stock_cls,), {
-            "forward": _clip_forward if kind == "clip" else _molmo_forward,
-            "_vitattn_stock_class": stock_cls,
-            "_vitattn_legacy": legacy,
-            "_vitattn_positional": tuple(positional),   # after self, hidden_states
-            "__module__": __name__,
-            "__doc__": f"{stock_cls.__name__} whose attention half runs vitattn_bwd's "
-                       "fused block (vitattn_bwd.integrations.hf).",
-        })
-        _FUSED_CLASSES[stock_cls] = cls
-        globals()[cls.__name__] = cls        # so that pickle finds it after a swap
-    return cls
+    signature = inspect.signature(stock_cls.forward)
+    legacy = kind == "clip" and "output_attentions" in signature.parameters
+    positional = [name for name, p in list(signature.parameters.items())[2:]
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return _common.make_fused_class(
+        stock_cls, _clip_forward if kind == "clip" else _molmo_forward, globals(),
+        _FUSED_CLASSES, "Hugging Face",
+        dict(_vitattn_legacy=legacy,
+             _vitattn_positional=tuple(positional)))    # after self, hidden_states
 
 
-def is_swapped(layer):
-    return "_vitattn_stock_class" in type(layer).__dict__
-
-
-def _in_vision_tower(model, name):
-    """True if `model` or a module on the path to `name` has "Vision" in its class name."""
-    module, parts = model, name.split(".") if name else []
-    if "vision" in type(module).__name__.lower():
-        return True
-    for part in parts:
-        module = getattr(module, part)
-        if "vision" in type(module).__name__.lower():
-            return True
-    return False
+LOOKED_FOR = ("layer_norm1 + self_attn.q_proj/k_proj/v_proj/out_proj + layer_norm2 + "
+              "mlp, or attention_norm + attention.wq/wk/wv/wo + ffn_norm + feed_forward")
 
 
 def swap_attention(model, *, vision_only=True, precision=None):
@@ -271,40 +246,11 @@ def swap_attention(model, *, vision_only=True, precision=None):
     VisionAttentionBlock's (vitattn_bwd.module). Raises ValueError if no layer matches or
     a matching layer cannot be computed exactly (dropout, grouped-query, non-standard
     scale), or for an unknown precision; nothing is swapped then."""
-    check_precision(precision)
-    plan = []
-    for name, layer in model.named_modules():
-        if is_swapped(layer):
-            continue
-        kind = _match(layer)
-        if kind is None or (vision_only and not _in_vision_tower(model, name)):
-            continue
-        plan.append((name, layer, kind, _check_layer(name or "model", layer, kind)))
-    if not plan and not swapped_layers(model):
-        raise ValueError(
-            f"swap_attention found no encoder layer to swap in {type(model).__name__} "
-            "(looked for layer_norm1 + self_attn.q_proj/k_proj/v_proj/out_proj + "
-            "layer_norm2 + mlp, or attention_norm + attention.wq/wk/wv/wo + ffn_norm + "
-            "feed_forward" + (", inside a module whose class name contains 'Vision'; "
-                              "pass vision_only=False to swap others" if vision_only
-                              else "") + ")")
-    for name, layer, kind, num_heads in plan:
-        layer.__class__ = _fused_class(type(layer), kind)
-        layer._vitattn_num_heads = num_heads
-        layer._vitattn_precision = precision
-    return model
+    return _common.swap(model, [sys.modules[__name__]], vision_only, LOOKED_FOR,
+                        precision, what="encoder layer")
 
 
 def unswap_attention(model):
-    """Restore the stock class of every swapped layer of `model`; return `model`."""
-    for _, layer in model.named_modules():
-        if is_swapped(layer):
-            layer.__class__ = type(layer)._vitattn_stock_class
-            for attr in [a for a in vars(layer) if a.startswith("_vitattn_")]:
-                delattr(layer, attr)           # _vitattn_num_heads (and _path, if set)
-    return model
-
-
-def swapped_layers(model):
-    """Names of the swapped layers of `model`, in module order."""
-    return [name for name, layer in model.named_modules() if is_swapped(layer)]
+    """Restore the stock class of every swapped layer of `model` (any integration's);
+    return `model`."""
+    return _common.unswap(model)
