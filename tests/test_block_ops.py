@@ -134,3 +134,27 @@ def test_compiled_block_has_no_graph_break_and_matches_eager(autocast):
     for name, ours, eager in zip(["y", "x"] + [n for n, _ in block.named_parameters()],
                                  relative_errors(got, truth), relative_errors(want, truth)):
         assert ours < 1.2 * eager + (0 if autocast else 1e-6), (name, ours, eager)
+
+
+@pytest.mark.parametrize("precision,dtype,autocast", [
+    ("medium", torch.float32, False),              # the one-product path on float32
+    ("medium", torch.bfloat16, False),             # ... natively in a bf16 block
+    ("high", torch.float32, True)])                # float32 math inside autocast
+def test_compiled_fused_variants_are_the_operators_and_equal_eager(precision, dtype,
+                                                                   autocast):
+    """Every fused route runs as the operators inside torch.compile, bit for bit what
+    the eager Function computes (the same implementations on the same inputs)."""
+    block = _block().to(dtype)
+    block.precision = precision
+    x = torch.randn(3, 7, E).to(dtype)
+    grad_y = torch.randn(3, 7, E).to(dtype)
+    region = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else \
+        torch.enable_grad
+    with region():
+        explanation = torch._dynamo.explain(block)(x)
+        got = _forward_backward(torch.compile(block, fullgraph=True), block, x, grad_y)
+        want = _forward_backward(block, block, x, grad_y)
+    assert explanation.graph_break_count == 0
+    assert _ops_in(explanation) == {"vitattn_bwd.vision_attention_fwd"}
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
