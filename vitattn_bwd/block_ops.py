@@ -21,8 +21,9 @@ first (vitattn_bwd.module.vision_attention): all seven of one dtype, float32 (fl
 the CPU) or, with half_dtype, float32 or that half dtype.
 
 Eager calls use the autograd.Function instead (module.py), whose host time per call is
-lower (the operators add the dispatcher's Python kernels and the register_autograd
-wrapper). The operators are defined through torch.library.Library, not custom_op, as
+lower: the operators add the dispatcher's Python kernels and the register_autograd
+wrapper, measured on a 2-core CPU at ~+45-55 us per forward and backward and ~+15 us per
+forward (paired medians, a tiny block). The operators are defined through torch.library.Library, not custom_op, as
 gluon_core's are: custom_op's wrapper cost ~0.22 ms of host time per call on the
 H200.
 """

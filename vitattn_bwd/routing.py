@@ -13,8 +13,8 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
   1.20x at batch 32), and swapped-and-compiled 0.57-0.85x torch.compile(stock).
   `precision="medium"` runs the one-product path there explicitly.
 - precision None for a block all in bfloat16 or all in float16: the stock ops (the
-  fused one-product path in that dtype was 0.95x / 0.97x the stock tower at batch
-  8 / 32, docs/performance.md, session 12).
+  fused one-product path in that dtype was 0.95x / 0.97x the stock 24-layer tower at
+  batch 8 / 32; docs/runs/bench_module/bench_module_bf16_s12.log).
 - otherwise (float32, no autocast): the fused path at torch's float32 matmul precision,
   which won 1.24-1.45x in float32, eager and compiled.
 
