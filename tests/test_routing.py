@@ -14,13 +14,14 @@ F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float1
 
 def _route(dtypes=(F32,), x_dtype=None, autocast=None, precision=None,
            torch_precision="highest", compiling=False, one_product=(BF16, F16),
-           device="cpu"):
+           device="cpu", fused_kernels=True):
     """routing.route with defaults: a float32 block on the CPU, no autocast, precision
     None, torch at "highest", eager, the one-product path in both half dtypes."""
     return routing.route(device_type=device, dtypes=set(dtypes),
                          x_dtype=x_dtype or dtypes[0], autocast_dtype=autocast,
                          precision=precision, float32_precision=torch_precision,
-                         compiling=compiling, one_product=lambda dtype: dtype in one_product)
+                         compiling=compiling, one_product=lambda dtype: dtype in one_product,
+                         fused_kernels=fused_kernels)
 
 
 def _fused(precision, half_dtype=None, compute=F32, opaque_ops=False):
@@ -146,3 +147,23 @@ def test_one_product_supported_is_the_cpu_or_gluon():
     assert routing.one_product_supported(torch.device("cpu"), BF16, 72)
     # no CUDA device here: gluon_core.available says no before asking the device
     assert not routing.one_product_supported(torch.device("meta"), BF16, 64)
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+@pytest.mark.parametrize("torch_precision", ["highest", "high"])
+def test_a_head_dim_without_kernels_runs_the_stock_ops_unless_asked(compiling,
+                                                                    torch_precision):
+    """Float32 on a GPU at a head dim the attention core has no kernels for (SigLIP's
+    72: 0.44x stock measured): the stock ops at precision None; an explicit precision
+    still runs the fused path."""
+    assert _route(torch_precision=torch_precision, compiling=compiling, device="cuda",
+                  fused_kernels=False) == STOCK
+    assert _route(precision="high", compiling=compiling, device="cuda",
+                  fused_kernels=False) == _fused("high", opaque_ops=compiling)
+
+
+def test_fused_kernels_are_the_templates_head_dims_on_cuda():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [routing.fused_kernels_for(cuda, d) for d in (16, 32, 64, 72, 80, 128)] == \
+        [True, True, True, False, False, True]
+    assert routing.fused_kernels_for(cpu, 72)

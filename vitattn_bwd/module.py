@@ -279,7 +279,8 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         float32_precision=(routing.float32_precision_now(compiling) if precision is None
                            else None),
         compiling=compiling,
-        one_product=lambda dtype: one_product_supported(device, dtype, head_dim))
+        one_product=lambda dtype: one_product_supported(device, dtype, head_dim),
+        fused_kernels=routing.fused_kernels_for(device, head_dim))
     if decision.stock:
         return stock_forward(x, *params, num_heads, eps, gamma)
     compute = decision.compute_dtype

@@ -16,7 +16,10 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
   fused one-product path in that dtype was 0.95x / 0.97x the stock 24-layer tower at
   batch 8 / 32; docs/runs/bench_module/bench_module_bf16_s12.log).
 - otherwise (float32, no autocast): the fused path at torch's float32 matmul precision,
-  which won 1.24-1.45x in float32, eager and compiled.
+  which won 1.24-1.45x in float32, eager and compiled; but on a GPU only where its
+  attention core has kernels (attention_core.triton_supports: head dims 16, 32, 64,
+  128), else the stock ops: without them the core runs as PyTorch math with P in
+  memory, and a SigLIP so400m-shaped tower (head dim 72) ran 0.44x stock in float32.
 
 Inside torch.compile the fused path runs as two torch.library operators (block_ops.py),
 opaque to dynamo, instead of the autograd.Function that eager calls use.
@@ -25,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import gluon_core
+from . import attention_core, gluon_core
 from .attention_core import HALF_DTYPES
 
 
@@ -84,8 +87,16 @@ def float32_precision_now(compiling):
     return _traced_float32_precision() if compiling else torch_float32_precision()
 
 
+def fused_kernels_for(device, head_dim):
+    """Whether the fused float32 path's attention core runs kernels here: the Triton
+    templates on CUDA at their head dims; the CPU's plain math counts (the CPU path
+    exists for correctness, and is what the CPU tests check)."""
+    return device.type == "cpu" or attention_core.triton_supports(device.type,
+                                                                   torch.float32, head_dim)
+
+
 def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_precision,
-          compiling, one_product):
+          compiling, one_product, fused_kernels=True):
     """The Route for a call (module docstring).
 
     device_type: "cpu" or "cuda"; dtypes: the set of the dtypes of x and every
@@ -94,11 +105,13 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
     "medium"; checked by the caller); float32_precision: torch's float32 matmul
     precision (read for precision None only); compiling: torch.compiler.is_compiling();
     one_product(dtype) -> bool: whether the one-product path runs in that half dtype
-    for this device and head dim (one_product_supported). TypeError for float64 on a
-    device other than the CPU (the fused backward is float32 there)."""
+    for this device and head dim (one_product_supported); fused_kernels: whether the
+    fused float32 path's attention core has kernels for this device and head dim
+    (fused_kernels_for). TypeError for float64 on a device other than the CPU (the
+    fused backward is float32 there)."""
     native_half = len(dtypes) == 1 and x_dtype in HALF_DTYPES
     if precision is None:
-        if autocast_dtype is not None or native_half:
+        if autocast_dtype is not None or native_half or not fused_kernels:
             return STOCK
         precision = float32_precision
     half_dtype = None
