@@ -75,3 +75,17 @@ def test_the_contract_entry_point_raises_out_of_memory_and_then_runs(monkeypatch
     monkeypatch.setattr(graph, "_compile", compile_graph)
     grads = api.attention_block_backward(**inputs, num_heads=2)
     assert_within_bounds(grads, inputs, num_heads=2, ln_grad="exact")
+
+
+
+def test_the_compiled_forward_raises_out_of_memory():
+    """VisionAttentionBlock's compiled forward is called through
+    forward_graph._run_compiled (CUDA only: the CPU runs it uncompiled), which converts
+    the same way."""
+    from vitattn_bwd import forward_graph
+
+    def out_of_memory(**tensors):
+        raise _inductor_wrapped(torch.OutOfMemoryError(DEVICE_OOM))
+
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        forward_graph._run_compiled(out_of_memory, {})

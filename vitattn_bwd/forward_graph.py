@@ -39,6 +39,7 @@ from torch.nn import functional as F
 from . import graph
 from .attention_core import HALF_DTYPES, triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_split
+from .errors import out_of_memory_as_such
 from .layout import split_heads
 from .precision import linear_bf16x3, operand_split
 from .split_gemm import linear_fp16x3
@@ -166,7 +167,9 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
 
 
 @torch.compiler.disable
+@out_of_memory_as_such
 def _run_compiled(fn, tensors):
     """Opaque to an enclosing torch.compile (of a model using VisionAttentionBlock): our
-    graph is compiled on its own, with its own options."""
+    graph is compiled on its own, with its own options. A device out-of-memory, in the
+    compile or the run, raises torch.OutOfMemoryError (errors.py)."""
     return fn(**tensors)
