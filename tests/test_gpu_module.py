@@ -129,7 +129,10 @@ def _check_one_product_path(monkeypatch, block, x, half_dtype, grads_dtype, slac
 @pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
 def test_autocast_runs_the_stock_ops_by_default(monkeypatch, autocast_dtype):
     """precision None under autocast: the stock ops (routing.py: our one-product path
-    measured no faster there), bit for bit the stock block's output and gradients."""
+    measured no faster there): the fused path is not taken, and the output and gradients
+    are the stock block's, up to the order of torch's attention backward's atomic adds
+    (cuDNN's and flash's dQ are not bitwise reproducible; on the H200 a bitwise
+    comparison failed), within one unit roundoff of the half dtype."""
     calls = recorded_half_dtypes(monkeypatch)
     block = _block()
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
@@ -138,7 +141,8 @@ def test_autocast_runs_the_stock_ops_by_default(monkeypatch, autocast_dtype):
         got = _ours(block, x, grad_y)
         want = _ours(reference.ReferenceBlock(block), x, grad_y)
     assert calls == []
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    for g, w, err in zip(got, want, relative_errors(got, want)):
+        assert g.dtype == w.dtype and err < UNIT_ROUNDOFF[autocast_dtype], (g.dtype, err)
 
 
 @pytest.mark.parametrize("batch", [BATCH, 16])
