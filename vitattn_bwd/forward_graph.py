@@ -14,7 +14,7 @@ halves by the kernel that makes it (Inductor fuses the split into the LayerNorm
 kernel), the weights once per call; at both the attention
 operator gets q, k and v split into bf16 halves by the kernel that adds up the QKV GEMMs
 (truncated, or rounded for "highest": the attention forward's bf16x3 barely moves the
-gradients' error, docs/performance.md, session 13). cuBLAS float32 GEMMs without TF32,
+gradients' error, docs/performance.md, precision "highest"). cuBLAS float32 GEMMs without TF32,
 what F.linear runs, take about fifteen times as long per FLOP as bf16 ones (at batch 32
 the two projections are ~2.4 ms of float32 GEMM). With split_precision None (the CPU,
 float64) the projections are F.linear in the inputs' dtype. With half_dtype (bf16 or

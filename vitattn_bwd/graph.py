@@ -51,8 +51,8 @@ BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v"
                   "attn_weights", "attn_output")   # those present are marked dynamic
 
 
-def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                              attn_weights, forward_output, q, k, v, scale):
+def _high_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
+                   attn_weights, forward_output, q, k, v, scale):
     """Out projection, attention core and QKV projection from split operands at
     precision "high" (CUDA): returns grad_out_weight, grad_x_norm_parts (four [B*S,E]
     GEMM outputs, whose sum times `unscale` is grad_x_norm), grad_qkv_weight,
@@ -97,14 +97,14 @@ def _split_precision_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv
             grad_qkv_bias * unscale, unscale)
 
 
-def _faithful_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                       attn_weights, forward_output, q, k, v, scale):
+def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
+                      attn_weights, forward_output, q, k, v, scale):
     """The same products at precision "highest" (CUDA), float32-faithful: every GEMM
     fp16x3 from scaled fp16 halves with two-level accumulation (split_gemm.py), the
     attention core fp16x3 on the scaled fp16 halves of its operands
     (attention_core.fp16_operand_scales), which writes float32 gradients. Each operand is
     split once for the GEMMs that read it (grad_rows, grad_q and grad_kv twice, once as
-    a transposed view). Returns what _split_precision_products returns, with two
+    a transposed view). Returns what _high_products returns, with two
     grad_x_norm parts."""
     B, H, S, D = q.shape
     E = H * D
@@ -135,14 +135,14 @@ def _faithful_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight
 
 def check_faithful_batch(x, precision):
     """At precision "highest" on CUDA, ValueError naming x where the widest split-GEMM
-    operand of _faithful_products, grad_kv [B*S, 2E], would pass the split GEMM's 32-bit
+    operand of _highest_products, grad_kv [B*S, 2E], would pass the split GEMM's 32-bit
     offsets: for the callers to check before any work."""
     if precision == "highest" and x.is_cuda:
         check_operand_elements("x", x.shape[0] * x.shape[1], 2 * x.shape[-1])
 
 
-def _one_product_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                          attn_weights, forward_output, q, k, v, scale):
+def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
+                     attn_weights, forward_output, q, k, v, scale):
     """The products at one product per matmul in the dtype of the module's saved
     half-precision activations (attn_rows, q, k, v: bf16 or fp16; VisionAttentionBlock
     under autocast or at precision "medium"), with float32 accumulation, as the stock
@@ -217,9 +217,9 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
 
     split_precision: None for plain products in the inputs' dtype (the CPU, float64),
     else the precision of the split products (CUDA float32): "high"
-    (_split_precision_products) or "highest" (_faithful_products). Where the module
+    (_high_products) or "highest" (_highest_products). Where the module
     saved its activations (qkv, attn_output) in bf16 or fp16, every product is one
-    product in that dtype (_one_product_products), on any device, whatever
+    product in that dtype (_medium_products), on any device, whatever
     split_precision says; for a block all in bf16 or fp16 (x in that dtype), every
     gradient is returned in that dtype.
 
@@ -242,11 +242,11 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     product_args = (grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E),
                     out_weight, qkv_weight, attn_weights, forward_output, q, k, v, scale)
     if q.dtype in HALF_DTYPES:
-        products = _one_product_products(*product_args)
+        products = _medium_products(*product_args)
     elif split_precision == "highest":
-        products = _faithful_products(*product_args)
+        products = _highest_products(*product_args)
     elif split_precision:
-        products = _split_precision_products(*product_args)
+        products = _high_products(*product_args)
     else:
         products = _plain_products(*product_args)
     grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias, unscale = products
@@ -266,7 +266,7 @@ def uses_cuda_graph(device_type, batch):
     their input copies (P is 21 MB per image) would cost more than the launch gaps. (The
     module's one-product path at batch 32, whose GPU work is shorter than its launches,
     ran no faster as CUDA graphs: its input and output copies cost as much on the H200;
-    docs/performance.md, session 11.)"""
+    docs/performance.md, the one-product core.)"""
     return device_type == "cuda" and batch <= CUDA_GRAPH_MAX_BATCH
 
 

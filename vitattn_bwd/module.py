@@ -48,7 +48,7 @@ Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precisi
   gradient in that dtype, each rounded once from float32). Where it does not run,
   "high" (more precise than "medium" asks).
 The one-product path (forward_graph.py with half_dtype, graph.py's
-_one_product_products): the LayerNorm in float32, the QKV and out projections as bf16 /
+_medium_products): the LayerNorm in float32, the QKV and out projections as bf16 /
 fp16 cuBLAS GEMMs, torch's flash-attention forward (which gives the log-sum-exp), and a
 backward whose GEMMs take the saved half-precision activations and leave float32 results
 (the stock block rounds its gradients to the half dtype), around the attention core's
