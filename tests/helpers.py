@@ -102,3 +102,12 @@ def triton_version_in(environment):
     return subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__)"],
                           env=environment, capture_output=True, text=True,
                           check=True).stdout.strip()
+
+
+def graph_breaks_and_ops(model, *args, **kwargs):
+    """torch._dynamo.explain's graph-break count for model(*args, **kwargs), and the
+    vitattn_bwd operators in its graphs."""
+    explanation = torch._dynamo.explain(model)(*args, **kwargs)
+    ops = {str(node.target) for gm in explanation.graphs for node in gm.graph.nodes
+           if "vitattn_bwd" in str(node.target)}
+    return explanation.graph_break_count, ops

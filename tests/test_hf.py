@@ -18,6 +18,8 @@ from vitattn_bwd.integrations import hf  # noqa: E402
 from vitattn_bwd.integrations.hf import (swap_attention, swapped_layers,  # noqa: E402
                                          unswap_attention)
 
+from .helpers import graph_breaks_and_ops  # noqa: E402
+
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
             num_hidden_layers=2, image_size=16, patch_size=8)       # 5 tokens
 
@@ -386,13 +388,6 @@ def test_molmo_style_tower(spy):
 # --------------------------------------------------------------------------------------
 # inside torch.compile
 # --------------------------------------------------------------------------------------
-def _graph_breaks_and_ops(model, pixels):
-    explanation = torch._dynamo.explain(model)(pixel_values=pixels)
-    ops = {str(node.target) for gm in explanation.graphs for node in gm.graph.nodes
-           if "vitattn_bwd" in str(node.target)}
-    return explanation.graph_break_count, ops
-
-
 def _compiled_grads(model, pixels, weight):
     """_grads through torch.compile(model, fullgraph=True), read from model's own
     parameters."""
@@ -412,7 +407,7 @@ def test_swapped_float32_tower_compiles_in_one_graph(spy):
     stock64 = _clip()
     ours = swap_attention(copy.deepcopy(stock64).float())
     pixels, weight = _inputs(torch.float32)
-    assert _graph_breaks_and_ops(ours, pixels) == (0, {"vitattn_bwd.vision_attention_fwd"})
+    assert graph_breaks_and_ops(ours, pixel_values=pixels) == (0, {"vitattn_bwd.vision_attention_fwd"})
     assert len(spy) == 2                     # the swapped halves ran, inside the trace
     got, got_grads = _compiled_grads(ours, pixels, weight)
     eager, eager_grads = _grads(ours, pixels, weight)
@@ -433,7 +428,7 @@ def test_swapped_tower_under_autocast_compiles_the_stock_ops_in_one_graph():
     ours = swap_attention(copy.deepcopy(stock64).float())
     pixels, weight = _inputs(torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _graph_breaks_and_ops(ours, pixels) == (0, set())
+        assert graph_breaks_and_ops(ours, pixel_values=pixels) == (0, set())
         got, got_grads = _compiled_grads(ours, pixels, weight)
         eager, eager_grads = _grads(ours, pixels, weight)
     # (measured: 2.6e-3 for the loss and up to 1.4e-2 for a gradient, the same as the

@@ -32,7 +32,7 @@ from vitattn_bwd.integrations import _common, swap_attention, swapped_layers, un
 from vitattn_bwd.integrations import open_clip as oc_integration
 from vitattn_bwd.integrations import timm as timm_integration
 
-from .helpers import recorded_half_dtypes
+from .helpers import graph_breaks_and_ops, recorded_half_dtypes
 
 DIM, HEADS, TOKENS, BATCH, EPS = 32, 4, 7, 2, 1e-5
 
@@ -989,15 +989,6 @@ def test_swap_refuses_an_unknown_precision_and_swaps_nothing():
 # --------------------------------------------------------------------------------------
 # inside torch.compile
 # --------------------------------------------------------------------------------------
-def _graph_breaks_and_ops(model, x):
-    """torch._dynamo.explain's graph-break count for model(x), and the vitattn_bwd
-    operators in its graphs."""
-    explanation = torch._dynamo.explain(model)(x)
-    ops = {str(node.target) for gm in explanation.graphs for node in gm.graph.nodes
-           if "vitattn_bwd" in str(node.target)}
-    return explanation.graph_break_count, ops
-
-
 def _compiled_grads(model, x, w):
     """_grads through torch.compile(model, fullgraph=True), read from model's own
     parameters."""
@@ -1026,7 +1017,7 @@ def test_swapped_float32_tower_compiles_in_one_graph(cls, kwargs):
     stock64 = _make(cls, **kwargs)
     ours = swap_attention(copy.deepcopy(stock64).float())
     x, w = _inputs(torch.float32)
-    assert _graph_breaks_and_ops(ours, x) == (0, {"vitattn_bwd.vision_attention_fwd"})
+    assert graph_breaks_and_ops(ours, x) == (0, {"vitattn_bwd.vision_attention_fwd"})
     got, got_grads = _compiled_grads(ours, x, w)
     eager, eager_grads = _grads(ours, x, w)
     want, want_grads = _grads(stock64, x.double(), w.double())
@@ -1048,7 +1039,7 @@ def test_swapped_tower_under_autocast_compiles_the_stock_ops_in_one_graph(cls, k
     ours = swap_attention(copy.deepcopy(stock64).float())
     x, w = _inputs(torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _graph_breaks_and_ops(ours, x) == (0, set())
+        assert graph_breaks_and_ops(ours, x) == (0, set())
         got, got_grads = _compiled_grads(ours, x, w)
         eager, eager_grads = _grads(ours, x, w)
     want = stock64(x.double())
@@ -1157,7 +1148,7 @@ def test_transformers_4_style_tower_compiles_in_one_graph():
     stock64 = _make(LegacyStyleCLIPVisionTower)
     ours = swap_attention(copy.deepcopy(stock64).float())
     x, w = _inputs(torch.float32)
-    assert _graph_breaks_and_ops(ours, x) == (0, {"vitattn_bwd.vision_attention_fwd"})
+    assert graph_breaks_and_ops(ours, x) == (0, {"vitattn_bwd.vision_attention_fwd"})
     got, got_grads = _compiled_grads(ours, x, w)
     want, want_grads = _grads(stock64, x.double(), w.double())
     assert ((got.double() - want).norm() / want.norm()).item() < 2e-5
