@@ -55,7 +55,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .layout import merge_heads, split_heads
-from .precision import (FP16_TOP_EXPONENT, fp16_scale, power_of_two_scale,
+from .precision import (FP16_TOP_EXPONENT, HALF_DTYPES, fp16_scale, power_of_two_scale,
                         split_bf16_rounded, split_bf16_truncated)
 
 
@@ -137,9 +137,6 @@ def _halves(grads, dtype, fp16_halves=False):
         return grads[0].new_empty(*grads[0].shape[:-1], 0, dtype=torch.bfloat16)
     pairs = [split_bf16_rounded(g.float()) for g in grads]
     return torch.cat([hi for hi, _ in pairs] + [lo for _, lo in pairs], dim=-1)
-
-
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def products_of(dtype):

@@ -37,11 +37,11 @@ import torch
 from torch.nn import functional as F
 
 from . import graph
-from .attention_core import HALF_DTYPES, triton_supports
+from .attention_core import triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_split
 from .errors import out_of_memory_as_such
 from .layout import split_heads
-from .precision import linear_bf16x3, operand_split
+from .precision import HALF_DTYPES, linear_bf16x3, operand_split
 from .split_gemm import linear_fp16x3
 
 

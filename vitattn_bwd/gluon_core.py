@@ -35,8 +35,9 @@ import warnings
 
 import torch
 
-from .attention_core import (COLUMN_SUM_ROWS, HALF_DTYPES, TileConfig, gradient_dtype,
-                             halves_width, sum_groups)
+from .attention_core import (COLUMN_SUM_ROWS, TileConfig, gradient_dtype, halves_width,
+                             sum_groups)
+from .precision import HALF_DTYPES
 
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
 # num_warps = 4 per 64 rows the program owns). Each compiles for sm_90 without spills

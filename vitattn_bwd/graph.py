@@ -33,13 +33,13 @@ import types
 import torch
 
 from . import attention_core, cache, layer_norm
-from .attention_core import HALF_DTYPES
 from .cuda_graphs import GraphedCall
 from .errors import out_of_memory_as_such
 from .layout import split_heads
-from .precision import (bf16_halves, matmul_fp16_transposed, matmul_halves_by_weight,
-                        matmul_halves_transposed, mm_float32, mm_half, power_of_two_scale,
-                        products_halves_by_weight, split_bf16_truncated)
+from .precision import (HALF_DTYPES, bf16_halves, matmul_fp16_transposed,
+                        matmul_halves_by_weight, matmul_halves_transposed, mm_float32,
+                        mm_half, power_of_two_scale, products_halves_by_weight,
+                        split_bf16_truncated)
 from .split_gemm import check_operand_elements, fp16_halves, matmul_fp16x3, transposed
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile

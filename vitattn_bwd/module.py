@@ -82,11 +82,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from . import block_ops, graph, routing
-from .attention_core import HALF_DTYPES
 from .block_ops import autocast_off
 from .forward_graph import SavedForBackward, attention_block_forward
 from .layout import merge_heads, split_heads
-from .precision import FUSED_PRECISIONS, check_fused_precision
+from .precision import FUSED_PRECISIONS, HALF_DTYPES, check_fused_precision
 # where the one-product path runs, and torch's float32 matmul precision (routing.py)
 from .routing import one_product_supported, torch_float32_precision  # noqa: F401
 

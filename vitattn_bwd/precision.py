@@ -49,6 +49,9 @@ import torch
 # benchmark's tolerance allows: bf16x3 from truncated splits, one fp16 product for the
 # QKV weight gradient (graph.py).
 FUSED_PRECISIONS = ("highest", "high")
+# The half-precision dtypes: of the one-product path's activations (autocast, "medium"),
+# of blocks that are all bf16 or all fp16, and of the Gluon kernels' operands.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def check_fused_precision(precision):

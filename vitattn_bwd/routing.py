@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from . import attention_core, gluon_core
-from .attention_core import HALF_DTYPES
+from .precision import HALF_DTYPES
 
 
 class Route(NamedTuple):
