@@ -319,11 +319,20 @@ def _compile(device_type, dtype, activation_dtype, seq_len, embed_dim, num_heads
     """One compiled backward; the arguments are the cache key (input_names: the
     contract's inputs, or the module's: qkv for q, k, v, ln_bias for x_norm;
     activation_dtype: q's, which is bf16 / fp16 on the one-product path)."""
-    del dtype, seq_len, embed_dim, num_heads, input_names     # they key the cache only
+    del seq_len, embed_dim, num_heads, input_names     # they key the cache only
     constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
                      split_precision=split_precision)
 
+    # On the CPU a float32 graph computes in float64 (its casts inside the graph): there
+    # torch's float32 matmul precision "medium" runs float32 matmuls in bf16 (oneDNN; a
+    # contract call at 16 tokens x 32 then missed by 2e-3), and the CPU path exists to
+    # be exact.
+    in_float64 = device_type == "cpu" and dtype == activation_dtype == torch.float32
+
     def backward_graph(**tensors):
+        if in_float64:
+            doubles = {name: t.double() for name, t in tensors.items()}
+            return tuple(g.float() for g in block_backward(**doubles, **constants))
         return block_backward(**tensors, **constants)
     if activation_dtype in HALF_DTYPES:
         name = f"{str(activation_dtype).removeprefix('torch.')}-"
@@ -354,21 +363,7 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad, precision="high"):
     """Run the compiled graph on a dict of validated tensors. Opaque to an enclosing
     torch.compile (of a model using VisionAttentionBlock): our graph is compiled on its
     own, with its own options, and called from there. A device out-of-memory, in the
-    compile or the run, raises torch.OutOfMemoryError (errors.py).
-
-    On the CPU, float32 calls compute in float64 and return float32: there torch's float32
-    matmul precision "medium" runs float32 matmuls in bf16 (oneDNN; a contract call at 16
-    tokens, 32 wide, then missed by 2e-3), and the CPU path exists to be exact."""
-    options = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad, precision=precision)
-    if (inputs["x"].device.type == "cpu"
-            and all(t.dtype == torch.float32 for t in inputs.values())):
-        doubles = {name: t.double() for name, t in inputs.items()}
-        return tuple(g.float() for g in _run_backward(doubles, **options))
-    return _run_backward(inputs, **options)
-
-
-def _run_backward(inputs, *, scale, norm_eps, ln_grad, precision):
-    """The compiled graph for these inputs (compiled at the first call), run on them."""
+    compile or the run, raises torch.OutOfMemoryError (errors.py)."""
     x = inputs["x"]
     B, S, E = x.shape
     num_heads = inputs["attn_weights"].shape[1]
