@@ -26,10 +26,11 @@ Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precisi
   their autograd), eager and under torch.compile: our one-product path was no faster
   there (a 24-layer Hugging Face CLIP tower 0.76-1.06x stock eager, 0.57-0.85x compiled).
   So does a block whose input and parameters are all bfloat16 or all float16 (a
-  `.bfloat16()` model, FSDP's bf16 parameters). Otherwise the block runs the fused
-  path at torch.get_float32_matmul_precision(), read at each call (under torch.compile,
-  when the graph is traced): "highest" (PyTorch's default), "high" or "medium", as
-  below.
+  `.bfloat16()` model, FSDP's bf16 parameters), and, on a GPU, a block whose head dim
+  the attention core has no kernels for (72, 80, ...: a head-dim-72 tower ran 0.44x
+  stock on the fused path). Otherwise the block runs the fused path at
+  torch.get_float32_matmul_precision(), read at each call (under torch.compile, when
+  the graph is traced): "highest" (PyTorch's default), "high" or "medium", as below.
 - "highest": the fused float32 path, float32-faithful: every product fp16x3 from fp16
   halves of operands scaled into fp16's range, the GEMMs as the split GEMM with
   two-level accumulation (split_gemm.py), the attention core on the Gluon kernels (off
