@@ -24,14 +24,13 @@ import copy
 import functools
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_module import compare_times, hf_step, hf_tower  # noqa: E402
+from bench_module import compare_times, hf_step, hf_tower, step_times  # noqa: E402
 
 from vitattn_bwd.integrations.hf import swap_attention  # noqa: E402
 
@@ -61,16 +60,6 @@ def graph_breaks(model, pixels, amp):
         return torch._dynamo.explain(model)(pixel_values=pixels).graph_break_count
 
 
-def first_step_s(step):
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
-
-
 def bench(setting, batch_sizes, layers, rounds, repeats, device):
     amp = functools.partial(torch.autocast, device, torch.bfloat16,
                             enabled=setting == "autocast")
@@ -93,7 +82,8 @@ def bench(setting, batch_sizes, layers, rounds, repeats, device):
                   "compiled stock": torch.compile(stock, dynamic=False),
                   "compiled swapped": torch.compile(swapped, dynamic=False)}
         steps = {name: hf_step(model, pixels, grad, amp) for name, model in models.items()}
-        first = {name: first_step_s(step) for name, step in steps.items()}
+        first = {name: step_times(step, device, 1)[0] / 1e3
+                 for name, step in steps.items()}
         times = compare_times(steps, device, rounds, repeats)
         medians = {name: statistics.median(t) for name, t in times.items()}
         print(f"\n| batch {B} | median ms | spread ms | first step s | GPU-busy ms | "

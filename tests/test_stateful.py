@@ -216,7 +216,7 @@ class BackwardCalls(RuleBasedStateMachine):
                              num_heads=heads, generator=gen)
         saved = {n: t.clone() for n, t in inputs.items() if torch.is_tensor(t)}
         key = (torch.float32, seq_len, heads * head_dim, heads, inputs["scale"],
-               inputs["norm_eps"], ln_grad, torch.backends.cuda.matmul.allow_tf32,
+               inputs["norm_eps"], ln_grad, _tf32(),
                batch_bucket(batch))
         counters = torch._dynamo.utils.counters["stats"]
         graphs_before = counters["unique_graphs"]
