@@ -248,16 +248,16 @@ def test_argument_checks_cost_microseconds_not_a_pass_over_the_data():
     """The checks run on every call: they look at shapes and types only (no tensor
     work; a generous bound that still catches an added pass over the inputs)."""
     import time
-    from vitattn_bwd.api import validate_inputs
+    from vitattn_bwd.validation import check_backward_inputs
     inputs = make_case(16, 257, 4, 64)                   # 4 MB of P: a pass shows
     tensors = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
-    args = (tensors, np.float32(0.125), 1e-5, np.int64(4), "exact")
-    validate_inputs(*args)
+    args = (tensors, np.float32(0.125), 1e-5, np.int64(4), "exact", "high")
+    check_backward_inputs(*args)
     best = float("inf")
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(100):
-            checked, scale, norm_eps, num_heads = validate_inputs(*args)
+            checked, scale, norm_eps, num_heads = check_backward_inputs(*args)
         best = min(best, (time.perf_counter() - start) / 100)
     assert (type(scale), type(norm_eps), type(num_heads)) == (float, float, int)
     assert scale == 0.125 and num_heads == 4

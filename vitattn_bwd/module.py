@@ -18,7 +18,8 @@ dtypes), casts, then runs VisionAttentionFunction, or, while torch.compile trace
 call, the same forward and backward as torch.library operators (block_ops.py), which the
 user's graph calls as opaque operators instead of breaking around them.
 
-Precision (`precision=`, PRECISIONS), PyTorch's names for float32 matmul precision:
+Precision (`precision=`, validation.PRECISIONS), PyTorch's names for float32 matmul
+precision:
 - None (the default) follows PyTorch, and runs whichever computation measured faster on
   the H200 (routing.py has the numbers). Inside an autocast region (cpu or cuda,
   bfloat16 or float16) the block computes with the stock ops themselves
@@ -75,9 +76,6 @@ input are:
 y has x's dtype (the residual stream keeps its dtype, as in the stock block). No error
 is left for the backward: everything the backward checks is checked in the forward.
 """
-import math
-import numbers
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -86,41 +84,15 @@ from . import block_ops, graph, routing
 from .block_ops import autocast_off
 from .forward_graph import SavedForBackward, attention_block_forward
 from .layout import merge_heads, split_heads
-from .precision import FUSED_PRECISIONS, HALF_DTYPES, check_fused_precision
 # where the one-product path runs, and torch's float32 matmul precision (routing.py)
 from .routing import one_product_supported, torch_float32_precision  # noqa: F401
-
-# The accepted values of `precision` (module docstring).
-PRECISIONS = (None, *FUSED_PRECISIONS, "medium")
+from .validation import (check_block_inputs, check_config, check_fused_inputs, check_precision,
+                         check_x)
 
 DOUBLE_BACKWARD_MESSAGE = (
     "VisionAttentionBlock does not support double backward (create_graph=True): its "
     "backward is a fused kernel without a graph of its own. Use the stock block "
     "(vitattn_bwd.reference.block_forward) where second derivatives are needed.")
-
-
-def check_config(embed_dim, num_heads, eps):
-    """Validate a block's configuration; return (embed_dim, num_heads, eps as float).
-    TypeError/ValueError naming the argument."""
-    for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be positive, got {value}")
-    if embed_dim % num_heads:
-        raise ValueError(f"num_heads={num_heads} must divide embed_dim={embed_dim}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__} {eps!r}")
-    if not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    return int(embed_dim), int(num_heads), float(eps)
-
-
-def check_precision(precision):
-    """`precision` if it is one of PRECISIONS, else ValueError naming them."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    return precision
 
 
 def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
@@ -136,41 +108,6 @@ def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     attn = merge_heads(F.scaled_dot_product_attention(q, k, v))                # [B,S,E]
     out = F.linear(attn, out_weight, out_bias)
     return x + (out if gamma is None else out * gamma)
-
-
-def _supported_dtypes(device):
-    return (torch.float32,) if device.type == "cuda" else (torch.float32, torch.float64)
-
-
-_PARAM_NAMES = ("ln_weight", "ln_bias", "qkv_weight", "qkv_bias", "out_weight",
-                "out_bias")
-
-
-def _check_tensors(x, params, num_heads, gamma=None):
-    """Shapes and devices of x, the six parameters and gamma (if given), checked before
-    any math."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 3:
-        raise ValueError(f"x must be [batch, tokens, embed_dim], got {tuple(x.shape)}")
-    E = x.shape[-1]
-    check_config(E, num_heads, 0.0)
-    shapes = dict(ln_weight=(E,), ln_bias=(E,), qkv_weight=(3 * E, E), qkv_bias=(3 * E,),
-                  out_weight=(E, E), out_bias=(E,), gamma=(E,))
-    names, tensors = _PARAM_NAMES, params
-    if gamma is not None:
-        names, tensors = (*names, "gamma"), (*params, gamma)
-    for name, t in zip(names, tensors):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if tuple(t.shape) != shapes[name]:
-            raise ValueError(f"{name} must have shape {shapes[name]} for x of embed_dim "
-                             f"{E}, got {tuple(t.shape)}")
-        if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, but x is on {x.device}")
-    for name, t in zip(("x", *names), (x, *tensors)):
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
 class VisionAttentionFunction(torch.autograd.Function):
@@ -225,21 +162,7 @@ class VisionAttentionFunction(torch.autograd.Function):
 def _check_fused_call(x, params, num_heads, eps, precision, half_dtype):
     """What the fused path takes (VisionAttentionFunction's docstring), checked before
     any work; returns num_heads and eps as int and float."""
-    _check_tensors(x, params, num_heads)
-    _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
-    check_fused_precision(precision)
-    if half_dtype is not None and (half_dtype not in HALF_DTYPES
-                                   or x.dtype not in (torch.float32, half_dtype)):
-        raise TypeError(f"half_dtype must be None or one of {HALF_DTYPES} with "
-                        f"float32 tensors or tensors of that dtype, got {half_dtype} "
-                        f"with {x.dtype}")
-    allowed = _supported_dtypes(x.device) + ((half_dtype,) if half_dtype else ())
-    if x.dtype not in allowed:
-        raise TypeError(f"x must be one of {allowed} on {x.device.type}, got "
-                        f"{x.dtype} (vitattn_bwd.module.vision_attention casts)")
-    for name, t in zip(_PARAM_NAMES, params):
-        if t.dtype != x.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}, but x has {x.dtype}")
+    num_heads, eps = check_fused_inputs(x, params, num_heads, eps, precision, half_dtype)
     if half_dtype is None:
         graph.check_faithful_batch(x, precision)
     return num_heads, eps
@@ -264,8 +187,7 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     give an empty y and zero parameter gradients."""
     check_precision(precision)
     params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
-    _check_tensors(x, params, num_heads, gamma)
-    _, num_heads, eps = check_config(x.shape[-1], num_heads, eps)
+    num_heads, eps = check_block_inputs(x, params, num_heads, eps, gamma)
     device = x.device
     layer_scale = () if gamma is None else (gamma,)
     head_dim = x.shape[-1] // num_heads
@@ -333,9 +255,7 @@ class VisionAttentionBlock(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, **factory)
 
     def forward(self, x):
-        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.embed_dim:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x must be [batch, tokens, {self.embed_dim}], got {shape}")
+        check_x(x, self.embed_dim)
         return vision_attention(
             x, self.norm.weight, self.norm.bias, self.qkv.weight, self.qkv.bias,
             self.out_proj.weight, self.out_proj.bias, self.num_heads, self.eps,

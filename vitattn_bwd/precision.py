@@ -53,13 +53,6 @@ FUSED_PRECISIONS = ("highest", "high")
 # of blocks that are all bf16 or all fp16, and of the Gluon kernels' operands.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-
-def check_fused_precision(precision):
-    """`precision` if it is one of FUSED_PRECISIONS, else ValueError naming them."""
-    if precision not in FUSED_PRECISIONS:
-        raise ValueError(f"precision must be one of {FUSED_PRECISIONS}, got {precision!r}")
-    return precision
-
 # float32 bits of the bf16 part of a value: sign, exponent and the top 7 mantissa bits
 BF16_HI_MASK = -65536            # 0xFFFF0000 as an int32
 BF16_ROUNDING_BIAS = 0x7FFF      # added below the bf16 bits: round half to even

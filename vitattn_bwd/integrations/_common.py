@@ -12,7 +12,8 @@ import sys
 
 from torch import nn
 
-from ..module import check_config, check_precision, vision_attention
+from ..module import vision_attention
+from ..validation import check_config, check_precision
 
 STOCK_CLASS = "_vitattn_stock_class"
 

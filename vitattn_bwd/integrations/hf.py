@@ -48,7 +48,8 @@ import sys
 import torch
 from torch import nn
 
-from ..module import check_config, vision_attention
+from ..module import vision_attention
+from ..validation import check_config
 from . import _common
 
 __all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped"]

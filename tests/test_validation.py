@@ -1,0 +1,90 @@
+"""vitattn_bwd.validation through the entry points: the backward alone, the block, its
+functional form and autograd Function, and the contract word the same bad argument
+alike, and refuse it at the call (no compile, no backward). The argument checks of each
+entry point on their own: tests/test_api.py and tests/test_module.py."""
+import numpy as np
+import pytest
+import torch
+
+import vitattn_bwd
+from vitattn_bwd import VisionAttentionBlock, contract
+from vitattn_bwd.module import VisionAttentionFunction, vision_attention
+from vitattn_bwd.validation import check_config, check_float, check_positive_int
+
+from .helpers import make_case
+
+E, H = 16, 2
+
+
+def _refusal(call):
+    """(type, message) of what `call()` raises; fails the test if it returns."""
+    with pytest.raises((TypeError, ValueError)) as raised:
+        call()
+    return type(raised.value), str(raised.value)
+
+
+def _block_params():
+    return [p.detach() for p in VisionAttentionBlock(E, H).parameters()]
+
+
+@pytest.mark.parametrize("num_heads", [0, -2, 3, 2.0, True, np.float32(2), "2",
+                                       torch.tensor(2)])
+def test_backward_and_block_word_a_bad_num_heads_alike(num_heads):
+    inputs = make_case(1, 3, H, E // H)
+    backward = _refusal(lambda: vitattn_bwd.attention_block_backward(
+        **inputs, num_heads=num_heads))
+    construction = _refusal(lambda: VisionAttentionBlock(E, num_heads))
+    functional = _refusal(lambda: vision_attention(torch.randn(1, 3, E), *_block_params(),
+                                                   num_heads, 1e-5))
+    assert construction == functional
+    assert backward[0] is construction[0]
+    # the backward's width is x's: its message says so after the block's
+    assert backward[1].startswith(construction[1]), (backward, construction)
+    assert construction[1].startswith("num_heads")
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf"), "1e-5", None,
+                                 torch.tensor(1e-5), np.array([1e-5]), 1e-5j])
+def test_backward_norm_eps_and_block_eps_are_worded_alike(eps):
+    inputs = make_case(1, 3, H, E // H)
+    backward = _refusal(lambda: vitattn_bwd.attention_block_backward(
+        **dict(inputs, norm_eps=eps), num_heads=H))
+    construction = _refusal(lambda: VisionAttentionBlock(E, H, eps=eps))
+    functional = _refusal(lambda: vision_attention(torch.randn(1, 3, E), *_block_params(),
+                                                   H, eps))
+    assert construction == functional
+    assert backward == (construction[0], "norm_" + construction[1])
+
+
+def test_every_entry_point_refuses_a_non_tensor_x_with_a_type_error_naming_x():
+    inputs = make_case(1, 3, H, E // H)
+    params = _block_params()
+    calls = [lambda: vitattn_bwd.attention_block_backward(**dict(inputs, x=None),
+                                                          num_heads=H),
+             lambda: contract.run(*dict(inputs, x=None).values()),
+             lambda: vision_attention(None, *params, H, 1e-5),
+             lambda: VisionAttentionFunction.apply(None, *params, H, 1e-5),
+             lambda: VisionAttentionBlock(E, H)(None)]
+    for call in calls:
+        assert _refusal(call) == (TypeError, "x must be a torch.Tensor, got NoneType")
+
+
+def test_a_wrong_parameter_is_named_with_its_shape_by_the_backward_and_the_block():
+    inputs = make_case(1, 3, H, E // H)
+    params = _block_params()
+    params[2] = params[2][:, :-1]                                   # qkv_weight [3E, E-1]
+    want = (ValueError, f"qkv_weight must have shape ({3 * E}, {E}) (3ExE), got "
+                        f"({3 * E}, {E - 1})")
+    assert _refusal(lambda: vision_attention(torch.randn(1, 3, E), *params, H, 1e-5)) == want
+    assert _refusal(lambda: vitattn_bwd.attention_block_backward(
+        **dict(inputs, qkv_weight=params[2]), num_heads=H)) == want
+
+
+def test_scalars_come_back_as_python_values():
+    assert type(check_positive_int("num_heads", np.int64(4))) is int
+    assert check_positive_int("num_heads", np.int64(4)) == 4
+    assert type(check_float("scale", np.float32(0.125))) is float
+    assert check_float("scale", np.float32(0.125)) == 0.125
+    assert check_float("norm_eps", 0, minimum=0) == 0.0
+    assert check_config(np.int32(32), np.int64(4), np.float64(1e-6)) == (32, 4, 1e-6)
+    assert [type(v) for v in check_config(np.int32(32), np.int64(4), 0)] == [int, int, float]
