@@ -36,16 +36,17 @@ def test_plain_math_equals_textbook_backward(B, H, S, D):
 
 
 def test_operators_write_fp16_copies_and_bf16_halves():
-    """Outside Triton the operators round float64 math to the formats the graph's GEMMs
-    read: fp16 gradients, and [hi | lo] bf16 halves whose sum keeps ~16 mantissa bits."""
-    P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 8)
+    """Outside Triton (here: a head dim the kernels do not take, under the interpreter)
+    the operators round float64 math to the formats the graph's GEMMs read: fp16
+    gradients, and [hi | lo] bf16 halves whose sum keeps ~16 mantissa bits."""
+    P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 4)
     grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.softmax_bwd_rows(
         P, grad_attn, q, k, v, None, scale)
     grad_kv16, grad_kv_halves, grad_kv_sums = attention_core.softmax_bwd_cols(
         P, grad_attn, q, k, v, delta, scale)
     assert (grad_q16.dtype, grad_q_halves.dtype, grad_kv16.dtype) == (
         torch.float16, torch.bfloat16, torch.float16)
-    assert grad_q_halves.shape == (2, 17, 48) and grad_kv_halves.shape == (2, 17, 96)
+    assert grad_q_halves.shape == (2, 17, 24) and grad_kv_halves.shape == (2, 17, 48)
     want_q, want_k, want_v = _textbook(P, grad_attn, q, k, v, scale)
     want_kv = torch.cat([want_k, want_v], dim=-1)
     for halves, want in ((grad_q_halves, want_q), (grad_kv_halves, want_kv)):
@@ -122,6 +123,35 @@ def test_triton_kernels_under_interpreter(triton_interpreter, S, D, block_m, blo
     bf16 = _textbook(*(t.bfloat16().float() for t in (P, grad_attn, q, k, v)), scale)
     if S > 1:
         assert relative_errors(got[2:], want[2:])[0] * 10 < relative_errors(bf16[2:], want[2:])[0]
+
+
+@pytest.mark.parametrize("D,recompute_p", [(8, False), (72, False), (104, True)])
+def test_kernels_at_head_dims_that_are_not_powers_of_two(triton_interpreter, D,
+                                                         recompute_p):
+    """Head dims the kernels run in zero-padded tiles of the next power of two (8 in a
+    16-wide tile; SigLIP so400m's 72 and ViT-bigG's 104 in 128-wide ones), three heads
+    so that each has neighbours whose columns a padded tile covers: every output of
+    both passes (the fp16 copies, the bf16 halves, the partial sums, delta) matches
+    float64, so no padding column is written over a neighbour's."""
+    B, H, S = 1, 3, 21
+    P, lse, attn_output, grad_attn, q, k, v, scale = _softmax_inputs(B, H, S, D, seed=D)
+    probs, output = (lse, attn_output) if recompute_p else (P, None)
+    grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.launch_rows(
+        probs, grad_attn, q, k, v, output, scale, 16, 32)
+    grad_kv16, grad_kv_halves, grad_kv_sums = attention_core.launch_cols(
+        probs, grad_attn, q, k, v, delta, scale, 32, 16)
+    want_q, want_k, want_v = _textbook(P, grad_attn, q, k, v, scale)
+    want_kv = torch.cat([want_k, want_v], dim=-1)                         # [B,S,2E]
+    for copy16, halves, sums, want in ((grad_q16, grad_q_halves, grad_q_sums, want_q),
+                                       (grad_kv16, grad_kv_halves, grad_kv_sums, want_kv)):
+        scale_of = want.norm().item()
+        assert (attention_core.float32_from_halves(halves).double() - want).norm() \
+            <= 2e-4 * scale_of
+        assert (copy16.double() - want).norm() <= 2e-3 * scale_of      # fp16 rounding
+        assert (sums.double().sum(1) - want.sum(1)).norm() <= 2e-4 * scale_of
+    want_delta = (P.double() * (reference.split_heads(grad_attn.double(), H)
+                                @ v.double().transpose(-1, -2))).sum(-1)
+    torch.testing.assert_close(delta.double(), want_delta, rtol=1e-4, atol=1e-4)
 
 
 def test_kernels_fp16_copies_match_their_halves(triton_interpreter):

@@ -160,16 +160,23 @@ def _tiles(block_m, block_n):
     (1, 1, 1, 16, _tiles(16, 16)), (2, 3, 15, 16, _tiles(16, 16)),
     (1, 2, 16, 32, _tiles(16, 16)), (2, 1, 17, 16, _tiles(16, 16)),
     (1, 3, 63, 16, _tiles(32, 16)), (2, 2, 64, 32, _tiles(32, 32)),
-    (1, 2, 65, 64, _tiles(16, 32)), (1, 1, 100, 16, None)])
+    (1, 2, 65, 64, _tiles(16, 32)), (1, 1, 100, 16, None),
+    # head dims that are not powers of two (zero-padded tiles): 8 (a 16-wide tile),
+    # SigLIP so400m's 72 and ViT-bigG's 104, three heads so that each has neighbours
+    (2, 3, 17, 8, _tiles(16, 16)), (1, 3, 21, 72, _tiles(16, 16)),
+    (1, 3, 19, 104, _tiles(16, 16))])
 def test_kernel_matches_float64(triton_interpreter, B, H, S, D, tiles):
     q, k, v = _qkv(B, H, S, D, seed=S)
     _check_kernel(q, k, v, 1.0 / math.sqrt(D), tiles)
 
 
-def test_kernel_reads_strided_views(triton_interpreter):
+@pytest.mark.parametrize("D", [16, 80])
+def test_kernel_reads_strided_views(triton_interpreter, D):
     """q, k, v as the module passes them (heads of one [B,S,3E] QKV output, split without
-    a copy), and a key tensor whose last dim is not contiguous (copied first)."""
-    B, S, H, D = 2, 33, 2, 16
+    a copy), and a key tensor whose last dim is not contiguous (copied first); at a power
+    of two and at ViT-H/14's 80, whose padded tile reaches into the next head's columns
+    (masked)."""
+    B, S, H = 2, 33, 2
     qkv = torch.randn(B, S, 3 * H * D, generator=torch.Generator().manual_seed(3))
     q, k, v = (t.view(B, S, H, D).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
     _check_kernel(q, k, v, 0.25, _tiles(16, 16))

@@ -153,9 +153,9 @@ def test_one_product_supported_is_the_cpu_or_gluon():
 @pytest.mark.parametrize("torch_precision", ["highest", "high"])
 def test_a_head_dim_without_kernels_runs_the_stock_ops_unless_asked(compiling,
                                                                     torch_precision):
-    """Float32 on a GPU at a head dim the attention core has no kernels for (SigLIP's
-    72: 0.44x stock measured): the stock ops at precision None; an explicit precision
-    still runs the fused path."""
+    """Float32 on a GPU at a head dim the attention core has no kernels for (one that
+    is not a multiple of 8, or above 128): the stock ops at precision None; an explicit
+    precision still runs the fused path."""
     assert _route(torch_precision=torch_precision, compiling=compiling, device="cuda",
                   fused_kernels=False) == STOCK
     assert _route(precision="high", compiling=compiling, device="cuda",
@@ -163,7 +163,18 @@ def test_a_head_dim_without_kernels_runs_the_stock_ops_unless_asked(compiling,
 
 
 def test_fused_kernels_are_the_templates_head_dims_on_cuda():
+    """Every multiple of 8 up to 128 (SigLIP so400m's 72, OpenCLIP ViT-H's 80, bigG's
+    104 included), nothing else; the CPU's math takes any."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert [routing.fused_kernels_for(cuda, d) for d in (16, 32, 64, 72, 80, 128)] == \
-        [True, True, True, False, False, True]
-    assert routing.fused_kernels_for(cpu, 72)
+    assert [d for d in range(1, 257) if routing.fused_kernels_for(cuda, d)] == \
+        list(range(8, 129, 8))
+    assert routing.fused_kernels_for(cpu, 72) and routing.fused_kernels_for(cpu, 12)
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+def test_float32_at_a_padded_head_dim_runs_the_fused_path(compiling):
+    """Head dim 72 on a GPU now has kernels: precision None in float32 runs the fused
+    path at torch's precision, as at 64."""
+    fused_kernels = routing.fused_kernels_for(torch.device("cuda"), 72)
+    assert _route(torch_precision="high", compiling=compiling, device="cuda",
+                  fused_kernels=fused_kernels) == _fused("high", opaque_ops=compiling)

@@ -41,8 +41,8 @@ The operand dtype sets the products (`products_of`):
 
 Eagerly they run the Triton kernels (kernels/softmax_bwd.py) on CUDA and under
 TRITON_INTERPRET=1, after splitting grad_attn, q, k and v into bf16 hi/lo pairs, which
-is what the kernels read; elsewhere (or for head dims the
-kernels do not take) the same gradients come from PyTorch math in float64, rounded to
+is what the kernels read (head dims: multiples of 8 up to 128, `kernel_head_dim`);
+elsewhere (or for head dims the kernels do not take) the same gradients come from PyTorch math in float64, rounded to
 the same formats. Under torch.compile on CUDA, vitattn_bwd.inductor lowers them to Triton
 templates that max-autotune tunes.
 
@@ -88,12 +88,30 @@ def column_sums(grad):
     return padded.view(B, sum_groups(S), COLUMN_SUM_ROWS, N).sum(2).float()
 
 
-# Tiles of the eager launch (the compiled path autotunes its own, inductor.py). The
-# pipelined bf16 hi/lo tiles of head_dim 128 need smaller blocks to fit the 227 KB of
-# shared memory of an H100/H200.
+# The head dims the kernels take: every multiple of KERNEL_HEAD_DIM_STEP up to
+# MAX_KERNEL_HEAD_DIM. A kernel's [.., D] tiles are head_tile(D) wide, the columns past D
+# zero-filled on load and masked on store (kernels/softmax_bwd.py); 8 keeps every row of
+# a head 16-byte aligned in bf16.
+KERNEL_HEAD_DIM_STEP = 8
+MAX_KERNEL_HEAD_DIM = 128
+
+
+def kernel_head_dim(head_dim):
+    """Whether the attention kernels (Triton and Gluon) take head_dim."""
+    return 0 < head_dim <= MAX_KERNEL_HEAD_DIM and head_dim % KERNEL_HEAD_DIM_STEP == 0
+
+
+def head_tile(head_dim):
+    """The width of the kernels' [.., head_dim] tiles: the next power of two, at least 16
+    (kernels/softmax_bwd.py's padded_head_dim)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+# Tiles of the eager launch per head tile (the compiled path autotunes its own,
+# inductor.py). The pipelined bf16 hi/lo tiles of a 128-wide head tile need smaller
+# blocks to fit the 227 KB of shared memory of an H100/H200.
 EAGER_TILES = {16: TileConfig(64, 64, 4, 2), 32: TileConfig(64, 64, 4, 2),
                64: TileConfig(64, 64, 4, 2), 128: TileConfig(32, 32, 4, 2)}
-SUPPORTED_TRITON_HEAD_DIMS = tuple(EAGER_TILES)
 
 
 def probabilities(probs, q, k, scale):
@@ -162,8 +180,8 @@ def halves_width(dtype, width, fp16_halves=False):
 
 def triton_supports(device_type, dtype, head_dim):
     """The Triton kernels (eager) and templates (compiled) take float32 CUDA tensors
-    with a power-of-two head_dim >= 16."""
-    return device_type == "cuda" and dtype == torch.float32 and head_dim in EAGER_TILES
+    with a head_dim the kernels take (kernel_head_dim: multiples of 8 up to 128)."""
+    return device_type == "cuda" and dtype == torch.float32 and kernel_head_dim(head_dim)
 
 
 def _use_triton(t):
@@ -173,7 +191,7 @@ def _use_triton(t):
 
 
 def _tiles(head_dim, block_m, block_n):
-    tiles = EAGER_TILES[head_dim]
+    tiles = EAGER_TILES[head_tile(head_dim)]
     return tiles._replace(block_m=block_m or tiles.block_m, block_n=block_n or tiles.block_n)
 
 

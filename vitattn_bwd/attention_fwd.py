@@ -8,7 +8,8 @@ merged (E = H*D, what the out projection reads); lse = logsumexp(scale * q k^T) 
 (natural log), from which the backward recomputes the probabilities:
 P = exp(scale * q k^T - lse) (`attention_probabilities`).
 
-On CUDA, for float32 and the head dims of the Triton kernels, it runs the FlashAttention-
+On CUDA, for float32 and the head dims of the Triton kernels (multiples of 8 up to 128),
+it runs the FlashAttention-
 style kernel of kernels/attention_fwd.py after splitting q, k and v once into bf16 hi/lo
 pairs (what the kernel reads; float32-grade bf16x3 products, ~1e-5 relative error).
 `attention_fwd_split` takes that split made already, of a whole QKV projection [B,S,3E]
@@ -22,15 +23,16 @@ import math
 
 import torch
 
-from .attention_core import TileConfig, triton_supports
+from .attention_core import TileConfig, head_tile, triton_supports
 from .layout import merge_heads, split_heads
 from .precision import split_bf16_truncated
 
 
-# Defaults per head_dim, sized for the 227 KB of shared memory of an H100/H200: a program
-# keeps its q hi/lo tiles (2 * BLOCK_M * D * 2 bytes) and pipelines num_stages k and v
-# hi/lo tiles (4 * BLOCK_N * D * 2 bytes each stage). D=64: 32 KB + 3 * 32 KB; D=128:
-# 32 KB + 2 * 64 KB. scripts/time_attention_fwd.py --sweep times alternatives.
+# Defaults per head tile (attention_core.head_tile: head dims that are not powers of two
+# run in the next power of two's tiles, zero-padded), sized for the 227 KB of shared
+# memory of an H100/H200: a program keeps its q hi/lo tiles (2 * BLOCK_M * D * 2 bytes)
+# and pipelines num_stages k and v hi/lo tiles (4 * BLOCK_N * D * 2 bytes each stage).
+# D=64: 32 KB + 3 * 32 KB; D=128: 32 KB + 2 * 64 KB. scripts/time_attention_fwd.py --sweep times alternatives.
 FWD_TILES = {16: TileConfig(128, 64, 4, 3), 32: TileConfig(128, 64, 4, 3),
              64: TileConfig(128, 64, 8, 3), 128: TileConfig(64, 64, 4, 2)}
 
@@ -88,7 +90,7 @@ def launch_attention_fwd_presplit(q_halves, k_halves, v_halves, scale, tiles=Non
     from .kernels.attention_fwd import attention_fwd_kernel
     (q_hi, q_lo), (k_hi, k_lo), (v_hi, v_lo) = q_halves, k_halves, v_halves
     B, H, S, D = q_hi.shape
-    tiles = tiles or FWD_TILES[D]
+    tiles = tiles or FWD_TILES[head_tile(D)]
     attn_output = q_hi.new_empty(B, S, H * D, dtype=torch.float32)
     lse = q_hi.new_empty(B, H, S, dtype=torch.float32)
     grid = (-(-S // tiles.block_m), B * H)

@@ -101,7 +101,8 @@ def compile_options(tag, *, max_autotune):
 
 # ---- the attention-core templates ----------------------------------------------------
 
-# Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, SCALE, RECOMPUTE_P
+# Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM (tiles padded_head_dim wide, the
+# padding columns pointing past the row, which `mask` drops), BLOCK_M, BLOCK_N, SCALE, RECOMPUTE_P
 # (PROBS is P, or its log-sum-exp when True; the rows pass then reads the forward's
 # output ATTN_OUT, which is a 1-element placeholder when P is given), SUM_ROWS (the rows
 # per partial sum in GRAD_Q_SUMS / GRAD_KV_SUMS).
@@ -112,17 +113,18 @@ _ROWS_ENTRY = r'''
         DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
         BLOCK_N, RECOMPUTE_P, SUM_ROWS)
     mask = (rows < SEQ_LEN) & (cols < NUM_HEADS * HEAD_DIM)
-    {{store_output(("batch", "rows", "cols"), "grad_q16", "mask", val_shape=("BLOCK_M", "HEAD_DIM"))}}
+    {{store_output(("batch", "rows", "cols"), "grad_q16", "mask", val_shape=("BLOCK_M", "HEAD_TILE"))}}
 
 '''
 
 _COLS_ENTRY = r'''
+    HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
 {{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES", "GRAD_KV_SUMS")}}
     batch, rows, cols, grad_kv16 = softmax_bwd_cols_program(
         PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, DELTA,
         GRAD_KV_HALVES, GRAD_KV_SUMS, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
         BLOCK_N, RECOMPUTE_P, SUM_ROWS)
-    KV_WIDTH: tl.constexpr = 2 * HEAD_DIM
+    KV_WIDTH: tl.constexpr = 2 * padded_head_dim(HEAD_DIM)
     mask = (rows < SEQ_LEN) & (cols < 2 * NUM_HEADS * HEAD_DIM)
     {{store_output(("batch", "rows", "cols"), "grad_kv16", "mask", val_shape=("BLOCK_N", "KV_WIDTH"))}}
 

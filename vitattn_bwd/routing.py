@@ -16,10 +16,14 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
   fused one-product path in that dtype was 0.95x / 0.97x the stock 24-layer tower at
   batch 8 / 32; docs/runs/bench_module/bench_module_bf16_s12.log).
 - otherwise (float32, no autocast): the fused path at torch's float32 matmul precision,
-  which won 1.24-1.45x in float32, eager and compiled; but on a GPU only where its
-  attention core has kernels (attention_core.triton_supports: head dims 16, 32, 64,
-  128), else the stock ops: without them the core runs as PyTorch math with P in
-  memory, and a SigLIP so400m-shaped tower (head dim 72) ran 0.44x stock in float32.
+  which won 1.24-1.45x in float32, eager and compiled (head dims 64 and 128); but on a
+  GPU only where its attention core has kernels (attention_core.triton_supports: head
+  dims that are multiples of 8 up to 128), else the stock ops: without them the core
+  runs as PyTorch math with P in memory, and a SigLIP so400m-shaped tower (head dim
+  72) ran 0.44x stock in float32 before its kernels existed. The kernels at head dims
+  that are not powers of two (72, 80, 104, ...: tiles of the next power of two,
+  zero-padded) are checked against float64 but not yet timed on the GPU: this rule
+  sends them to the fused path on the strength of the measured power-of-two dims.
 
 Inside torch.compile the fused path runs as two torch.library operators (block_ops.py),
 opaque to dynamo, instead of the autograd.Function that eager calls use.
@@ -89,7 +93,8 @@ def float32_precision_now(compiling):
 
 def fused_kernels_for(device, head_dim):
     """Whether the fused float32 path's attention core runs kernels here: the Triton
-    templates on CUDA at their head dims; the CPU's plain math counts (the CPU path
+    templates on CUDA at their head dims (multiples of 8 up to 128); the CPU's plain
+    math counts (the CPU path
     exists for correctness, and is what the CPU tests check)."""
     return device.type == "cpu" or attention_core.triton_supports(device.type,
                                                                    torch.float32, head_dim)

@@ -20,13 +20,16 @@ split into bf16 hi/lo tensors (made once by the caller with precision.split_bf16
 their tiles go from memory straight to the tensor cores; only the probabilities tile is
 split here, in registers.
 
+Head dims that are not powers of two run in tiles of the next one (softmax_bwd.py's
+padded_head_dim), the columns past HEAD_DIM zero-filled on load and masked on store.
+
 `attention_fwd_tile` holds the algorithm, so that a raw kernel (below, used eagerly and
 tested under TRITON_INTERPRET=1) and an Inductor template can share it.
 """
 import triton
 import triton.language as tl
 
-from .softmax_bwd import dot_bf16x3, load_pair
+from .softmax_bwd import dot_bf16x3, head_columns, head_tile_mask, load_pair, padded_head_dim
 
 LOG2_E = tl.constexpr(1.4426950408889634)       # exp(x) == exp2(x * LOG2_E)
 LN_2 = tl.constexpr(0.6931471805599453)         # log(x) == log2(x) * LN_2
@@ -36,10 +39,11 @@ LN_2 = tl.constexpr(0.6931471805599453)         # log(x) == log2(x) * LN_2
 def head_tile_offsets(batch, head, offs_s, stride_b, stride_h, stride_s,
                       HEAD_DIM: tl.constexpr):
     """Offsets of rows `offs_s` of one (batch, head) of a [B,H,S,D] tensor with strides
-    (stride_b, stride_h, stride_s, 1): [len, HEAD_DIM], int64."""
+    (stride_b, stride_h, stride_s, 1): [len, HEAD_TILE], int64 (the padding columns
+    >= HEAD_DIM are the caller's to mask)."""
     head_start = batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
     return (head_start + offs_s[:, None].to(tl.int64) * stride_s
-            + tl.arange(0, HEAD_DIM)[None, :])
+            + head_columns(HEAD_DIM)[0][None, :])
 
 
 @triton.jit
@@ -49,29 +53,31 @@ def attention_fwd_tile(Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, stride_qb, stride_qh,
                        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr):
     """Query rows [m_start, m_start + BLOCK_M) of one (batch, head). Returns attn_output
-    [BLOCK_M, HEAD_DIM] and lse [BLOCK_M] (rows past SEQ_LEN hold values of no meaning:
-    the caller masks them)."""
+    [BLOCK_M, HEAD_TILE] and lse [BLOCK_M] (rows past SEQ_LEN hold values of no meaning:
+    the caller masks them; columns past HEAD_DIM are 0)."""
+    HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     q_hi, q_lo = load_pair(Q_HI, Q_LO, head_tile_offsets(batch, head, offs_m, stride_qb,
                                                          stride_qh, stride_qs, HEAD_DIM),
-                           (offs_m < SEQ_LEN)[:, None])                   # [BM,D]
+                           head_tile_mask(offs_m < SEQ_LEN, HEAD_DIM))    # [BM,D]
     scale_log2 = scale * LOG2_E
 
     # running state of the online softmax, in base-2 logits
     row_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)   # max of the logits
     row_sum = tl.zeros((BLOCK_M,), dtype=tl.float32)           # sum exp2(logit - row_max)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)      # sum exp2(..) * v
+    acc = tl.zeros((BLOCK_M, HEAD_TILE), dtype=tl.float32)     # sum exp2(..) * v
     for n_start in range(0, SEQ_LEN, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         key_ok = offs_n < SEQ_LEN
+        kv_mask = head_tile_mask(key_ok, HEAD_DIM)
         k_hi, k_lo = load_pair(K_HI, K_LO, head_tile_offsets(batch, head, offs_n, stride_kb,
                                                              stride_kh, stride_ks,
                                                              HEAD_DIM),
-                               key_ok[:, None])                           # [BN,D]
+                               kv_mask)                                   # [BN,D]
         v_hi, v_lo = load_pair(V_HI, V_LO, head_tile_offsets(batch, head, offs_n, stride_vb,
                                                              stride_vh, stride_vs,
                                                              HEAD_DIM),
-                               key_ok[:, None])                           # [BN,D]
+                               kv_mask)                                   # [BN,D]
         q_dot_k = dot_bf16x3(q_hi, q_lo, tl.trans(k_hi), tl.trans(k_lo),
                              tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32))  # [BM,BN]
         # keys past SEQ_LEN get probability 0. Every tile holds at least one real key
@@ -112,5 +118,5 @@ def attention_fwd_kernel(Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUTPUT, LSE,
     tl.store(ATTN_OUTPUT + head_tile_offsets(batch, head, offs_m,
                                              SEQ_LEN * NUM_HEADS * HEAD_DIM, HEAD_DIM,
                                              NUM_HEADS * HEAD_DIM, HEAD_DIM),
-             attn_output, mask=row_ok[:, None])
+             attn_output, mask=head_tile_mask(row_ok, HEAD_DIM))
     tl.store(LSE + tl.program_id(1).to(tl.int64) * SEQ_LEN + offs_m, lse, mask=row_ok)

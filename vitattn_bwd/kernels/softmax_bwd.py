@@ -37,6 +37,11 @@ as bf16 [hi | lo] halves of one row (the QKV input-gradient GEMM's bf16x3 operan
 as float32 sums over each program's rows (partial sums of the QKV bias gradient,
 which the graph adds in a fixed order).
 
+Any head dim D that is a multiple of 8 up to 128 runs: every [.., D] tile is
+HEAD_TILE = padded_head_dim(D) wide (tensor shapes must be powers of two; tl.dot's K
+at least 16), loaded with zeros in the columns >= D, which add nothing to any product,
+and stored with those columns masked off.
+
 The `*_tile` and store functions hold the algorithm. They are shared verbatim by the raw
 kernels below (used eagerly and tested under TRITON_INTERPRET=1) and by the Inductor
 templates (vitattn_bwd/inductor.py pastes every non-kernel function of this file into
@@ -44,6 +49,42 @@ its templates).
 """
 import triton
 import triton.language as tl
+
+
+@triton.constexpr_function
+def padded_head_dim(head_dim):
+    """The width of the kernels' [.., head_dim] tiles: the next power of two, at least
+    16 (the K of a tensor-core product)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+@triton.jit
+def head_columns(HEAD_DIM: tl.constexpr):
+    """The columns of a head tile, [HEAD_TILE], and which of them are real (< HEAD_DIM)."""
+    cols = tl.arange(0, padded_head_dim(HEAD_DIM))
+    return cols, cols < HEAD_DIM
+
+
+@triton.jit
+def head_tile_mask(row_ok, HEAD_DIM: tl.constexpr):
+    """The mask of a [len(row_ok), HEAD_TILE] head tile: its rows' row_ok, and its real
+    columns where HEAD_DIM is padded. (At a power of two the mask stays [len, 1]: a
+    [len, HEAD_TILE] one, though all true, cost the cols pass 200-340 bytes of spills.)"""
+    mask = row_ok[:, None]
+    if padded_head_dim(HEAD_DIM) != HEAD_DIM:
+        mask = mask & head_columns(HEAD_DIM)[1][None, :]
+    return mask
+
+
+@triton.jit
+def head_columns_at(head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Column of each element of a head tile's row in a [.., E] row whose E = NUM_HEADS
+    * HEAD_DIM columns hold the heads side by side, [HEAD_TILE]; the padding columns get
+    E, past the row, which the stores' `< E` masks drop."""
+    cols = head * HEAD_DIM + head_columns(HEAD_DIM)[0]
+    if padded_head_dim(HEAD_DIM) != HEAD_DIM:
+        cols = tl.where(head_columns(HEAD_DIM)[1], cols, NUM_HEADS * HEAD_DIM)
+    return cols
 
 
 @triton.jit
@@ -84,9 +125,10 @@ def store_bf16_halves(HALVES, offsets, lo_offset, value, mask):
 def head_rows(batch, head, offs, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
               HEAD_DIM: tl.constexpr, ROW_WIDTH: tl.constexpr):
     """Offsets of rows `offs` of one head in a [B,S,ROW_WIDTH] layout whose first
-    NUM_HEADS * HEAD_DIM columns hold the heads side by side: [len,D]."""
+    NUM_HEADS * HEAD_DIM columns hold the heads side by side: [len,HEAD_TILE] (the
+    padding columns >= HEAD_DIM are the caller's to mask)."""
     return ((batch * SEQ_LEN + offs[:, None]).to(tl.int64) * ROW_WIDTH
-            + head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+            + head * HEAD_DIM + head_columns(HEAD_DIM)[0][None, :])
 
 
 @triton.jit
@@ -131,24 +173,26 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
     """Rows pass for query rows [m_start, m_start + BLOCK_M) of one (batch, head); PROBS
     is P, or lse with RECOMPUTE_P (then q and the attention output ATTN_OUT [B,S,E] are
     read; otherwise Q_HI, Q_LO and ATTN_OUT are unused). Returns grad_q [BLOCK_M,
-    HEAD_DIM] and delta [BLOCK_M] (rows past SEQ_LEN are 0)."""
+    HEAD_TILE] and delta [BLOCK_M] (rows past SEQ_LEN and columns past HEAD_DIM are 0)."""
+    HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = head_columns(HEAD_DIM)[0]
     row_ok = offs_m < SEQ_LEN
     head_rows_m = head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
                             NUM_HEADS * HEAD_DIM)
+    rows_mask = head_tile_mask(row_ok, HEAD_DIM)                          # [BM,D]
     grad_attn_hi, grad_attn_lo = load_pair(GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows_m,
-                                           row_ok[:, None])               # [BM,D]
+                                           rows_mask)                     # [BM,D]
 
     p_rows = PROBS + batch_head * SEQ_LEN * SEQ_LEN + offs_m[:, None] * SEQ_LEN
     head_start = batch_head * SEQ_LEN * HEAD_DIM
     if RECOMPUTE_P:
         q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
-                               + offs_d[None, :], row_ok[:, None])        # [BM,D]
+                               + offs_d[None, :], rows_mask)              # [BM,D]
         lse_log2 = load_vector(PROBS + batch_head * SEQ_LEN, m_start, SEQ_LEN,
                                BLOCK_M) * 1.4426950408889634              # [BM]
-        attn_out = tl.load(ATTN_OUT + head_rows_m, mask=row_ok[:, None], other=0.0)
+        attn_out = tl.load(ATTN_OUT + head_rows_m, mask=rows_mask, other=0.0)
         grad_attn = grad_attn_hi.to(tl.float32) + grad_attn_lo.to(tl.float32)
         delta = tl.sum(grad_attn * attn_out, axis=1)                      # [BM]
     else:
@@ -156,15 +200,16 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
 
     # grad_s_k sums (P * (dP - delta)) @ k with RECOMPUTE_P (delta known), else (P * dP) @ k
     # while p_k sums P @ k, and dQ = grad_s_k - delta * p_k once delta is complete.
-    grad_s_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    grad_s_k = tl.zeros((BLOCK_M, HEAD_TILE), dtype=tl.float32)
     if not RECOMPUTE_P:
-        p_k = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        p_k = tl.zeros((BLOCK_M, HEAD_TILE), dtype=tl.float32)
     for n_start in range(0, SEQ_LEN, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         col_ok = offs_n < SEQ_LEN
         kv_offsets = head_start + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        k_hi, k_lo = load_pair(K_HI, K_LO, kv_offsets, col_ok[:, None])   # [BN,D]
-        v_hi, v_lo = load_pair(V_HI, V_LO, kv_offsets, col_ok[:, None])   # [BN,D]
+        kv_mask = head_tile_mask(col_ok, HEAD_DIM)
+        k_hi, k_lo = load_pair(K_HI, K_LO, kv_offsets, kv_mask)           # [BN,D]
+        v_hi, v_lo = load_pair(V_HI, V_LO, kv_offsets, kv_mask)           # [BN,D]
         if RECOMPUTE_P:
             p = recomputed_probabilities(
                 q_hi, q_lo, k_hi, k_lo, lse_log2[:, None], scale,
@@ -199,19 +244,22 @@ def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
                           RECOMPUTE_P: tl.constexpr):
     """Cols pass for key rows [n_start, n_start + BLOCK_N) of one (batch, head), with
     delta from the rows pass; PROBS is P, or lse with RECOMPUTE_P (then k is read;
-    otherwise K_HI/K_LO are unused). Returns grad_k, grad_v [BLOCK_N, HEAD_DIM]."""
+    otherwise K_HI/K_LO are unused). Returns grad_k, grad_v [BLOCK_N, HEAD_TILE]
+    (columns past HEAD_DIM 0)."""
+    HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_n = n_start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = head_columns(HEAD_DIM)[0]
     col_ok = offs_n < SEQ_LEN
+    kv_mask = head_tile_mask(col_ok, HEAD_DIM)                            # [BN,D]
     head_start = batch_head * SEQ_LEN * HEAD_DIM
     v_hi, v_lo = load_pair(V_HI, V_LO, head_start + offs_n[:, None] * HEAD_DIM
-                           + offs_d[None, :], col_ok[:, None])            # [BN,D]
+                           + offs_d[None, :], kv_mask)                    # [BN,D]
 
     p_t_cols = PROBS + batch_head * SEQ_LEN * SEQ_LEN + offs_n[:, None]   # P^T rows
     if RECOMPUTE_P:
         k_hi, k_lo = load_pair(K_HI, K_LO, head_start + offs_n[:, None] * HEAD_DIM
-                               + offs_d[None, :], col_ok[:, None])        # [BN,D]
+                               + offs_d[None, :], kv_mask)                # [BN,D]
         lse_head = PROBS + batch_head * SEQ_LEN
         lse_next = load_vector(lse_head, 0, SEQ_LEN, BLOCK_M)
     else:
@@ -220,17 +268,18 @@ def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
     delta_head = DELTA + batch_head * SEQ_LEN
     delta_next = load_vector(delta_head, 0, SEQ_LEN, BLOCK_M)             # [BM]
 
-    grad_k = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-    grad_v = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    grad_k = tl.zeros((BLOCK_N, HEAD_TILE), dtype=tl.float32)
+    grad_v = tl.zeros((BLOCK_N, HEAD_TILE), dtype=tl.float32)
     for m_start in range(0, SEQ_LEN, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < SEQ_LEN
+        rows_mask = head_tile_mask(row_ok, HEAD_DIM)
         grad_attn_hi, grad_attn_lo = load_pair(
             GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS,
                                                   HEAD_DIM, NUM_HEADS * HEAD_DIM),
-            row_ok[:, None])                                              # [BM,D]
+            rows_mask)                                                    # [BM,D]
         q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
-                               + offs_d[None, :], row_ok[:, None])        # [BM,D]
+                               + offs_d[None, :], rows_mask)              # [BM,D]
         delta = delta_next
         delta_next = load_vector(delta_head, m_start + BLOCK_M, SEQ_LEN, BLOCK_M)
         if RECOMPUTE_P:
@@ -259,12 +308,12 @@ def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
 def store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start,
                         SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """grad_q [BM,D] into the [B,S,2E] [hi | lo] layout."""
+    """grad_q [BM,HEAD_TILE] into the [B,S,2E] [hi | lo] layout."""
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offsets = head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
                         2 * NUM_HEADS * HEAD_DIM)
     store_bf16_halves(GRAD_Q_HALVES, offsets, NUM_HEADS * HEAD_DIM, grad_q,
-                      (offs_m < SEQ_LEN)[:, None])
+                      head_tile_mask(offs_m < SEQ_LEN, HEAD_DIM))
 
 
 @triton.jit
@@ -277,28 +326,36 @@ def store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN: tl.constexpr,
 
 @triton.jit
 def join_kv(grad_k, grad_v, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Two [BN,D] tiles -> one [BN,2D] tile, grad_k in the first half of each row."""
+    """Two [BN,HEAD_TILE] tiles -> one [BN,2*HEAD_TILE] tile, grad_k in the first half
+    of each row."""
     return tl.reshape(tl.permute(tl.join(grad_k, grad_v), (0, 2, 1)),
-                      (BLOCK_N, 2 * HEAD_DIM))
+                      (BLOCK_N, 2 * padded_head_dim(HEAD_DIM)))
 
 
 @triton.jit
 def kv_columns(head, NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Column of each element of a join_kv tile in a [B,S,2E] (dK | dV) layout."""
-    j = tl.arange(0, 2 * HEAD_DIM)
-    return (j // HEAD_DIM) * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + j % HEAD_DIM
+    """Column of each element of a join_kv tile in a [B,S,2E] (dK | dV) layout; the
+    padding columns (>= HEAD_DIM of either half) get 2E, past the row, which the stores'
+    `< 2E` masks drop."""
+    HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
+    j = tl.arange(0, 2 * HEAD_TILE)
+    cols = (j // HEAD_TILE) * (NUM_HEADS * HEAD_DIM) + head * HEAD_DIM + j % HEAD_TILE
+    if HEAD_TILE != HEAD_DIM:
+        cols = tl.where(j % HEAD_TILE < HEAD_DIM, cols, 2 * NUM_HEADS * HEAD_DIM)
+    return cols
 
 
 @triton.jit
 def store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start,
                          SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                          HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A join_kv tile [BN,2D] into the [B,S,4E] [k_hi v_hi | k_lo v_lo] layout."""
+    """A join_kv tile [BN,2*HEAD_TILE] into the [B,S,4E] [k_hi v_hi | k_lo v_lo] layout."""
     offs_n = n_start + tl.arange(0, BLOCK_N)
+    cols = kv_columns(head, NUM_HEADS, HEAD_DIM)
     offsets = ((batch * SEQ_LEN + offs_n[:, None]).to(tl.int64) * (4 * NUM_HEADS * HEAD_DIM)
-               + kv_columns(head, NUM_HEADS, HEAD_DIM)[None, :])
+               + cols[None, :])
     store_bf16_halves(GRAD_KV_HALVES, offsets, 2 * NUM_HEADS * HEAD_DIM, grad_kv,
-                      (offs_n < SEQ_LEN)[:, None])
+                      (offs_n < SEQ_LEN)[:, None] & (cols < 2 * NUM_HEADS * HEAD_DIM)[None, :])
 
 
 @triton.jit
@@ -307,7 +364,8 @@ def store_column_sums(SUMS, grad, batch, row_start, cols, SEQ_LEN: tl.constexpr,
                       SUM_ROWS: tl.constexpr):
     """The sum over rows of a gradient tile grad [BLOCK, N] of rows [row_start, +BLOCK)
     of one batch element (rows past SEQ_LEN left out), a partial sum of the QKV bias
-    gradient, into SUMS [B, cdiv(SEQ_LEN, SUM_ROWS), SUMS_WIDTH] at columns `cols` [N]:
+    gradient, into SUMS [B, cdiv(SEQ_LEN, SUM_ROWS), SUMS_WIDTH] at columns `cols` [N]
+    (those >= SUMS_WIDTH, the padding of a head tile, left out):
     at the group of SUM_ROWS rows where the tile starts, and zeros at the other groups it
     covers, so that every block size fills the same buffer."""
     tl.static_assert(BLOCK % SUM_ROWS == 0)
@@ -318,7 +376,7 @@ def store_column_sums(SUMS, grad, batch, row_start, cols, SEQ_LEN: tl.constexpr,
         group = row_start // SUM_ROWS + part
         if group < GROUPS:          # a branch: triton 3.9's interpreter takes no scalar mask
             tl.store(SUMS + (batch * GROUPS + group) * SUMS_WIDTH + cols,
-                     sums if part == 0 else tl.zeros_like(sums))
+                     sums if part == 0 else tl.zeros_like(sums), mask=cols < SUMS_WIDTH)
 
 
 # ---- one program of each pass, shared by the raw kernels and the Inductor templates ---
@@ -334,7 +392,8 @@ def softmax_bwd_rows_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
                              SUM_ROWS: tl.constexpr):
     """The rows pass of program (query block, batch * NUM_HEADS + head): stores delta,
     grad_q's bf16 halves and its partial column sums; returns (batch, rows [BM,1],
-    columns [1,D] in grad_q16 [B,S,E], grad_q [BM,D] in fp16)."""
+    columns [1,HEAD_TILE] in grad_q16 [B,S,E] (E past the row for the padding columns),
+    grad_q [BM,HEAD_TILE] in fp16)."""
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
@@ -345,12 +404,11 @@ def softmax_bwd_rows_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
     store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
-    store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start,
-                      head * HEAD_DIM + tl.arange(0, HEAD_DIM), SEQ_LEN, BLOCK_M,
+    cols = head_columns_at(head, NUM_HEADS, HEAD_DIM)                     # [HEAD_TILE]
+    store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start, cols, SEQ_LEN, BLOCK_M,
                       NUM_HEADS * HEAD_DIM, SUM_ROWS)
     rows = m_start + tl.arange(0, BLOCK_M)[:, None]
-    cols = head * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
-    return batch, rows, cols, grad_q.to(tl.float16)
+    return batch, rows, cols[None, :], grad_q.to(tl.float16)
 
 
 @triton.jit
@@ -362,7 +420,8 @@ def softmax_bwd_cols_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
                              SUM_ROWS: tl.constexpr):
     """The cols pass of program (key block, batch * NUM_HEADS + head): stores grad_k's
     and grad_v's bf16 halves and their partial column sums; returns (batch, rows [BN,1],
-    columns [1,2D] in grad_kv16 [B,S,2E], [grad_k | grad_v] [BN,2D] in fp16)."""
+    columns [1,2*HEAD_TILE] in grad_kv16 [B,S,2E] (2E for the padding columns),
+    [grad_k | grad_v] [BN,2*HEAD_TILE] in fp16)."""
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
@@ -395,7 +454,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
         BLOCK_N, RECOMPUTE_P, SUM_ROWS)
     tl.store(GRAD_Q16 + (batch * SEQ_LEN + rows).to(tl.int64) * (NUM_HEADS * HEAD_DIM)
-             + cols, grad_q16, mask=rows < SEQ_LEN)
+             + cols, grad_q16, mask=(rows < SEQ_LEN) & (cols < NUM_HEADS * HEAD_DIM))
 
 
 @triton.jit
@@ -410,4 +469,4 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         GRAD_KV_HALVES, GRAD_KV_SUMS, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
         BLOCK_N, RECOMPUTE_P, SUM_ROWS)
     tl.store(GRAD_KV16 + (batch * SEQ_LEN + rows).to(tl.int64) * (2 * NUM_HEADS * HEAD_DIM)
-             + cols, grad_kv16, mask=rows < SEQ_LEN)
+             + cols, grad_kv16, mask=(rows < SEQ_LEN) & (cols < 2 * NUM_HEADS * HEAD_DIM))
