@@ -204,10 +204,14 @@ def kernels():
                              dict(shape, **constexprs, OPERAND_DTYPE="fp16 halves",
                                   RECOMPUTE_P=recompute, SUM_ROWS=COLUMN_SUM_ROWS), tiles))
     # and its GEMMs: the split GEMM on fp16 halves, K that of the weight gradients at
-    # batch 32, operands with unit inner strides (as a launch specializes them)
-    variants.append(("split gemm fp16 halves", split_gemm_kernel,
-                     dict(K=32 * SEQ_LEN, GROUP_M=GROUP_M, stride_ak=1, stride_bn=1,
-                          OPERAND_DTYPE="fp16 halves"), inductor.GEMM_TILES))
+    # batch 32, operands with unit inner strides (as a launch specializes them); with
+    # 64-bit offsets too, as operands of 2^31 elements or more take them
+    import triton.language as tl
+    for offsets, offset_dtype in (("", tl.int32), (" int64 offsets", tl.int64)):
+        variants.append((f"split gemm fp16 halves{offsets}", split_gemm_kernel,
+                         dict(K=32 * SEQ_LEN, GROUP_M=GROUP_M, stride_ak=1, stride_bn=1,
+                              OFFSET_DTYPE=offset_dtype, OPERAND_DTYPE="fp16 halves"),
+                         inductor.GEMM_TILES))
     return variants
 
 

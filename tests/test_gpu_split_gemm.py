@@ -74,14 +74,32 @@ def test_every_configured_tile_is_as_close_to_float64_as_sgemm(tiles):
     assert relative_error(got, want) < 1.5 * relative_error(_sgemm(a.t(), b), want)
 
 
-def test_module_refuses_a_batch_past_32_bit_offsets_in_the_forward():
-    """At precision "highest", batch * tokens * 2 * embed_dim >= 2^31 is refused by the
-    module's forward, naming x, before any work (not by the backward's trace)."""
-    import vitattn_bwd
-    from vitattn_bwd.module import VisionAttentionFunction
-    block = vitattn_bwd.VisionAttentionBlock(64, 1).cuda()
-    x = torch.empty(2 ** 24, 1, 64, device="cuda")                 # B*S*2E = 2^31
-    params = [p.detach() for p in (block.norm.weight, block.norm.bias, block.qkv.weight,
-                                   block.qkv.bias, block.out_proj.weight, block.out_proj.bias)]
-    with pytest.raises(ValueError, match="x: precision 'highest'"):
-        VisionAttentionFunction.apply(x, *params, 1, 1e-5, "highest")
+# A [BIG_ROWS, 2E] spans 2^31 + 2^21 elements: grad_kv's [B*S, 2E] passes 2^31 from batch
+# 1,818 at ViT-L/14-336. Rows from 2^20 on start past 2^31 elements: with 32-bit offsets
+# they would read other memory. (8.6 GB float32, its fp16 halves as much again.)
+BIG_ROWS = 2 ** 20 + 2 ** 10
+TAIL = slice(2 ** 20, None)                     # the rows whose offsets pass 2^31
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["launch", "compiled"])
+def test_an_operand_past_2_31_elements(compiled):
+    """A @ W (output [BIG_ROWS, 64]: the activation gradient's GEMM) and A^T @ C (K =
+    BIG_ROWS: the weight gradient's, A read transposed) with A [BIG_ROWS, 2E], raw
+    launches (the eager path's 64-bit OFFSET_DTYPE) and compiled (the template, Inductor's
+    INDEX_DTYPE), against float64 as close as float32 SGEMM, and A @ W's last rows on
+    their own."""
+    a, c = _operands(BIG_ROWS, 2 * E, 64, seed=11)
+    w = torch.randn(2 * E, 64, device="cuda") / 32
+    options = inductor.compile_options(f"test-split-gemm-big-{compiled}", max_autotune=False)
+    fns = [_faithful, _faithful_transposed]
+    if compiled:
+        fns = [torch.compile(fn, dynamic=False, options=options) for fn in fns]
+    product, product_t = fns[0](a, w), fns[1](a, c)
+    a64 = a.double()
+    want, want_t = a64 @ w.double(), a64.t() @ c.double()
+    del a64
+    for got, want_, a_op, b in ((product, want, a, w), (product_t, want_t, a.t(), c)):
+        error, sgemm_error = relative_error(got, want_), relative_error(_sgemm(a_op, b), want_)
+        assert error < 1.5 * sgemm_error, (error, sgemm_error)
+    tail_error = relative_error(product[TAIL], want[TAIL])
+    assert tail_error < 1.5 * relative_error(_sgemm(a[TAIL], w), want[TAIL]), tail_error

@@ -39,7 +39,8 @@ def test_every_configured_tile_is_compiled(resources):
     one_product = {f"gluon {name} recompute P {dtype}" for name in ("rows", "cols")
                    for dtype in ("bf16", "fp16")}
     fp16_halves = {f"gluon {name} fp16 halves" for name in passes}     # "highest"
-    assert names == ({"forward", "layer norm", "split gemm fp16 halves"} | passes
+    split_gemm = {"split gemm fp16 halves", "split gemm fp16 halves int64 offsets"}
+    assert names == ({"forward", "layer norm"} | split_gemm | passes
                      | {f"gluon {name}" for name in passes} | one_product | fp16_halves)
     assert all(configured for *_, configured, _ in resources)
 

@@ -95,9 +95,55 @@ def test_compiled_cpu_graph_goes_through_the_lowering_fallback(monkeypatch):
     assert torch.equal(compiled(a, c), product(a, c))
 
 
-def test_operands_of_2_31_elements_are_refused_by_name():
-    """The kernel's offsets are 32-bit: the module and the contract entry point check
-    the widest operand (grad_kv [B*S, 2E]) in the call, before any work."""
-    split_gemm.check_operand_elements("x", 2 ** 20, 2047)           # 2^31 - 2^20 elements
-    with pytest.raises(ValueError, match=r"x: precision 'highest' .* \[1048576, 2048\]"):
-        split_gemm.check_operand_elements("x", 2 ** 20, 2048)           # 2^31
+def test_offsets_are_64_bit_only_where_a_tensor_spans_2_31_elements():
+    """The raw launch's OFFSET_DTYPE (meta tensors: nothing is allocated): grad_kv
+    [B*S, 2E] at 2^31 - 2^20 elements and its transposed view keep int32 offsets, at
+    2^31 elements either takes int64, and so does a small view whose stride spans it."""
+    import triton.language as tl
+
+    def meta(*shape):
+        return torch.empty(shape, dtype=torch.float16, device="meta")
+    assert split_gemm.offset_dtype(meta(2 ** 20, 2047), meta(2047, 64)) == tl.int32
+    assert split_gemm.offset_dtype(meta(2 ** 20, 2047).t(), meta(2 ** 20, 64)) == tl.int32
+    assert split_gemm.offset_dtype(meta(2 ** 20, 2048), meta(2048, 64)) == tl.int64
+    assert split_gemm.offset_dtype(meta(64, 2048), meta(2 ** 20, 2048).t()) == tl.int64
+    assert split_gemm.offset_dtype(meta(3, 16).as_strided((3, 16), (2 ** 30, 1))) == tl.int64
+    assert split_gemm.offset_dtype(meta(0, 2 ** 31)) == tl.int32         # empty: no offsets
+
+
+# Operands a few elements large whose strides reach past 2^31 elements: where int32
+# offsets wrap (to `wrapped_at`, as a storage index) other values are planted; each
+# operand's halves are views of one 8 GiB fp16 storage, of which only the elements read
+# and the planted ones are touched (the allocation is virtual; the interpreter hands a
+# CPU tensor's storage to the kernel without copying it).
+# (shape, strides, base offset of a_hi, storage index an int32 offset wraps to)
+PLANTED = {
+    # row 2 of A starts at 2 * 3 * 2^29 = 3 * 2^30: rows * stride_am wraps
+    "rows": ((3, 16), (3 * 2 ** 29, 1), 2 ** 30, 0),
+    # K = 33 with stride_ak 2^26: the second K slice starts 32 * 2^26 = 2^31 on (the
+    # loop's step times the stride wraps)
+    "k slices": ((4, 33), (1, 2 ** 26), 2 ** 31, 0),
+}
+
+
+@pytest.mark.parametrize("case", PLANTED)
+def test_kernel_reads_operands_spanning_2_31_elements(triton_interpreter, case):
+    """A @ B with A's halves as planted views against float64: with 32-bit offsets the
+    kernel would read the planted values (1e3) for some of A's."""
+    shape, strides, offset, wrapped_at = PLANTED[case]
+    a, b, _ = _operands(shape[0], shape[1], 24, seed=6)
+    halves = split_gemm.fp16_halves(a)
+    lo_shift = 8 if case == "k slices" else shape[1]     # a_lo's base after a_hi's
+    storage = torch.empty(offset + lo_shift + 1 + sum((n - 1) * st
+                                                     for n, st in zip(shape, strides)),
+                          dtype=torch.float16)
+    storage[wrapped_at:wrapped_at + 2 * lo_shift] = 1e3          # the planted values
+    a_hi = storage.as_strided(shape, strides, offset)
+    a_lo = storage.as_strided(shape, strides, offset + lo_shift)
+    a_hi.copy_(halves.hi)
+    a_lo.copy_(halves.lo)
+    assert split_gemm.span(a_hi) >= split_gemm.INT32_OFFSET_LIMIT
+    got = split_gemm.matmul_fp16x3(split_gemm.Fp16Halves(a_hi, a_lo, halves.scale),
+                                   split_gemm.fp16_halves(b))
+    want = a.double() @ b.double()
+    assert relative_error(got, want) < 2 * relative_error(a @ b, want) + 1e-8

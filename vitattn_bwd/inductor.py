@@ -484,6 +484,9 @@ def _lower_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
 
 # ---- the split GEMM template (precision "highest") -------------------------------------
 
+# The template's offsets are of Inductor's INDEX_DTYPE (both torch 2.11 and 2.13 define
+# it for templates): int64 where an input's storage or the output reaches 2^31
+# elements, else int32 under a guard (a bigger batch recompiles the graph).
 # The configs max-autotune times against each other for the split GEMM (split_gemm.py).
 # Each keeps two [BLOCK_M, BLOCK_N] float32 accumulators (the running sum and the
 # slice's partial) in registers.
@@ -502,10 +505,11 @@ _SPLIT_GEMM_ENTRY = r'''
     tile_m, tile_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = split_gemm_tile(A_HI, A_LO, B_HI, B_LO, M, N, K, {{stride("A_HI", 0)}},
                           {{stride("A_HI", 1)}}, {{stride("B_HI", 0)}},
-                          {{stride("B_HI", 1)}}, tile_m, tile_n, BLOCK_M, BLOCK_N, BLOCK_K)
+                          {{stride("B_HI", 1)}}, tile_m, tile_n, BLOCK_M, BLOCK_N, BLOCK_K,
+                          INDEX_DTYPE)
     acc = unscaled(acc, UNSCALE)
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    rows = tile_m.to(INDEX_DTYPE) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tile_n.to(INDEX_DTYPE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     mask = (rows < M) & (cols < N)
     {{store_output(("rows", "cols"), "acc", "mask", val_shape=("BLOCK_M", "BLOCK_N"))}}
 

@@ -37,19 +37,24 @@ class GemmTiles(NamedTuple):
     num_stages: int
 
 
-# The kernel's element offsets are 32-bit: an operand must span fewer elements.
-MAX_OPERAND_ELEMENTS = 2 ** 31
+# Offsets of 32 bits reach elements below this; an operand or output spanning more
+# elements gets the kernel's 64-bit offsets (kernels/split_gemm.py, OFFSET_DTYPE).
+INT32_OFFSET_LIMIT = 2 ** 31
 
 
-def check_operand_elements(name, rows, width):
-    """ValueError naming `name` (an input of the caller) where a [rows, width] operand
-    of the split GEMM would span MAX_OPERAND_ELEMENTS or more: checked where the call
-    starts, not left to the backward or to a wrong offset."""
-    if rows * width >= MAX_OPERAND_ELEMENTS:
-        raise ValueError(f"{name}: precision 'highest' takes at most {MAX_OPERAND_ELEMENTS} "
-                         f"elements per GEMM operand (its kernel's offsets are 32-bit), and "
-                         f"this call's largest operand would be [{rows}, {width}] "
-                         f"(batch * tokens rows); split the batch or use precision 'high'")
+def span(t):
+    """The elements from t's first to its last, through its strides (a transposed view
+    spans what its rows do)."""
+    return 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+
+
+def offset_dtype(*tensors):
+    """tl.int64 where one of the kernel's tensors spans 2^31 elements or more, else
+    tl.int32 (what Inductor's INDEX_DTYPE chooses for the template, by the same rule)."""
+    import triton.language as tl
+    if any(t.numel() and span(t) >= INT32_OFFSET_LIMIT for t in tensors):
+        return tl.int64
+    return tl.int32
 
 
 # The eager launch's tiles (the compiled path tunes its own, inductor.py).
@@ -133,6 +138,7 @@ def launch(a_hi, a_lo, b_hi, b_lo, unscale, tiles=EAGER_TILES):
     split_gemm_kernel[grid](a_hi, a_lo, b_hi, b_lo, unscale, out, M, N, K, *a_hi.stride(),
                             *b_hi.stride(), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                             BLOCK_K=tiles.block_k, GROUP_M=GROUP_M,
+                            OFFSET_DTYPE=offset_dtype(a_hi, b_hi, out),
                             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 

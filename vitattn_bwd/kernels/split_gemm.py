@@ -20,6 +20,13 @@ gradient, K = B*S rows) is a view, not a copy. Rows of A, columns of B and the K
 past the end are masked (zeros add nothing). Each output element is written by one
 program: deterministic.
 
+Element offsets are of OFFSET_DTYPE: tl.int32 where A, B and C each span fewer than
+2^31 elements, tl.int64 where one reaches it (grad_kv [B*S, 2E] from batch 1,818 at
+ViT-L/14-336), where int32 offsets would wrap and read other memory. int64 costs
+registers (sm_90, the configured tiles: 160-176 -> 176-217, no spills), so it is
+chosen only there: with int32 the kernel compiles to the same SASS as with offsets
+written without a dtype (scripts/kernel_resources.py --sass, diffed).
+
 `split_gemm_tile` and `grouped_tile` hold the algorithm; the raw kernel below (eager
 launches, TRITON_INTERPRET=1 tests) and the Inductor template (inductor.py pastes every
 non-kernel function of this file into it) share them verbatim.
@@ -45,11 +52,16 @@ def grouped_tile(program, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 @triton.jit
 def split_gemm_tile(A_HI, A_LO, B_HI, B_LO, M, N, K, stride_am, stride_ak, stride_bk,
                     stride_bn, tile_m, tile_n, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    OFFSET_DTYPE: tl.constexpr):
     """The float32 [BLOCK_M, BLOCK_N] tile (tile_m, tile_n) of A @ B, unscaled."""
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    rows = tile_m.to(OFFSET_DTYPE) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n.to(OFFSET_DTYPE) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K).to(OFFSET_DTYPE)
+    if OFFSET_DTYPE == tl.int64:                     # the step times a stride: no wrap
+        k_step = tl.full([], BLOCK_K, tl.int64)
+    else:
+        k_step = BLOCK_K
     row_ok = (rows < M)[:, None]
     col_ok = (cols < N)[None, :]
     a_offsets = rows[:, None] * stride_am + ks[None, :] * stride_ak   # [BLOCK_M, BLOCK_K]
@@ -70,8 +82,8 @@ def split_gemm_tile(A_HI, A_LO, B_HI, B_LO, M, N, K, stride_am, stride_ak, strid
         partial = tl.dot(a_hi, b_lo, partial)
         partial = tl.dot(a_hi, b_hi, partial)
         acc += partial
-        a_offsets += BLOCK_K * stride_ak
-        b_offsets += BLOCK_K * stride_bk
+        a_offsets += k_step * stride_ak
+        b_offsets += k_step * stride_bk
     return acc
 
 
@@ -85,7 +97,8 @@ def unscaled(acc, UNSCALE):
 @triton.jit
 def split_gemm_kernel(A_HI, A_LO, B_HI, B_LO, UNSCALE, C, M, N, K: tl.constexpr,
                       stride_am, stride_ak, stride_bk, stride_bn, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      OFFSET_DTYPE: tl.constexpr):
     """C [M,N] float32 (contiguous) = (A @ B) * UNSCALE[0] * UNSCALE[1]; grid: one
     program per tile.
     K is a constexpr here (the template passes it at run time): Triton 3.6's interpreter
@@ -93,8 +106,8 @@ def split_gemm_kernel(A_HI, A_LO, B_HI, B_LO, UNSCALE, C, M, N, K: tl.constexpr,
     array)."""
     tile_m, tile_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = split_gemm_tile(A_HI, A_LO, B_HI, B_LO, M, N, K, stride_am, stride_ak, stride_bk,
-                          stride_bn, tile_m, tile_n, BLOCK_M, BLOCK_N, BLOCK_K)
+                          stride_bn, tile_m, tile_n, BLOCK_M, BLOCK_N, BLOCK_K, OFFSET_DTYPE)
     acc = unscaled(acc, UNSCALE)
-    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    rows = tile_m.to(OFFSET_DTYPE) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    cols = tile_n.to(OFFSET_DTYPE) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     tl.store(C + rows * N + cols, acc, mask=(rows < M) & (cols < N))
