@@ -91,11 +91,16 @@ def compile_options(tag, *, max_autotune):
     back the halves before every thread of the program has stored them). No
     coordinate-descent tuning: in torch 2.11 it re-runs on warm cache loads (pytorch
     issue 172819). No CUDA graph trees: small batches are captured by cuda_graphs.py,
-    which works on autograd's threads too."""
+    which works on autograd's threads too. Max-autotune offers only GEMM configs whose
+    shared memory (Inductor's estimate, an upper bound) fits the device: by default
+    torch 2.11-2.13 offer float32 tiles needing 256 KB on an H200 (227 KB), which fail
+    to compile and are logged at error level ("No valid triton configs"), though the
+    step runs right."""
     options = {"post_grad_custom_post_pass": CacheKeyTag(tag), "epilogue_fusion": False,
                "prologue_fusion": False}
     if max_autotune:
-        options["max_autotune"] = True
+        options.update(max_autotune=True,
+                       max_autotune_prune_choices_based_on_shared_mem=True)
     return options
 
 
