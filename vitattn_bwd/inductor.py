@@ -32,6 +32,7 @@ device code of kernels/split_gemm.py in the same way; its operands arrive as fp1
 halves made by the graph, read where they lie (a transposed view too), and only its
 template configs are candidates (cuBLAS has no two-level accumulation).
 """
+import contextlib
 import functools
 import inspect
 import weakref
@@ -563,3 +564,28 @@ def _lower_split_gemm(a_hi, a_lo, b_hi, b_lo, unscale):
     choices = _tile_choices(template, GEMM_TILES, inputs, layout,
                             dict(GROUP_M=split_gemm.GROUP_M))
     return _select(template, choices, inputs, layout)
+
+
+@contextlib.contextmanager
+def recorded_autotune_choices():
+    """A list that collects, while the context is open, one (operation, input sizes,
+    winner, {choice: ms}) per selection Inductor's autotuning times in this process
+    (scripts/margin.py prints them; a graph loaded from a warm cache times nothing).
+    Through Inductor's feedback-saver hook, removed again on exit."""
+    from torch._inductor import select_algorithm
+    records = []
+
+    def save(timings, name, input_nodes, *_):
+        def described(choice):
+            return f"{choice.name} {getattr(choice, 'description', '')}".strip()
+        sizes = [tuple(str(size) for size in node.get_size()) for node in input_nodes]
+        winner = min(timings, key=timings.get) if timings else None
+        records.append((name, sizes, winner and described(winner),
+                        {described(choice): ms for choice, ms in timings.items()}))
+
+    selectors = select_algorithm.get_algorithm_selector_cache()
+    selectors.add_feedback_saver(save)
+    try:
+        yield records
+    finally:
+        selectors.feedback_saver_fns.remove(save)
