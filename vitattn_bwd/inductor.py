@@ -118,13 +118,13 @@ _ROWS_ENTRY = r'''
         PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUT,
         DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
         BLOCK_N, RECOMPUTE_P, SUM_ROWS)
+    HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
     mask = (rows < SEQ_LEN) & (cols < NUM_HEADS * HEAD_DIM)
     {{store_output(("batch", "rows", "cols"), "grad_q16", "mask", val_shape=("BLOCK_M", "HEAD_TILE"))}}
 
 '''
 
 _COLS_ENTRY = r'''
-    HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
 {{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES", "GRAD_KV_SUMS")}}
     batch, rows, cols, grad_kv16 = softmax_bwd_cols_program(
         PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, DELTA,
