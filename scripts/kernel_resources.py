@@ -5,6 +5,8 @@ cuobjdump bundled with its CUDA backend do the work on the CPU.
     PYTHONPATH=. python3 scripts/kernel_resources.py              # the configured tiles
     PYTHONPATH=. python3 scripts/kernel_resources.py --sweep      # candidate tiles too
     PYTHONPATH=. python3 scripts/kernel_resources.py --sass DIR   # and each one's SASS
+    PYTHONPATH=. python3 scripts/kernel_resources.py --head-dim 72  # the attention kernels
+                                                                  # at another head dim
 
 The SASS files (instruction addresses left out) show whether a refactor of a kernel's
 source changed its machine code: `diff -r` two such folders.
@@ -31,10 +33,10 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from vitattn_bwd.attention_core import COLUMN_SUM_ROWS, TileConfig  # noqa: E402
+from vitattn_bwd.attention_core import COLUMN_SUM_ROWS, TileConfig, head_tile  # noqa: E402
 from vitattn_bwd.split_gemm import GROUP_M, GemmTiles  # noqa: E402
 
-SEQ_LEN, NUM_HEADS, HEAD_DIM = 577, 16, 64
+SEQ_LEN, NUM_HEADS, HEAD_DIM = 577, 16, 64        # ViT-L/14-336's; --head-dim for others
 
 
 class Resources(NamedTuple):
@@ -157,22 +159,24 @@ def sm90_resources(kernel, constexprs, tiles, sass_file=None):
                      fp64_ops=len(re.findall(r"\bD(?:ADD|MUL|FMA)\b", sass)))
 
 
-def kernels():
+def kernels(head_dim=HEAD_DIM):
     """(name, kernel, constexprs without the block sizes, configured tiles) of each
-    kernel variant we launch."""
+    kernel variant we launch; at a head_dim other than HEAD_DIM the attention kernels
+    only (the LayerNorm kernel and the split GEMM do not depend on it)."""
     from vitattn_bwd import attention_fwd, inductor, layer_norm
     from vitattn_bwd.kernels.attention_fwd import attention_fwd_kernel
     from vitattn_bwd.kernels.layer_norm_bwd import layer_norm_bwd_kernel
     from vitattn_bwd.kernels.softmax_bwd import (softmax_bwd_cols_kernel,
                                                  softmax_bwd_rows_kernel)
     from vitattn_bwd.kernels.split_gemm import split_gemm_kernel
-    shape = dict(SEQ_LEN=SEQ_LEN, NUM_HEADS=NUM_HEADS, HEAD_DIM=HEAD_DIM)
+    shape = dict(SEQ_LEN=SEQ_LEN, NUM_HEADS=NUM_HEADS, HEAD_DIM=head_dim)
     variants = [("forward", attention_fwd_kernel, shape,
-                 (attention_fwd.FWD_TILES[HEAD_DIM],)),
-                ("layer norm", layer_norm_bwd_kernel,
-                 dict(EMBED=NUM_HEADS * HEAD_DIM, BLOCK_E=NUM_HEADS * HEAD_DIM, EXACT=True, PARTS=4),
-                 (layer_norm.TILES,))]
-    gluon = _gluon_kernels()
+                 (attention_fwd.FWD_TILES[head_tile(head_dim)],))]
+    if head_dim == HEAD_DIM:
+        variants.append(("layer norm", layer_norm_bwd_kernel,
+                         dict(EMBED=NUM_HEADS * HEAD_DIM, BLOCK_E=NUM_HEADS * HEAD_DIM,
+                              EXACT=True, PARTS=4), (layer_norm.TILES,)))
+    gluon = _gluon_kernels(head_dim)
     for recompute in (False, True):
         mode = " recompute P" if recompute else ""
         for name, kernel, tiles in (("rows", softmax_bwd_rows_kernel, inductor.TILE_CONFIGS),
@@ -187,8 +191,8 @@ def kernels():
     # the half-precision path (VisionAttentionBlock under autocast, precision "medium"):
     # one product per matmul of bf16 / fp16 operands, P recomputed, q, k, v read as
     # views of the QKV projection [B,S,3E]
-    embed_dim = NUM_HEADS * HEAD_DIM
-    qkv_views = dict(QKV_BATCH_STRIDE=SEQ_LEN * 3 * embed_dim, QKV_HEAD_STRIDE=HEAD_DIM,
+    embed_dim = NUM_HEADS * head_dim
+    qkv_views = dict(QKV_BATCH_STRIDE=SEQ_LEN * 3 * embed_dim, QKV_HEAD_STRIDE=head_dim,
                      QKV_ROW_STRIDE=3 * embed_dim)
     for dtype in ("bf16", "fp16"):
         for name, kernel, tiles, constexprs in gluon:
@@ -207,7 +211,8 @@ def kernels():
     # batch 32, operands with unit inner strides (as a launch specializes them); with
     # 64-bit offsets too, as operands of 2^31 elements or more take them
     import triton.language as tl
-    for offsets, offset_dtype in (("", tl.int32), (" int64 offsets", tl.int64)):
+    offset_dtypes = (("", tl.int32), (" int64 offsets", tl.int64))
+    for offsets, offset_dtype in offset_dtypes if head_dim == HEAD_DIM else ():
         variants.append((f"split gemm fp16 halves{offsets}", split_gemm_kernel,
                          dict(K=32 * SEQ_LEN, GROUP_M=GROUP_M, stride_ak=1, stride_bn=1,
                               OFFSET_DTYPE=offset_dtype, OPERAND_DTYPE="fp16 halves"),
@@ -215,9 +220,9 @@ def kernels():
     return variants
 
 
-def _gluon_kernels():
-    """(name, kernel, tiles, constexprs) of the Gluon kernels, where this Triton has
-    Gluon."""
+def _gluon_kernels(head_dim):
+    """(name, kernel, tiles, constexprs) of the Gluon kernels at head_dim, where this
+    Triton has Gluon."""
     try:
         from triton.experimental.gluon import language as gl
         from vitattn_bwd import gluon_core
@@ -226,11 +231,14 @@ def _gluon_kernels():
         return []
     # q, k, v halves contiguous [B,H,S,D]
     constexprs = dict(PRODUCTS=3, OPERAND_SMEM=gl.NVMMASharedLayout.get_default_for(
-        [64, HEAD_DIM], gl.bfloat16), QKV_BATCH_STRIDE=NUM_HEADS * SEQ_LEN * HEAD_DIM,
-        QKV_HEAD_STRIDE=SEQ_LEN * HEAD_DIM, QKV_ROW_STRIDE=HEAD_DIM)
-    return [("rows", softmax_bwd_gluon.softmax_bwd_rows_kernel, gluon_core.ROWS_TILES,
+        [64, head_tile(head_dim)], gl.bfloat16),
+        QKV_BATCH_STRIDE=NUM_HEADS * SEQ_LEN * head_dim, QKV_HEAD_STRIDE=SEQ_LEN * head_dim,
+        QKV_ROW_STRIDE=head_dim)
+    return [("rows", softmax_bwd_gluon.softmax_bwd_rows_kernel,
+             gluon_core.rows_tiles(head_dim),
              dict(constexprs, PREFETCH=gluon_core.ROWS_PREFETCH)),
-            ("cols", softmax_bwd_gluon.softmax_bwd_cols_kernel, gluon_core.COLS_TILES,
+            ("cols", softmax_bwd_gluon.softmax_bwd_cols_kernel,
+             gluon_core.cols_tiles(head_dim),
              dict(constexprs, PREFETCH=gluon_core.COLS_PREFETCH))]
 
 
@@ -238,10 +246,11 @@ SWEEP = [TileConfig(m, n, w, s) for (m, n), w, s in itertools.product(
     [(64, 16), (64, 32), (64, 64), (32, 64), (128, 32), (128, 64)], (4, 8), (2, 3))]
 
 
-def report(sweep=False, sass_dir=None):
+def report(sweep=False, sass_dir=None, head_dim=HEAD_DIM):
     """(kernel name, tiles, configured?, Resources) of every configured tile (and of
-    SWEEP's candidates too with sweep=True); with sass_dir, each one's SASS there."""
-    for name, kernel, constexprs, configured in kernels():
+    SWEEP's candidates too with sweep=True) at head_dim; with sass_dir, each one's SASS
+    there."""
+    for name, kernel, constexprs, configured in kernels(head_dim):
         sweeps = sweep and not _is_gluon(kernel) and isinstance(configured[0], TileConfig)
         candidates = tuple(SWEEP) if sweeps else ()
         for tiles in dict.fromkeys(configured + candidates):
@@ -261,17 +270,21 @@ def main():
     parser.add_argument("--json", action="store_true", help="one JSON list, no table")
     parser.add_argument("--sass", type=Path, metavar="DIR",
                         help="also write each kernel's SASS into DIR")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM,
+                        help=f"the attention kernels' head dim (default {HEAD_DIM}; "
+                             "others compile the attention kernels only)")
     args = parser.parse_args()
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
     if args.json:
         print(json.dumps([[name, list(tiles), configured, resources._asdict()]
-                          for name, tiles, configured, resources in report(args.sweep, args.sass)]))
+                          for name, tiles, configured, resources in report(args.sweep, args.sass,
+                                                                              args.head_dim)]))
         return
     print(f"{'kernel':24} {'tiles (attention: m, n, warps, stages)':38} {'regs':>5} {'spill B':>8} "
           f"{'smem KB':>8} {'HGMMA':>6} {'HMMA':>5} {'waits':>6} {'L2 pf':>6}   "
           "(* = configured)")
-    for name, tiles, configured, r in report(args.sweep, args.sass):
+    for name, tiles, configured, r in report(args.sweep, args.sass, args.head_dim):
         print(f"{name:24} {'*' if configured else ' '}{tuple(tiles)!s:37} {r.registers:5} "
               f"{r.spill_stores:8} {r.shared_bytes / 1024:8.1f} {r.hgmma:6} {r.hmma:5} "
               f"{r.waits:6} {r.l2_prefetches:6}", flush=True)

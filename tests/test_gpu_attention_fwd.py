@@ -44,11 +44,14 @@ def test_vit_size_matches_float64():
     print(f"\n577 tokens, 16 heads of 64, batch 2: {errors}")
 
 
-# every head dim of FWD_TILES with its default tiles; S = 1, S below / above one tile,
-# ragged last tiles; contiguous inputs (the module test above covers strided ones)
+# every head tile of FWD_TILES with its default tiles, and head dims in zero-padded ones
+# (8 in 16, 40 in 64; SigLIP so400m's 72, ViT-H's 80, ViT-bigG's 104 in 128); S = 1, S
+# below / above one tile, ragged last tiles; contiguous inputs (the module tests cover
+# strided ones)
 @pytest.mark.parametrize("S,H,D", [(1, 2, 64), (17, 3, 16), (100, 4, 32), (64, 2, 128),
                                    (257, 16, 64), (577, 8, 128), (577, 32, 32),
-                                   (577, 64, 16), (1025, 4, 64)])
+                                   (577, 64, 16), (1025, 4, 64), (729, 16, 72),
+                                   (257, 16, 80), (100, 3, 104), (33, 3, 8), (65, 3, 40)])
 def test_odd_shapes(S, H, D):
     g = torch.Generator(device="cuda").manual_seed(S)
     q, k, v = (torch.randn(2, H, S, D, device="cuda", generator=g) for _ in range(3))
@@ -63,8 +66,17 @@ def test_large_logits():
     _check(q, k, v, 1.0 / math.sqrt(64), bound=20 * GPU_BOUND)
 
 
-def test_other_head_dims_run_the_math():
-    q, k, v = _module_qkv(2, 100, 4, 48)
+@pytest.mark.parametrize("D", [72, 80])
+def test_module_layout_at_padded_head_dims(D):
+    """The module's strided q, k, v views of one QKV projection at head dims whose
+    padded tiles reach into the next head's columns."""
+    q, k, v = _module_qkv(2, 257, 16, D, seed=D)
+    _check(q, k, v, 1.0 / math.sqrt(D))
+
+
+def test_head_dims_without_kernels_run_the_math():
+    """Head dims that are not multiples of 8 (attention_core.kernel_head_dim)."""
+    q, k, v = _module_qkv(2, 100, 4, 44)
     got = fwd.attention_fwd(q, k, v, 0.2)
     want = fwd.attention_math(q, k, v, 0.2)
     for g, w in zip(got, want):

@@ -1,7 +1,8 @@
 """On a Hopper GPU: the Gluon attention-core kernels (gluon_core.py) against the float64
 math, P given and recomputed from its log-sum-exp, at every tile config max-autotune
 may pick, at odd lengths; every output element written; bitwise repeatable; the
-operators the compiled graph calls when a Gluon kernel wins."""
+operators the compiled graph calls when a Gluon kernel wins; and the head dims the kernels
+run in zero-padded tiles (SigLIP so400m's 72, ViT-H's 80, ViT-bigG's 104, ...)."""
 import math
 
 import pytest
@@ -22,11 +23,11 @@ def _hopper():
         pytest.skip("the Gluon kernels need a Hopper GPU and a Triton with Gluon")
 
 
-def _case(B, H, S, recompute, seed=0):
+def _case(B, H, S, recompute, seed=0, head_dim=D):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", generator=g) for _ in range(3))
-    grad_attn = torch.randn(B, S, H * D, device="cuda", generator=g)
-    scale = 1 / math.sqrt(D)
+    q, k, v = (torch.randn(B, H, S, head_dim, device="cuda", generator=g) for _ in range(3))
+    grad_attn = torch.randn(B, S, H * head_dim, device="cuda", generator=g)
+    scale = 1 / math.sqrt(head_dim)
     if recompute:
         logits = (q @ k.transpose(-1, -2)) * scale
         attn_output = merge_heads(torch.softmax(logits, -1) @ v)
@@ -42,8 +43,8 @@ def _halves(grad_attn, q, k, v):
 def _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles):
     """Both passes into NaN-poisoned buffers: (grad_q16, grad_q_halves, delta,
     grad_q_sums, grad_kv16, grad_kv_halves, grad_kv_sums)."""
-    B, H, S, _ = q.shape
-    E = H * D
+    B, H, S, head_dim = q.shape
+    E = H * head_dim
     nan = dict(device="cuda", fill_value=float("nan"))
     delta = torch.full((B, H, S), **nan)
     grad_q_halves = torch.full((B, S, 2 * E), dtype=torch.bfloat16, **nan)
@@ -86,7 +87,25 @@ def _float64(probs, grad_attn, q, k, v, attn_output, scale):
 @pytest.mark.parametrize("B,H,S", [(2, 16, 577), (1, 2, 1), (3, 1, 100), (1, 3, 64)])
 def test_gluon_kernels_match_float64(recompute, tiles, B, H, S):
     case = _case(B, H, S, recompute)
-    outputs = _run(*case, *tiles)
+    _assert_matches_float64(case, _run(*case, *tiles))
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["P", "lse"])
+@pytest.mark.parametrize("B,H,S,head_dim", [(1, 16, 729, 72), (2, 16, 257, 80),
+                                            (1, 3, 100, 104), (1, 3, 65, 8),
+                                            (1, 2, 129, 128), (1, 3, 33, 40)])
+def test_gluon_kernels_match_float64_at_every_head_dim(recompute, B, H, S, head_dim):
+    """Head dims in zero-padded tiles of the next power of two (8 in 16; 40 in 64; 72,
+    80 and 104 in 128), with each head between neighbours whose columns a padded tile
+    covers, and 128 at its own tiles: as at 64, every output against float64."""
+    case = _case(B, H, S, recompute, seed=head_dim, head_dim=head_dim)
+    _assert_matches_float64(case, _run(*case, gluon_core.rows_tiles(head_dim)[0],
+                                       gluon_core.cols_tiles(head_dim)[0]))
+
+
+def _assert_matches_float64(case, outputs):
+    """Every output of _run written and within bf16x3's error of the float64 math."""
+    S = case[2].shape[2]
     grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16, grad_kv_halves, grad_kv_sums = (
         outputs)
     for out in outputs:
@@ -199,8 +218,8 @@ def test_operators_of_the_compiled_graph(recompute):
 def _run_one_product(lse, grad_attn, q, k, v, attn_output, scale):
     """Both one-product passes on bf16 / fp16 operands into NaN-poisoned buffers:
     (grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums)."""
-    B, H, S, _ = q.shape
-    E = H * D
+    B, H, S, head_dim = q.shape
+    E = H * head_dim
     nan = dict(device="cuda", fill_value=float("nan"))
     delta = torch.full((B, H, S), **nan)
     grad_q = torch.full((B, S, E), dtype=q.dtype, **nan)
@@ -211,25 +230,27 @@ def _run_one_product(lse, grad_attn, q, k, v, attn_output, scale):
     operands = (grad_attn, grad_attn, q, q, k, k, v, v)          # lo is never read
     unused = torch.empty(0, device="cuda", dtype=torch.bfloat16)  # no halves
     gluon_core.launch_rows(lse, *operands, attn_output, delta, unused, grad_q_sums, grad_q,
-                           scale, gluon_core.ROWS_TILES[0], products=1)
+                           scale, gluon_core.rows_tiles(head_dim)[0], products=1)
     gluon_core.launch_cols(lse, *operands, delta, unused, grad_kv_sums, grad_kv, scale,
-                           gluon_core.COLS_TILES[0], products=1)
+                           gluon_core.cols_tiles(head_dim)[0], products=1)
     return grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("B,H,S", [(2, 16, 577), (3, 2, 100), (1, 1, 1)])
-def test_one_product_kernels_read_the_qkv_projection_where_it_lies(dtype, B, H, S):
+@pytest.mark.parametrize("B,H,S,head_dim", [(2, 16, 577, D), (3, 2, 100, D), (1, 1, 1, D),
+                                            (1, 16, 729, 72), (2, 3, 257, 80)])
+def test_one_product_kernels_read_the_qkv_projection_where_it_lies(dtype, B, H, S,
+                                                                   head_dim):
     """q, k, v as the head views of one QKV projection [B,S,3E] (the module's layout, row
     stride 3E, which the kernels read in place of contiguous copies): every output
     element written, bitwise the same as from contiguous copies, and the gradients
-    within the half dtype's error of the float64 math."""
+    within the half dtype's error of the float64 math; at 64 and at padded head dims."""
     g = torch.Generator(device="cuda").manual_seed(3)
-    E = H * D
+    E = H * head_dim
     qkv = torch.randn(B, S, 3 * E, device="cuda", generator=g).to(dtype)
     q, k, v = (split_heads(t, H) for t in qkv.chunk(3, dim=-1))            # [B,H,S,D]
     grad_attn = torch.randn(B, S, E, device="cuda", generator=g).to(dtype)
-    scale = 1 / math.sqrt(D)
+    scale = 1 / math.sqrt(head_dim)
     attn_output, lse = attention_fwd_half(q, k, v, scale)        # the block's forward
     attn_output = attn_output.contiguous()
     from_views = _run_one_product(lse, grad_attn, q, k, v, attn_output, scale)

@@ -92,3 +92,30 @@ def test_kernels_compute_in_float32(resources):
     kernel's row math float64 (674 DADD/DMUL/DFMA at 4 x 4 rows; found in session 10)."""
     for name, tiles, _, r in resources:
         assert r["fp64_ops"] <= (8 if name == "layer norm" else 0), (name, tiles, r)
+
+
+@pytest.fixture(scope="module")
+def padded_resources():
+    """scripts/kernel_resources.py --json --head-dim 72 (SigLIP so400m's) with the
+    installed triton: the attention kernels in 128-wide zero-padded head tiles."""
+    pytest.importorskip("triton")
+    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--json",
+                             "--head-dim", "72"], cwd=ROOT,
+                            env=triton_environments()["installed triton"],
+                            capture_output=True, text=True, timeout=900)
+    if result.returncode and "No module named 'triton.backends.nvidia" in result.stderr:
+        pytest.skip("this triton has no CUDA backend")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_gluon_kernels_at_a_padded_head_dim(padded_resources):
+    """At head dim 72 the Gluon kernels' configured tiles (gluon_core.rows_tiles /
+    cols_tiles) fit the shared memory, keep the three waits per tile of head dim 64, and
+    spill nothing, but for the 48 bytes of the cols pass of bf16x3 with P given (the
+    contract's mode, at head dim 64 in the benchmark; gluon_core.WIDE_COLS_TILES)."""
+    gluon = [(name, r) for name, _, _, r in padded_resources if name.startswith("gluon")]
+    assert len(gluon) == 16
+    for name, r in gluon:
+        assert r["shared_bytes"] <= H200_SHARED_MEMORY and r["waits"] <= 3, (name, r)
+        assert r["spill_stores"] <= (48 if name == "gluon cols" else 0), (name, r)

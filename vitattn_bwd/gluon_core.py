@@ -36,15 +36,38 @@ import warnings
 import torch
 
 from .attention_core import (COLUMN_SUM_ROWS, TileConfig, gradient_dtype, halves_width,
-                             sum_groups)
+                             head_tile, kernel_head_dim, sum_groups)
 from .precision import HALF_DTYPES
 
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
-# num_warps = 4 per 64 rows the program owns). Each compiles for sm_90 without spills
+# num_warps = 4 per 64 rows the program owns), at head tiles up to 64 wide
+# (attention_core.head_tile). Each compiles for sm_90 without spills
 # (tests/test_kernel_resources.py).
 ROWS_TILES = (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 4, 2))
 COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 3))
-HEAD_DIMS = (64,)
+# At 128-wide head tiles (head dims 72-128) a [64,128] float32 accumulator takes 64
+# registers a thread: the rows pass keeps its 64 x 32 tiles (64 x 64 spilled 428 bytes
+# with P given), the cols pass, which holds two, takes 16 queries per tile (64 x 64
+# spilled 412 bytes, 32 x 64 24-48 in four of its eight variants). Compiled for sm_90
+# at head dim 72 (scripts/kernel_resources.py --head-dim 72): three waits per tile as
+# at 64, at most 128 KB of shared memory, no spills but 48 bytes in the cols pass of
+# bf16x3 with P given (the contract's mode, whose head dim is 64). Not yet timed on
+# the GPU.
+WIDE_ROWS_TILES = (TileConfig(64, 32, 4, 2),)
+WIDE_COLS_TILES = (TileConfig(16, 64, 4, 3),)
+# Every multiple of 8 up to 128 (attention_core.kernel_head_dim): the kernels pad their
+# tiles to head_tile(head_dim) columns. Only 64 is measured on the GPU.
+HEAD_DIMS = tuple(d for d in range(1, 129) if kernel_head_dim(d))
+
+
+def rows_tiles(head_dim):
+    """The rows pass's launch configurations at head_dim."""
+    return ROWS_TILES if head_tile(head_dim) <= 64 else WIDE_ROWS_TILES
+
+
+def cols_tiles(head_dim):
+    """The cols pass's launch configurations at head_dim."""
+    return COLS_TILES if head_tile(head_dim) <= 64 else WIDE_COLS_TILES
 # How many P tiles ahead of its register loads a program asks the L2 for them (the
 # kernels' prefetch_to_l2; 0: not at all). At batch 32 on the H200 (docs/performance.md, the
 # Gluon kernels) the cols pass at 32 x 64 tiles ran 0.774-0.775 ms without, 0.661-0.680 at 2
@@ -57,7 +80,8 @@ COLS_PREFETCH = 2
 
 def available(device, dtype, head_dim):
     """The Gluon kernels run on Hopper (compute capability 9.x) CUDA devices, for float32,
-    bfloat16 and float16 inputs and the head dims in HEAD_DIMS, with a Triton whose
+    bfloat16 and float16 inputs and the head dims in HEAD_DIMS (multiples of 8 up to 128),
+    with a Triton whose
     Gluon compiles them (compile_failure)."""
     if (device.type != "cuda" or dtype not in (torch.float32, *HALF_DTYPES)
             or head_dim not in HEAD_DIMS):
@@ -101,7 +125,7 @@ def _compile_probe(arch):
     from .kernels import gluon_compat, softmax_bwd_gluon
     if gluon_compat.MISSING:
         raise ImportError(f"this Gluon lacks {', '.join(gluon_compat.MISSING)}")
-    seq_len, num_heads, head_dim = 577, 16, HEAD_DIMS[0]
+    seq_len, num_heads, head_dim = 577, 16, 64
     strides = (num_heads * seq_len * head_dim, seq_len * head_dim, head_dim)
     for kernel, tiles, prefetch in (
             (softmax_bwd_gluon.softmax_bwd_rows_kernel, ROWS_TILES[0], ROWS_PREFETCH),
@@ -134,8 +158,10 @@ def _probe_signature(kernel, constexprs):
 
 @functools.cache
 def _operand_smem_layout(head_dim):
+    """The shared-memory layout of the kernels' [rows, head_tile(head_dim)] operand
+    tiles."""
     from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout.get_default_for([64, head_dim], gl.bfloat16)
+    return gl.NVMMASharedLayout.get_default_for([64, head_tile(head_dim)], gl.bfloat16)
 
 
 def _qkv_strides(*qkv_parts):

@@ -246,7 +246,7 @@ def _gluon_choices():
 
 
 def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, layout, scale):
-    """The Gluon candidates where the kernels run (Hopper, head_dim 64), with the
+    """The Gluon candidates where the kernels run (Hopper, gluon_core.HEAD_DIMS), with the
     products of the operands' dtype."""
     dtype = tensor_node.get_dtype()
     if not gluon_core.available(tensor_node.get_device(), dtype, head_dim):
@@ -450,8 +450,8 @@ def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=No
         choices = _tile_choices(rows_template, TILE_CONFIGS, inputs, layout, constexprs,
                                 mutated_inputs=[delta, grad_q_halves, grad_q_sums],
                                 call_sizes=[batch, num_heads, seq_len])
-    choices += _gluon_tile_choices(_gluon_choices()[0], gluon_core.ROWS_TILES, k, head_dim,
-                                   inputs, layout, scale)
+    choices += _gluon_tile_choices(_gluon_choices()[0], gluon_core.rows_tiles(head_dim), k,
+                                   head_dim, inputs, layout, scale)
     return _selected_outputs(rows_template, choices, inputs, layout,
                              (grad_q_halves, delta, grad_q_sums), delta)
 
@@ -482,8 +482,8 @@ def _lower_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
         choices = _tile_choices(cols_template, TILE_CONFIGS, inputs, layout, constexprs,
                                 mutated_inputs=[grad_kv_halves, grad_kv_sums],
                                 call_sizes=[batch, num_heads, seq_len])
-    choices += _gluon_tile_choices(_gluon_choices()[1], gluon_core.COLS_TILES, q, head_dim,
-                                   inputs, layout, scale)
+    choices += _gluon_tile_choices(_gluon_choices()[1], gluon_core.cols_tiles(head_dim), q,
+                                   head_dim, inputs, layout, scale)
     return _selected_outputs(cols_template, choices, inputs, layout,
                              (grad_kv_halves, grad_kv_sums), grad_kv_halves)
 

@@ -69,6 +69,13 @@ scale is a power of two, so scaling is exact; the kernels take the scales out of
 logits, delta and the outputs, and store each gradient once, in float32, in GRAD16 (no
 halves: the graph makes the next GEMMs' operands, with scales of their own).
 No atomics: every output element is written by one program (deterministic).
+
+Head dims: any multiple of 8 up to 128. Every [.., HEAD_DIM] tile is HEAD_TILE =
+padded_head_dim(HEAD_DIM) wide (the next power of two: Gluon shapes are powers of two,
+and a wgmma's K a multiple of 16 and N of 8): the copies zero-fill the columns past
+HEAD_DIM in shared memory (a multiple of 8 keeps every 16-byte cp.async whole), which
+add nothing to any product, and the stores mask them off. The helpers take the real
+HEAD_DIM and pad their tiles themselves.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -79,6 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 
 from .gluon_compat import async_load, cta_barrier
+from .softmax_bwd import padded_head_dim
 
 LOG2E = gl.constexpr(1.4426950408889634)
 # what the fp16-halves kernels multiply a P tile by before its split
@@ -171,11 +179,15 @@ def issue_products(a_hi, a_lo, b_hi, b_lo, acc, use_acc: gl.constexpr,
 def copy_rows(smem, base, row_start, row_stride, SEQ_LEN: gl.constexpr,
               BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, layout: gl.constexpr):
     """cp.async of rows [row_start, row_start + BLOCK) x HEAD_DIM of a bf16 matrix at
-    `base` into `smem`; rows past SEQ_LEN are zero-filled."""
+    `base` into `smem` [BLOCK, HEAD_TILE]; rows past SEQ_LEN and columns past HEAD_DIM
+    are zero-filled."""
     rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    cols = gl.arange(0, padded_head_dim(HEAD_DIM), layout=gl.SliceLayout(0, layout))
     pointers = base + rows[:, None].to(gl.int64) * row_stride + cols[None, :]
-    async_load(smem, pointers, mask=(rows < SEQ_LEN)[:, None])
+    mask = (rows < SEQ_LEN)[:, None]
+    if padded_head_dim(HEAD_DIM) != HEAD_DIM:
+        mask = mask & (cols < HEAD_DIM)[None, :]
+    async_load(smem, pointers, mask=mask)
 
 
 @gluon.jit
@@ -251,15 +263,18 @@ def store_gradient(GRAD16, HALVES, value, batch, row_start, col, SEQ_LEN: gl.con
                    ROW_WIDTH16: gl.constexpr, HALVES_WIDTH: gl.constexpr,
                    LO_OFFSET: gl.constexpr, BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr,
                    layout: gl.constexpr):
-    """A float32 [BLOCK, HEAD_DIM] gradient tile of rows [row_start, +BLOCK) of one
-    batch element: rounded to GRAD16's dtype (fp16 with float32 operands, else the
-    operands' dtype; float32 with fp16 halves) at column `col` of GRAD16
-    [B,S,ROW_WIDTH16], and, where HALVES_WIDTH > 0 (bf16 halves), as bf16 hi at column
-    `col` and lo at `col + LO_OFFSET` of HALVES [B,S,HALVES_WIDTH]."""
+    """A float32 [BLOCK, HEAD_TILE] gradient tile of rows [row_start, +BLOCK) of one
+    batch element (its first HEAD_DIM columns): rounded to GRAD16's dtype (fp16 with
+    float32 operands, else the operands' dtype; float32 with fp16 halves) at column
+    `col` of GRAD16 [B,S,ROW_WIDTH16], and, where HALVES_WIDTH > 0 (bf16 halves), as
+    bf16 hi at column `col` and lo at `col + LO_OFFSET` of HALVES [B,S,HALVES_WIDTH]."""
     rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    head_cols = gl.arange(0, padded_head_dim(HEAD_DIM), layout=gl.SliceLayout(0, layout))
+    cols = col + head_cols
     token = (batch * SEQ_LEN + rows[:, None]).to(gl.int64)
     mask = (rows < SEQ_LEN)[:, None]
+    if padded_head_dim(HEAD_DIM) != HEAD_DIM:
+        mask = mask & (head_cols < HEAD_DIM)[None, :]
     gl.store(GRAD16 + token * ROW_WIDTH16 + cols[None, :],
              value.to(GRAD16.dtype.element_ty), mask=mask)
     if HALVES_WIDTH > 0:
@@ -273,21 +288,26 @@ def store_gradient(GRAD16, HALVES, value, batch, row_start, col, SEQ_LEN: gl.con
 def store_column_sums(SUMS, value, batch, row_start, col, SEQ_LEN: gl.constexpr,
                       SUMS_WIDTH: gl.constexpr, SUM_ROWS: gl.constexpr, BLOCK: gl.constexpr,
                       HEAD_DIM: gl.constexpr, layout: gl.constexpr):
-    """The sum over rows of a float32 [BLOCK, HEAD_DIM] gradient tile of rows [row_start,
-    +BLOCK) of one batch element (rows past SEQ_LEN left out), at column `col` of SUMS
+    """The sum over rows of a float32 [BLOCK, HEAD_TILE] gradient tile of rows [row_start,
+    +BLOCK) of one batch element (rows past SEQ_LEN left out), its first HEAD_DIM
+    columns at column `col` of SUMS
     [B, cdiv(SEQ_LEN, SUM_ROWS), SUMS_WIDTH]: kernels/softmax_bwd.py's
     store_column_sums (the group where the tile starts gets the sum, the other groups it
     covers zeros)."""
     gl.static_assert(BLOCK % SUM_ROWS == 0)
     GROUPS: gl.constexpr = (SEQ_LEN + SUM_ROWS - 1) // SUM_ROWS
     rows = row_start + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-    cols = col + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    sums = gl.sum(gl.where((rows < SEQ_LEN)[:, None], value, 0.0), axis=0)  # [HEAD_DIM]
+    head_cols = gl.arange(0, padded_head_dim(HEAD_DIM), layout=gl.SliceLayout(0, layout))
+    cols = col + head_cols
+    sums = gl.sum(gl.where((rows < SEQ_LEN)[:, None], value, 0.0), axis=0)  # [HEAD_TILE]
+    col_ok = None
+    if padded_head_dim(HEAD_DIM) != HEAD_DIM:
+        col_ok = head_cols < HEAD_DIM
     for part in gl.static_range(BLOCK // SUM_ROWS):
         group = row_start // SUM_ROWS + part
         if group < GROUPS:
             gl.store(SUMS + (batch * GROUPS + group) * SUMS_WIDTH + cols,
-                     sums if part == 0 else gl.zeros_like(sums))
+                     sums if part == 0 else gl.zeros_like(sums), mask=col_ok)
 
 
 @gluon.jit
@@ -306,6 +326,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16, GRAD_KV_SUMS
     [B,G,2E] float32. SCALES: float32 [5], read with fp16 halves only."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
+    HEAD_TILE: gl.constexpr = padded_head_dim(HEAD_DIM)     # [.., D] tiles, zero-padded
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     dtype: gl.constexpr = GRAD_ATTN_HI.dtype.element_ty      # the operands' bf16 / fp16
     PARTS: gl.constexpr = 2 if PRODUCTS == 3 else 1         # hi and lo, or hi alone
@@ -315,10 +336,10 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     # [BN,BM] tiles (P^T, dP^T) and [BN,D] accumulators (dK, dV); A operands of the
     # [BN,D] products come from registers.
     tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)
-    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_TILE)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                  k_width=2)
-    copy_layout: gl.constexpr = copy_layout_of(num_warps, HEAD_DIM)
+    copy_layout: gl.constexpr = copy_layout_of(num_warps, HEAD_TILE)
     key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
     query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
 
@@ -330,11 +351,11 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     logit_scale = scale * LOG2E / (q_s * k_s)
 
     # this program's keys: v (and k) once; the query-side tiles dO_j, q_j in a ring
-    own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_N, HEAD_DIM],
+    own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_N, HEAD_TILE],
                                     OPERAND_SMEM)
     ring_grad_attn = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_M,
-                                                       HEAD_DIM], OPERAND_SMEM)
-    ring_q = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_M, HEAD_DIM],
+                                                       HEAD_TILE], OPERAND_SMEM)
+    ring_q = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_M, HEAD_TILE],
                                        OPERAND_SMEM)
     copy_pair(own, 0, V_HI + head_start, V_LO + head_start, n_start, QKV_ROW_STRIDE,
               SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
@@ -364,8 +385,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                            BLOCK_N, num_warps)
     zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
     # the accumulators stay in flight from one tile to the next
-    grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
-    grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_TILE], gl.float32, layout=acc_layout))
+    grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_TILE], gl.float32, layout=acc_layout))
     # register operands of the products still in flight from the previous tile
     p_t_hi = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=a_layout)
     p_t_lo = p_t_hi
@@ -467,6 +488,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read. SCALES: float32 [5], read
     with fp16 halves only; DELTA is stored unscaled."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
+    HEAD_TILE: gl.constexpr = padded_head_dim(HEAD_DIM)     # [.., D] tiles, zero-padded
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
     dtype: gl.constexpr = GRAD_ATTN_HI.dtype.element_ty      # the operands' bf16 / fp16
     PARTS: gl.constexpr = 2 if PRODUCTS == 3 else 1         # hi and lo, or hi alone
@@ -476,10 +498,10 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     # [BM,BN] tiles (P, dP) and [BM,D] accumulators (dQ); A operands of the [BM,D]
     # products come from registers.
     tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)
-    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_TILE)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                  k_width=2)
-    copy_layout: gl.constexpr = copy_layout_of(num_warps, HEAD_DIM)
+    copy_layout: gl.constexpr = copy_layout_of(num_warps, HEAD_TILE)
     query_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
     key_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
 
@@ -491,11 +513,11 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     logit_scale = scale * LOG2E / (q_s * k_s)
 
     # this program's queries: dO (and q) once; the key-side tiles k_j, v_j in a ring
-    own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_M, HEAD_DIM],
+    own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_M, HEAD_TILE],
                                     OPERAND_SMEM)
-    ring_k = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_N, HEAD_DIM],
+    ring_k = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_N, HEAD_TILE],
                                        OPERAND_SMEM)
-    ring_v = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_N, HEAD_DIM],
+    ring_v = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_N, HEAD_TILE],
                                        OPERAND_SMEM)
     copy_pair(own, 0, GRAD_ATTN_HI + grad_attn_start, GRAD_ATTN_LO + grad_attn_start,
               m_start, EMBED, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
@@ -516,10 +538,12 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         lse = load_vector(PROBS + batch_head * SEQ_LEN, m_start, SEQ_LEN, BLOCK_M,
                           query_vector)
         # delta = rowsum(dO * O), both [BM,D] rows of this head in [B,S,E]
-        head_cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, tile_layout))
+        head_cols = gl.arange(0, HEAD_TILE, layout=gl.SliceLayout(0, tile_layout))
         rows_e = (batch * SEQ_LEN + queries[:, None]).to(gl.int64) * EMBED
         offsets = rows_e + head * HEAD_DIM + head_cols[None, :]
         row_ok = (queries < SEQ_LEN)[:, None]
+        if HEAD_TILE != HEAD_DIM:
+            row_ok = row_ok & (head_cols < HEAD_DIM)[None, :]
         grad_attn = gl.load(GRAD_ATTN_HI + offsets, mask=row_ok, other=0.0).to(gl.float32)
         if PARTS == 2:
             grad_attn += gl.load(GRAD_ATTN_LO + offsets, mask=row_ok, other=0.0).to(gl.float32)
@@ -532,10 +556,10 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         for ahead in gl.static_range(1, PREFETCH + 1):
             prefetch_to_l2(probs_rows, m_start, ahead * BLOCK_N, SEQ_LEN, BLOCK_M, BLOCK_N,
                            num_warps)
-        p_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32,
+        p_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_TILE], gl.float32,
                                           layout=acc_layout))
     zeros_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=tile_layout)
-    grad_s_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_DIM], gl.float32,
+    grad_s_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_TILE], gl.float32,
                                            layout=acc_layout))
     p_hi = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=a_layout)
     p_lo = p_hi
