@@ -51,8 +51,10 @@ COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 3))
 # spilled 412 bytes, 32 x 64 24-48 in four of its eight variants). Compiled for sm_90
 # at head dim 72 (scripts/kernel_resources.py --head-dim 72): three waits per tile as
 # at 64, at most 128 KB of shared memory, no spills but 48 bytes in the cols pass of
-# bf16x3 with P given (the contract's mode, whose head dim is 64). Not yet timed on
-# the GPU.
+# bf16x3 with P given (the contract's mode, whose head dim is 64). At head dim 128
+# (no masks) the register allocation differs: the float32 cols pass spills 124 bytes
+# with P given, 112 with P recomputed (bf16, fp16 and fp16-halves variants none); the
+# Triton templates it is timed against spill more there. Not yet timed on the GPU.
 WIDE_ROWS_TILES = (TileConfig(64, 32, 4, 2),)
 WIDE_COLS_TILES = (TileConfig(16, 64, 4, 3),)
 # Every multiple of 8 up to 128 (attention_core.kernel_head_dim): the kernels pad their
