@@ -1,6 +1,6 @@
 """The Gluon names that moved between Triton releases, chosen by what the installed
 triton offers (never by its version string), so that kernels/softmax_bwd_gluon.py reads
-the same on every release:
+the same on every release (and kernels/attention_bwd_ws.py):
 
     cta_barrier()                      all threads of the program (CTA) meet:
                                        gl.barrier (3.7+), gl.thread_barrier (3.6)
@@ -8,15 +8,20 @@ the same on every release:
                                        async_copy.async_load (3.8+; 3.9 removed the old
                                        name), async_copy.async_copy_global_to_shared (3.6,
                                        3.7)
+    tma_load(desc, coords, bar, smem)  TMA copy of a tile from global into shared memory:
+                                       tma.async_load where it exists (3.9 raises on
+                                       the old name), tma.async_copy_global_to_shared
 
-Both pairs lower to the same instructions (bar.sync; cp.async with the same cache
-modifiers), so the kernels' machine code does not depend on which name was found:
+Each pair lowers to the same instructions (bar.sync; cp.async with the same cache
+modifiers; cp.async.bulk.tensor), so the kernels' machine code does not depend on which
+name was found:
 scripts/kernel_resources.py --sass on each release shows it. `MISSING` lists what this
 triton lacks of the rest the kernels use (empty where they compile).
 """
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
 
 def _first(module, *names):
@@ -26,6 +31,7 @@ def _first(module, *names):
 
 cta_barrier = _first(gl, "barrier", "thread_barrier")
 async_load = _first(async_copy, "async_load", "async_copy_global_to_shared")
+tma_load = _first(tma, "async_load", "async_copy_global_to_shared")
 
 # Everything else the kernels name, which every release from 3.6 to 3.9 has.
 _REQUIRED = {gl: ("NVMMADistributedLayout", "DotOperandLayout", "BlockedLayout",
