@@ -1,0 +1,189 @@
+"""The warp-specialized one-pass attention-core backward (attention_bwd_ws.py) against
+the current Gluon rows + cols kernels and SDPA's cuDNN and flash backwards, checked and
+timed in one call on the GPU; or, with --sm90, its machine code on any machine.
+
+    PYTHONPATH=. python3 scripts/time_core_ws.py [--batch 32] [--out DIR]
+    PYTHONPATH=. python3 scripts/time_core_ws.py --sm90      # CPU: one JSON line
+
+On the GPU, bf16, head dim 64, 577 tokens, 16 heads, q, k, v the head views of one QKV
+projection [B,S,3E] and the forward from torch's flash attention (time_core_half's
+inputs). At batch 1 and --batch, for each configuration in attention_bwd_ws.TILES and
+CANDIDATE_TILES:
+relative errors of dQ, dK, dV against float64 (P recomputed from the same lse) beside
+those of the current Gluon kernels and of SDPA's flash and cuDNN backwards; the
+relative difference from the current Gluon kernels; bitwise equality over 3 calls and
+between the QKV views and contiguous copies. At --batch: the median time (L2 flushed)
+of each configuration's whole backward (delta kernel, semaphore zeros, main kernel),
+of the delta kernel alone, of the current rows + cols, and of SDPA's raw flash and
+cuDNN backward operators (from their own forwards; cuDNN's adds dQ with atomics), with
+TFLOP/s of 5 products of 2*B*H*S^2*D each. Prints a table last; details in
+DIR/core_ws.json.
+
+--sm90 compiles each configuration (both lists) for sm_90 (no launch) and prints, per
+configuration: shared memory, spill bytes, HGMMA and wgmma-wait counts in the SASS,
+the setmaxnreg register counts, and any ptxas note that it serialized the wgmmas.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vitattn_bwd import attention_bwd_ws  # noqa: E402
+
+
+def sm90_report():
+    """[(tiles, {shared_bytes, spill_stores, hgmma, waits, setmaxnreg, serialized})]
+    of each configuration compiled for sm_90."""
+    from kernel_resources import _cuda_tools
+    ptxas, cuobjdump = _cuda_tools()
+    report = []
+    for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
+        compiled = attention_bwd_ws.compile_sm90(tiles)
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+            ptx.write_text(compiled.asm["ptx"])
+            cubin.write_bytes(compiled.asm["cubin"])
+            notes = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(ptx), "-o",
+                                    str(Path(tmp) / "ptxas.cubin")],
+                                   capture_output=True, text=True, check=True).stderr
+            sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True,
+                                  text=True, check=True).stdout
+        report.append((list(tiles), dict(
+            shared_bytes=compiled.metadata.shared,
+            spill_stores=int(re.search(r"(\d+) bytes spill stores", notes)[1]),
+            hgmma=len(re.findall(r"\bHGMMA\b", sass)),
+            waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
+            setmaxnreg=sorted({int(n) for n in re.findall(
+                r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])}),
+            serialized=re.findall(r"\(C75\d\d\)[^\n]*", notes))))
+    return report
+
+
+def gpu_main(batch, out_dir):
+    import torch
+
+    from time_core_gluon import D, H, S, bench, rel
+    from time_core_half import SCALE, make_inputs, ours, torch_backward
+    from torch.nn.attention import SDPBackend
+
+    from vitattn_bwd import attention_core, gluon_core
+    from vitattn_bwd.layout import merge_heads
+    flops = 5 * 2 * batch * H * S * S * D
+    report, table = {}, []
+
+    def sdpa_raw(q, k, v, grad_attn):
+        """{name: (backward closure, (dQ, dK, dV) merged [B,S,E])} of SDPA's raw flash
+        and cuDNN backward operators, each from its own forward; an error string where
+        an operator does not run."""
+        grad_out = grad_attn.view(q.shape[0], S, H, D).transpose(1, 2)
+        result = {}
+        try:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = \
+                torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, scale=SCALE)
+
+            def flash():
+                return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+                    grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, False,
+                    seed, offset, scale=SCALE)
+            result["sdpa flash bwd (raw)"] = flash, [merge_heads(g) for g in flash()]
+        except RuntimeError as error:
+            result["sdpa flash bwd (raw)"] = repr(error)[:120]
+        try:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = \
+                torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True,
+                                                                   scale=SCALE)
+            no_bias = torch.empty(0, device=q.device, dtype=q.dtype)
+
+            def cudnn():
+                return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                    grad_out, q, k, v, out, lse, seed, offset, no_bias, cum_q, cum_k,
+                    max_q, max_k, 0.0, False, scale=SCALE)
+            result["sdpa cudnn bwd (raw)"] = cudnn, [merge_heads(g) for g in cudnn()]
+        except RuntimeError as error:
+            try:                   # the raw operator refused: time SDPA's own backward
+                backward, grads = torch_backward(SDPBackend.CUDNN_ATTENTION, q, k, v,
+                                                 grad_attn)
+                result["sdpa cudnn bwd (autograd)"] = backward, grads
+            except RuntimeError as error2:
+                result["sdpa cudnn bwd (raw)"] = repr(error)[:60] + repr(error2)[:60]
+        return result
+
+    for b in dict.fromkeys((1, batch)):
+        q, k, v, grad_attn, attn_output, lse = make_inputs(b, torch.bfloat16, seed=b)
+        ref = attention_core.attention_backward_math(
+            *(t.double() for t in (attention_core.probabilities(
+                lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
+        checks = {}
+        (rows, cols), current = ours(q, k, v, grad_attn, attn_output, lse,
+                                     gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])
+        rows()
+        cols()
+        current = (current[0], *current[1].chunk(2, dim=-1))
+        checks["current gluon rows+cols"] = [rel(g, r) for g, r in zip(current, ref)]
+        for name, entry in sdpa_raw(q, k, v, grad_attn).items():
+            checks[name] = entry if isinstance(entry, str) else [
+                rel(g, r) for g, r in zip(entry[1], ref)]
+            if b == batch and not isinstance(entry, str):
+                ms = bench(entry[0])
+                table.append((name, "-", ms, flops / ms / 1e9))
+        contiguous = [t.contiguous() for t in (q, k, v)]
+        for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
+            def run(q=q, k=k, v=v, tiles=tiles):
+                grad_q, grad_kv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output,
+                                                          lse, SCALE, tiles)
+                return (grad_q, *grad_kv.chunk(2, dim=-1))
+            try:
+                got = run()
+                again = [run() for _ in range(3)]
+                checks[f"ws {tuple(tiles)}"] = dict(
+                    vs_float64=[rel(g, r) for g, r in zip(got, ref)],
+                    vs_current=[rel(g, c) for g, c in zip(got, current)],
+                    bitwise_3_calls=all(torch.equal(a, g) for call in again
+                                        for a, g in zip(call, got)),
+                    bitwise_views_vs_contiguous=all(
+                        torch.equal(a, g) for a, g in zip(run(*contiguous), got)))
+                if b == batch:
+                    ms = bench(run)
+                    table.append(("ws one pass", tuple(tiles), ms, flops / ms / 1e9))
+            except Exception as error:      # report and go on to the next configuration
+                checks[f"ws {tuple(tiles)}"] = repr(error)[:300]
+        report[f"batch {b}: dQ, dK, dV rel. error"] = checks
+        print(json.dumps({f"batch {b}": checks}), flush=True)
+        if b == batch:
+            ms = bench(lambda: attention_bwd_ws.launch_delta(grad_attn, attn_output, H))
+            table.append(("ws delta kernel alone", "-", ms, float("nan")))
+            ms = bench(lambda: (rows(), cols()))
+            table.append(("current gluon rows+cols", "-", ms, flops / ms / 1e9))
+        del ref
+        torch.cuda.empty_cache()
+    report["table"] = table
+    Path(out_dir, "core_ws.json").write_text(json.dumps(report, indent=1))
+    print(f"batch {batch}, bf16, S {S}, H {H}, D {D}: ms (median, L2 flushed); TFLOP/s of "
+          f"5 products")
+    for name, tiles, ms, tflops in table:
+        print(f"{name:28} {tiles!s:22} {ms:7.3f} {tflops:7.1f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--sm90", action="store_true",
+                        help="compile for sm_90 and print its resources (no GPU needed)")
+    args = parser.parse_args()
+    if args.sm90:
+        print(json.dumps(sm90_report()))
+    else:
+        gpu_main(args.batch, args.out)
+
+
+if __name__ == "__main__":
+    main()

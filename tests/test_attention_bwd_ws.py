@@ -1,0 +1,100 @@
+"""The warp-specialized one-pass attention-core backward (attention_bwd_ws.py) compiled
+for the H100/H200 (sm_90) here on the CPU, with the installed triton and with the newest
+one (.ci/run): what makes it a warp-specialized kernel shows in its machine code. And
+its launcher's argument checks, which run before any device work."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vitattn_bwd import attention_bwd_ws
+
+from .helpers import triton_environments, triton_version_in
+
+H200_SHARED_MEMORY = 227 * 1024          # bytes a block may use on sm_90
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module", params=list(triton_environments()))
+def resources(request):
+    """{tiles: resources} from scripts/time_core_ws.py --sm90 with each triton, in a
+    subprocess: the interpreter (set by conftest) would replace the compiler."""
+    pytest.importorskip("triton")
+    environment = triton_environments()[request.param]
+    result = subprocess.run([sys.executable, "scripts/time_core_ws.py", "--sm90"],
+                            cwd=ROOT, env=environment, capture_output=True, text=True,
+                            timeout=900)
+    if result.returncode and "No module named 'triton.backends.nvidia" in result.stderr:
+        pytest.skip("this triton has no CUDA backend")
+    assert result.returncode == 0, (triton_version_in(environment), result.stderr[-3000:])
+    return {attention_bwd_ws.WsTiles(*tiles): r
+            for tiles, r in json.loads(result.stdout.strip().splitlines()[-1])}
+
+
+def test_every_configuration_is_compiled(resources):
+    assert set(resources) == set(attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES)
+
+
+def test_products_are_asynchronous(resources):
+    """Five products per query tile (4 HGMMAs of k = 16 each per warpgroup; dQ's split
+    over two warpgroups' columns adds 8 with 128 keys), all in flight between four waits
+    in the whole kernel (three per tile, one after the walk), and ptxas did not
+    serialize them (its C7512/C7514/C7515 notes, given for register shortage or for
+    accumulators read while products are in flight)."""
+    for tiles, r in resources.items():
+        assert r["hgmma"] >= 24 and r["waits"] <= 4, (tiles, r)
+        assert r["serialized"] == [], (tiles, r)
+
+
+def test_registers_move_from_the_workers_to_the_consumers(resources):
+    """setmaxnreg: the producer and dQ-writer warps drop to WORKER_REGISTERS registers per
+    thread, the consumers rise to 232 or more."""
+    for tiles, r in resources.items():
+        assert min(r["setmaxnreg"]) == attention_bwd_ws.WORKER_REGISTERS, (tiles, r)
+        assert max(r["setmaxnreg"]) >= 232, (tiles, r)
+
+
+def test_configured_tiles_fit_without_spills(resources):
+    """The configured tiles spill nothing and fit shared memory with their 2 or 3 ring
+    stages (the candidates at 128 registers spill a few words: CANDIDATE_TILES)."""
+    for tiles in attention_bwd_ws.TILES:
+        r = resources[tiles]
+        assert tiles.num_stages >= 2 and r["shared_bytes"] <= H200_SHARED_MEMORY, (tiles, r)
+        assert r["spill_stores"] == 0, (tiles, r)
+    for tiles in attention_bwd_ws.CANDIDATE_TILES:
+        # two programs per SM: twice the shared memory fits
+        assert 2 * resources[tiles]["shared_bytes"] <= H200_SHARED_MEMORY
+        assert resources[tiles]["spill_stores"] <= 64, (tiles, resources[tiles])
+
+
+def _inputs(dtype=torch.bfloat16, batch=1, heads=2, seq_len=5, head_dim=64):
+    qkv = torch.randn(batch, seq_len, 3 * heads * head_dim).to(dtype)
+    q, k, v = (t.unflatten(-1, (heads, head_dim)).transpose(1, 2)
+               for t in qkv.chunk(3, dim=-1))
+    grad_attn = torch.randn(batch, seq_len, heads * head_dim).to(dtype)
+    return dict(q=q, k=k, v=v, grad_attn=grad_attn, attn_output=grad_attn.clone(),
+                lse=torch.randn(batch, heads, seq_len), scale=0.125)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda i: dict(i, q=i["q"].float(), k=i["k"].float(), v=i["v"].float()),
+     "q, k, v, grad_attn, attn_output must share one dtype"),
+    (lambda i: dict(i, k=i["k"].contiguous()), "q, k, v must share strides"),
+    (lambda i: dict(i, q=i["q"].transpose(-1, -2).contiguous().transpose(-1, -2),
+                    k=i["k"].transpose(-1, -2).contiguous().transpose(-1, -2),
+                    v=i["v"].transpose(-1, -2).contiguous().transpose(-1, -2)),
+     "q, k, v must be contiguous"),
+    (lambda i: dict(i, grad_attn=i["grad_attn"][:, :-1]), "grad_attn must be contiguous"),
+    (lambda i: dict(i, lse=i["lse"].double()), "lse must be contiguous float32"),
+])
+def test_bad_arguments_are_named(change, message):
+    with pytest.raises(ValueError, match=message):
+        attention_bwd_ws.launch(**change(_inputs()))
+
+
+def test_tiles_outside_the_family_are_refused():
+    with pytest.raises(ValueError, match="tiles must have block_m 64"):
+        attention_bwd_ws.launch(**_inputs(), tiles=attention_bwd_ws.WsTiles(128, 64, 2, 128))

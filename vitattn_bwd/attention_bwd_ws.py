@@ -1,0 +1,182 @@
+"""Host side of the warp-specialized one-pass attention-core backward
+(kernels/attention_bwd_ws.py): its launch configurations, a launcher, and a compile for
+sm_90 that launches nothing (for the CPU checks of its machine code).
+
+    launch(q, k, v, grad_attn, attn_output, lse, scale, tiles)
+        -> grad_q [B,S,E], grad_kv [B,S,2E] (dK then dV per row), in q's dtype
+
+q, k, v [B,H,S,D] bf16 / fp16 with one set of strides and a contiguous last dim:
+contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_output
+[B,S,E] contiguous; lse [B,H,S] float32, the natural-log log-sum-exp of the scaled
+logits. One product per matmul, P recomputed from lse (the module's half-precision
+path). Not yet an autotune choice of the registered lowerings: it is measured first
+(scripts/time_core_ws.py).
+"""
+from typing import NamedTuple
+
+import torch
+
+from .precision import HALF_DTYPES
+
+
+class WsTiles(NamedTuple):
+    """One launch configuration: BLOCK_M queries per tile of the walk, BLOCK_N keys per
+    program (one consumer warpgroup per 64: num_warps = BLOCK_N // 16), NUM_STAGES slots
+    of q and dO tiles in the ring, and the registers per thread the launch asks for
+    (maxnreg: the producer warp keeps WORKER_REGISTERS, the consumers get the rest)."""
+    block_m: int
+    block_n: int
+    num_stages: int
+    maxnreg: int
+
+    @property
+    def num_warps(self):
+        return self.block_n // 16
+
+
+# Two consumer warpgroups (128 keys; registers for one program per SM) or one (64 keys,
+# at 152 registers one program per SM too), 2 or 3 stages: each compiles for sm_90
+# without spills, its wgmmas unserialized (tests/test_attention_bwd_ws.py).
+TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168), WsTiles(64, 64, 2, 152),
+         WsTiles(64, 64, 3, 152))
+# Timed beside TILES (scripts/time_core_ws.py): one warpgroup at 128 registers, two
+# programs per SM by registers, where ptxas spills 28-36 bytes of the consumers'.
+CANDIDATE_TILES = (WsTiles(64, 64, 2, 128), WsTiles(64, 64, 3, 128))
+WORKER_REGISTERS = 24
+DELTA_BLOCK = 64
+
+
+def _shared_layout(block_shape, dtype):
+    from triton.experimental.gluon import language as gl
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
+def _gl_dtype(dtype):
+    from triton.experimental.gluon import language as gl
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def _heads_in_rows(q):
+    """True for contiguous [B,H,S,D] q, k, v; False for head views of [B,S,3E]
+    (row stride 3E, heads side by side); ValueError for any other strides."""
+    batch, heads, seq_len, head_dim = q.shape
+    if q.is_contiguous():
+        return True
+    if q.stride() == (seq_len * 3 * heads * head_dim, head_dim, 3 * heads * head_dim, 1):
+        return False
+    raise ValueError(f"q, k, v must be contiguous [B,H,S,D] or head views of a QKV "
+                     f"projection [B,S,3E]; got q strides {q.stride()}")
+
+
+def _descriptor(t, heads_in_rows, block_rows):
+    """A TMA descriptor of [block_rows, D] tiles of t [B,H,S,D] (heads_in_rows: rows
+    of [B*H*S, D]) or of t [B,H,S,D] head views / t [B,S,E] (rows of [B*S, E])."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    head_dim = t.shape[-1]
+    if t.dim() == 3:                                            # [B,S,E]
+        shape, strides = [t.shape[0] * t.shape[1], t.shape[2]], [t.stride(1), 1]
+    elif heads_in_rows:
+        shape, strides = [t.numel() // head_dim, head_dim], [head_dim, 1]
+    else:
+        shape = [t.shape[0] * t.shape[2], t.shape[1] * head_dim]
+        strides = [t.stride(2), 1]
+    block = [block_rows, head_dim]
+    return TensorDescriptor(t, shape, strides, block,
+                            _shared_layout(block, _gl_dtype(t.dtype)))
+
+
+def _check(q, k, v, grad_attn, attn_output, lse, tiles):
+    if q.dtype not in HALF_DTYPES or {k.dtype, v.dtype, grad_attn.dtype,
+                                      attn_output.dtype} != {q.dtype}:
+        raise ValueError(f"q, k, v, grad_attn, attn_output must share one dtype of "
+                         f"{HALF_DTYPES}; got {q.dtype}, {k.dtype}, {v.dtype}, "
+                         f"{grad_attn.dtype}, {attn_output.dtype}")
+    if len({q.stride(), k.stride(), v.stride()}) != 1:
+        raise ValueError(f"q, k, v must share strides, got {q.stride()}, {k.stride()}, "
+                         f"{v.stride()}")
+    batch, heads, seq_len, head_dim = q.shape
+    if head_dim % 16 or not 16 <= head_dim <= 128:
+        raise ValueError(f"head_dim must be a multiple of 16 up to 128, got {head_dim}")
+    for name, t in (("grad_attn", grad_attn), ("attn_output", attn_output)):
+        if t.shape != (batch, seq_len, heads * head_dim) or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [B,S,E] = "
+                             f"{[batch, seq_len, heads * head_dim]}, got {list(t.shape)}")
+    if lse.shape != (batch, heads, seq_len) or lse.dtype != torch.float32 \
+            or not lse.is_contiguous():
+        raise ValueError(f"lse must be contiguous float32 [B,H,S] = "
+                         f"{[batch, heads, seq_len]}, got {lse.dtype} {list(lse.shape)}")
+    if tiles.block_n not in (64, 128) or tiles.block_m != 64:
+        raise ValueError(f"tiles must have block_m 64 and block_n 64 or 128, got {tiles}")
+
+
+def launch_delta(grad_attn, attn_output, num_heads):
+    """rowsum(dO * O) per head: [B,H,S] float32 from grad_attn, attn_output [B,S,E]."""
+    from .kernels.attention_bwd_ws import attention_delta_kernel
+    batch, seq_len, embed_dim = grad_attn.shape
+    delta = grad_attn.new_empty(batch, num_heads, seq_len, dtype=torch.float32)
+    grid = (-(-seq_len // DELTA_BLOCK), batch * num_heads)
+    attention_delta_kernel[grid](grad_attn, attn_output, delta, NUM_HEADS=num_heads,
+                                 SEQ_LEN=seq_len, HEAD_DIM=embed_dim // num_heads,
+                                 BLOCK=DELTA_BLOCK, num_warps=4)
+    return delta
+
+
+def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0]):
+    """(grad_q [B,S,E], grad_kv [B,S,2E]) in q's dtype: the attention core's backward
+    (module docstring), bitwise the same on every call."""
+    from .kernels.attention_bwd_ws import attention_bwd_ws_kernel
+    _check(q, k, v, grad_attn, attn_output, lse, tiles)
+    heads_in_rows = _heads_in_rows(q)
+    batch, heads, seq_len, head_dim = q.shape
+    delta = launch_delta(grad_attn, attn_output, heads)
+    query_tiles = -(-seq_len // tiles.block_m)
+    grad_q_accum = q.new_empty(batch * heads, seq_len, head_dim, dtype=torch.float32)
+    semaphores = torch.zeros(batch * heads, query_tiles, device=q.device, dtype=torch.int32)
+    grad_q = q.new_empty(batch, seq_len, heads * head_dim)
+    grad_kv = q.new_empty(batch, seq_len, 2 * heads * head_dim)
+    grid = (-(-seq_len // tiles.block_n), batch * heads)
+    attention_bwd_ws_kernel[grid](
+        _descriptor(q, heads_in_rows, tiles.block_m), _descriptor(k, heads_in_rows, tiles.block_n),
+        _descriptor(v, heads_in_rows, tiles.block_n), _descriptor(grad_attn, False, tiles.block_m),
+        lse, delta, grad_q_accum, semaphores, grad_q, grad_kv, scale,
+        **kernel_constexprs(heads, seq_len, head_dim, tiles, heads_in_rows),
+        maxnreg=tiles.maxnreg)
+    return grad_q, grad_kv
+
+
+def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
+    return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
+                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
+                HEADS_IN_ROWS=heads_in_rows, WORKER_REGISTERS=WORKER_REGISTERS,
+                num_warps=tiles.num_warps)
+
+
+def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bfloat16,
+                 heads_in_rows=False):
+    """The main kernel compiled for sm_90 (triton's CompiledKernel: .asm["cubin"],
+    .asm["ptx"], .metadata.shared), as `launch` would run it, launching nothing."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from .kernels.attention_bwd_ws import attention_bwd_ws_kernel
+    kernel = attention_bwd_ws_kernel
+    constexprs = kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows)
+    element = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+
+    def descriptor(rows):
+        layout = _shared_layout([rows, head_dim], _gl_dtype(dtype))
+        return f"tensordesc<{element}[{rows}, {head_dim}],{layout!r}>"
+    signature = dict(q_desc=descriptor(tiles.block_m), k_desc=descriptor(tiles.block_n),
+                     v_desc=descriptor(tiles.block_n),
+                     grad_attn_desc=descriptor(tiles.block_m), LSE="*fp32", DELTA="*fp32",
+                     DQ_ACCUM="*fp32", SEMAPHORES="*i32", GRAD_Q=f"*{element}",
+                     GRAD_KV=f"*{element}", scale="fp32")
+    signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in kernel.arg_names}
+    aligned = {(index,): [["tt.divisibility", 16]]
+               for index, kind in enumerate(signature.values()) if kind[0] == "*"}
+    return triton_compile(GluonASTSource(kernel, signature, constexprs=constexprs,
+                                         attrs=aligned),
+                          target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=tiles.num_warps, maxnreg=tiles.maxnreg))

@@ -1,0 +1,327 @@
+"""Gluon device code for the whole attention-core backward in one warp-specialized pass on
+Hopper (sm_90): one product per matmul of bf16 / fp16 operands, P recomputed from the
+forward's log-sum-exp.
+
+A program owns BLOCK_N keys of one (batch, head) and walks every query tile of that head
+in three partitions:
+
+    producer (one warp, few registers):
+        TMA  k, v [BN,D] once; then q_m, dO_m [BM,D] into a NUM_STAGES-deep ring,
+             each slot guarded by a ready and an empty mbarrier
+    consumers (one warpgroup per 64 keys, the registers the workers gave up), tile m:
+        issue  S^T_m  = k @ q_m^T                     [BN,BM]
+        issue  dP^T_m = v @ dO_m^T                    [BN,BM]
+        issue  dQ_m-1 = dS_m-1 @ k                    [BM,D]   (A: dS^T's transposed view
+                                                               in shared memory)
+        wait   for S^T_m (dV, dK of tile m-1 done too: give slot m-1 back to the producer)
+               P^T = exp(S^T * scale - lse)   (0 for rows / columns past S)
+        issue  dV   += P^T @ dO_m                     [BN,D]   (A from registers)
+        wait   for dP^T_m: dS^T = P^T * (dP^T - delta)
+        wait   for dQ_m-1 (dV in flight): hand it to the dQ writer in shared memory
+        issue  dK   += dS^T @ q_m                     [BN,D]   (A from registers)
+        store  dS^T into shared memory (dQ_m-1 has read it)
+    dQ writer (one warp): adds each dQ_m into the head's dQ (below)
+
+Five products per tile, the minimum (two passes recompute S and dP twice: seven), with
+three waits per tile, each leaving one or two products in flight.
+
+dQ is deterministic: the key blocks of a head add their dQ_m tiles in key-block order,
+enforced by one int32 semaphore per (head, query tile) that counts the blocks already
+added (SEMAPHORES, zeros at launch). Block 0 stores its tile into the float32
+accumulator DQ_ACCUM [B*H,S,D] (never zeroed), blocks 1..n-2 wait for their turn and add
+with `red` (an atomic add, but one block at a time), and the last block adds the
+accumulator to its own tile and stores dQ, scaled, in the operands' dtype: the sum's
+order is fixed, so the result is bitwise reproducible. Programs are launched key block
+first (program id 0), so a block waits only on blocks launched before it. Rows past
+the sequence end: TMA reads the next rows of the tensor (zeros past its end); P^T and
+dS^T are 0 there, so they add nothing, and nothing is stored for them.
+
+delta = rowsum(dO * O) [B,H,S] float32 comes from attention_delta_kernel (a pass over
+dO and O before the main kernel).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma,
+                                                              warpgroup_mma_init,
+                                                              warpgroup_mma_wait)
+
+from .gluon_compat import cta_barrier, tma_load
+from .softmax_bwd_gluon import LOG2E, wgmma_layout
+
+# rows of a dQ tile the writer moves per step: at 2 (4 floats per lane) it fits the
+# workers' 24 registers per thread without spilling; at 4 ptxas spilled 600 bytes
+GRAD_Q_CHUNK_ROWS = gl.constexpr(2)
+
+
+@gluon.constexpr_function
+def split_columns_layout(num_warps, columns):
+    """The layout of a [64, columns] wgmma accumulator spread over num_warps warps: one
+    warpgroup per columns / (num_warps // 4) columns (dQ's tile with two consumer
+    warpgroups)."""
+    groups = num_warps // 4
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
+                                     instr_shape=[16, columns // groups, 16])
+
+
+@gluon.jit
+def head_coordinates(batch_head, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, HEADS_IN_ROWS: gl.constexpr):
+    """(first row, column) of one (batch, head) in the 2-D TMA view of q, k, v: rows of
+    [B*H*S, D] when HEADS_IN_ROWS (contiguous [B,H,S,D]), else of [B*S, E] (head views
+    of the QKV projection, or dO [B,S,E])."""
+    if HEADS_IN_ROWS:
+        return batch_head * SEQ_LEN, 0
+    return (batch_head // NUM_HEADS) * SEQ_LEN, (batch_head % NUM_HEADS) * HEAD_DIM
+
+
+@gluon.jit
+def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
+                   grad_attn_ring, kv_ready, ready, empty, NUM_HEADS: gl.constexpr,
+                   SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   HEADS_IN_ROWS: gl.constexpr):
+    """The producer: this program's k, v tiles, then every query tile's q and dO."""
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
+    batch_head = gl.program_id(1)
+    qkv_row, qkv_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM,
+                                        HEADS_IN_ROWS)
+    do_row, do_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM, False)
+    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+    tma_load(k_desc, [qkv_row + gl.program_id(0) * BLOCK_N, qkv_col], kv_ready, k_tile)
+    tma_load(v_desc, [qkv_row + gl.program_id(0) * BLOCK_N, qkv_col], kv_ready, v_tile)
+    for m_tile in range(NUM_TILES):
+        slot = m_tile % NUM_STAGES
+        # a fresh mbarrier counts as having completed the phase before phase 0
+        mbarrier.wait(empty.index(slot), ((m_tile // NUM_STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, q_desc.block_type.nbytes + grad_attn_desc.block_type.nbytes)
+        tma_load(q_desc, [qkv_row + m_tile * BLOCK_M, qkv_col], bar, q_ring.index(slot))
+        tma_load(grad_attn_desc, [do_row + m_tile * BLOCK_M, do_col], bar,
+                 grad_attn_ring.index(slot))
+
+
+@gluon.jit
+def grad_q_partition(grad_q_ring, grad_q_full, grad_q_empty, DQ_ACCUM, SEMAPHORES, GRAD_Q,
+                     scale, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                     CHUNK_ROWS: gl.constexpr):
+    """The dQ writer (one warp): takes each query tile's dQ [BM,D] from shared memory and
+    adds it to the head's dQ in key-block order (module docstring); the last block
+    stores dQ * scale into GRAD_Q [B,S,E]."""
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
+    layout: gl.constexpr = gl.BlockedLayout([1, HEAD_DIM // 32], [1, 32], [1, 1], [1, 0])
+    block = gl.program_id(0)
+    last = gl.num_programs(0) - 1
+    batch_head = gl.program_id(1)
+    batch = batch_head // NUM_HEADS
+    head = batch_head % NUM_HEADS
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    chunk_rows = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(1, layout))
+    accum_head = DQ_ACCUM + batch_head.to(gl.int64) * SEQ_LEN * HEAD_DIM
+    for m_tile in range(NUM_TILES):
+        buffer = m_tile % 2
+        mbarrier.wait(grad_q_full.index(buffer), (m_tile // 2) & 1)
+        semaphore = SEMAPHORES + batch_head * NUM_TILES + m_tile
+        if block > 0:                  # wait for blocks 0 .. block-1 to have added theirs
+            added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
+            while added != block:
+                added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
+        for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
+            rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
+            in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
+            tile = grad_q_ring.index(buffer).slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
+            accum = accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :]
+            if block == last:
+                if block > 0:
+                    tile += gl.load(accum, mask=in_rows, other=0.0, cache_modifier=".cg")
+                out = (GRAD_Q + ((batch * SEQ_LEN + rows).to(gl.int64) * NUM_HEADS
+                                 * HEAD_DIM)[:, None] + head * HEAD_DIM + cols[None, :])
+                gl.store(out, (tile * scale).to(GRAD_Q.dtype.element_ty), mask=in_rows)
+            elif block == 0:
+                gl.store(accum, tile, mask=in_rows)
+            else:
+                gl.atomic_add(accum, tile, mask=in_rows, sem="relaxed", scope="gpu")
+        mbarrier.arrive(grad_q_empty.index(buffer), count=1)
+        if block != last:
+            cta_barrier()              # every lane's part is written
+            gl.atomic_add(semaphore, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def hand_over_grad_q(grad_q, m_tile, grad_q_ring, grad_q_full, grad_q_empty):
+    """Put the finished dQ tile of query tile m_tile into the writer's double buffer."""
+    buffer = m_tile % 2
+    mbarrier.wait(grad_q_empty.index(buffer), ((m_tile // 2) & 1) ^ 1)
+    grad_q_ring.index(buffer).store(grad_q)
+    cta_barrier()                      # every consumer thread's part is stored
+    mbarrier.arrive(grad_q_full.index(buffer), count=1)
+
+
+@gluon.jit
+def compute_partition(k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile, grad_q_ring,
+                      kv_ready, ready, empty, grad_q_full, grad_q_empty, LSE, DELTA,
+                      GRAD_KV, scale, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      num_warps: gl.constexpr):
+    """The consumers: the five products per query tile (module docstring), dQ handed to
+    the writer, then dK and dV into GRAD_KV [B,S,2E] (dK at column head * D, dV at
+    E + head * D). dQ of tile m is issued in tile m+1, after its S^T and dP^T, and read
+    once only the products of that same tile are in flight: ptxas serializes every
+    wgmma of a kernel that reads an accumulator across a loop iteration's in-flight
+    products (its C7514)."""
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
+    EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
+    dtype: gl.constexpr = k_tile.dtype
+    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)      # [BN,BM]: S^T, dP^T
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # [BN,D]: dK, dV
+    grad_q_layout: gl.constexpr = split_columns_layout(num_warps, HEAD_DIM)  # [BM,D]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                 k_width=2)
+    query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
+    key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
+
+    batch_head = gl.program_id(1)
+    n_start = gl.program_id(0) * BLOCK_N
+    keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
+    lse_head = LSE + batch_head.to(gl.int64) * SEQ_LEN
+    delta_head = DELTA + batch_head.to(gl.int64) * SEQ_LEN
+    logit_scale = scale * LOG2E
+
+    zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
+    zeros_grad_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=grad_q_layout)
+    grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
+    p_t_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=a_layout)
+    grad_s_t_op = p_t_op
+    mbarrier.wait(kv_ready, 0)
+    for m_tile in range(NUM_TILES):
+        slot = m_tile % NUM_STAGES
+        queries = m_tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_vector)
+        in_queries = queries < SEQ_LEN
+        lse = gl.load(lse_head + queries, mask=in_queries, other=0.0) * LOG2E
+        delta = gl.load(delta_head + queries, mask=in_queries, other=0.0)
+        mbarrier.wait(ready.index(slot), (m_tile // NUM_STAGES) & 1)
+        q = q_ring.index(slot)                                              # [BM,D]
+        grad_attn = grad_attn_ring.index(slot)                              # [BM,D]
+        # in flight: dV, dK of tile m_tile-1
+        logits_t = warpgroup_mma(k_tile, q.permute((1, 0)), zeros_tile, use_acc=False,
+                                 is_async=True)                             # [BN,BM]
+        grad_p_t = warpgroup_mma(v_tile, grad_attn.permute((1, 0)), zeros_tile,
+                                 use_acc=False, is_async=True)              # [BN,BM]
+        # dQ of tile m_tile-1 from its dS^T (at tile 0: a product nobody reads)
+        grad_q = warpgroup_mma(grad_s_tile.permute((1, 0)), k_tile, zeros_grad_q,
+                               use_acc=False, is_async=True)                # [BM,D]
+        # dV, dK of tile m_tile-1 are done reading their register operands too
+        logits_t, p_t_op, grad_s_t_op = warpgroup_mma_wait(
+            2, deps=(logits_t, p_t_op, grad_s_t_op))
+        if m_tile > 0:                 # dV, dK of tile m_tile-1 are done with its slot
+            cta_barrier()
+            mbarrier.arrive(empty.index((m_tile - 1) % NUM_STAGES), count=1)
+        valid = (keys < SEQ_LEN)[:, None] & in_queries[None, :]
+        p_t = gl.where(valid, gl.exp2(logits_t * logit_scale - lse[None, :]), 0.0)
+        p_t_op = gl.convert_layout(p_t.to(dtype), a_layout)
+        grad_v = warpgroup_mma(p_t_op, grad_attn, grad_v, is_async=True)     # [BN,D]
+        grad_p_t = warpgroup_mma_wait(2, deps=(grad_p_t,))                  # dQ, dV on
+        grad_s_t = (p_t * (grad_p_t - delta[None, :])).to(dtype)            # [BN,BM]
+        grad_s_t_op = gl.convert_layout(grad_s_t, a_layout)
+        grad_q = warpgroup_mma_wait(1, deps=(grad_q,))                      # dV on
+        if m_tile > 0:
+            hand_over_grad_q(grad_q, m_tile - 1, grad_q_ring, grad_q_full, grad_q_empty)
+        grad_k = warpgroup_mma(grad_s_t_op, q, grad_k, is_async=True)        # [BN,D]
+        grad_s_tile.store(grad_s_t)    # dQ of tile m_tile-1 is done reading it
+        fence_async_shared()
+        cta_barrier()                  # all of dS^T is in shared memory
+    grad_q = warpgroup_mma(grad_s_tile.permute((1, 0)), k_tile, zeros_grad_q,
+                           use_acc=False, is_async=True)
+    grad_q, grad_k, grad_v, p_t_op, grad_s_t_op = warpgroup_mma_wait(
+        0, deps=(grad_q, grad_k, grad_v, p_t_op, grad_s_t_op))
+    hand_over_grad_q(grad_q, NUM_TILES - 1, grad_q_ring, grad_q_full, grad_q_empty)
+
+    rows = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    batch = batch_head // NUM_HEADS
+    head = batch_head % NUM_HEADS
+    out = (GRAD_KV + (batch * SEQ_LEN + rows).to(gl.int64)[:, None] * 2 * EMBED
+           + head * HEAD_DIM + cols[None, :])
+    in_rows = (rows < SEQ_LEN)[:, None]
+    gl.store(out, (grad_k * scale).to(GRAD_KV.dtype.element_ty), mask=in_rows)
+    gl.store(out + EMBED, grad_v.to(GRAD_KV.dtype.element_ty), mask=in_rows)
+
+
+@gluon.jit
+def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA, DQ_ACCUM,
+                            SEMAPHORES, GRAD_Q, GRAD_KV, scale, NUM_HEADS: gl.constexpr,
+                            SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            NUM_STAGES: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
+                            WORKER_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+    """dQ [B,S,E], dK and dV [B,S,2E] (the operands' dtype) of one (batch, head)'s keys
+    [n_start, n_start + BLOCK_N): program ids (key block, batch * NUM_HEADS + head).
+    q_desc, grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D]
+    tiles (head_coordinates says where a head lies). LSE, DELTA [B,H,S] float32
+    (natural-log log-sum-exp of the logits * scale, rowsum(dO * O)); DQ_ACCUM [B*H,S,D]
+    float32 scratch; SEMAPHORES [B*H, ceil(S / BM)] int32 zeros. BLOCK_N = 16 *
+    num_warps (one consumer warpgroup per 64 keys); the producer and the dQ writer, one
+    warp each, keep WORKER_REGISTERS registers per thread."""
+    gl.static_assert(BLOCK_N == 16 * num_warps, "one consumer warpgroup per 64 keys")
+    dtype: gl.constexpr = q_desc.dtype
+    k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
+    grad_attn_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM],
+                                               grad_attn_desc.layout)
+    grad_s_tile = gl.allocate_shared_memory(
+        dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
+                                                                        dtype))
+    grad_q_ring = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
+                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    grad_q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    grad_q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for stage in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(stage), count=1)
+        mbarrier.init(empty.index(stage), count=1)
+    for buffer in gl.static_range(2):
+        mbarrier.init(grad_q_full.index(buffer), count=1)
+        mbarrier.init(grad_q_empty.index(buffer), count=1)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (compute_partition, (k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile,
+                             grad_q_ring, kv_ready, ready, empty, grad_q_full, grad_q_empty,
+                             LSE, DELTA, GRAD_KV, scale, NUM_HEADS, SEQ_LEN, HEAD_DIM,
+                             BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
+        (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
+                          grad_attn_ring, kv_ready, ready, empty, NUM_HEADS, SEQ_LEN,
+                          HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, HEADS_IN_ROWS)),
+        (grad_q_partition, (grad_q_ring, grad_q_full, grad_q_empty, DQ_ACCUM, SEMAPHORES,
+                            GRAD_Q, scale, NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M,
+                            GRAD_Q_CHUNK_ROWS)),
+    ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
+
+
+@gluon.jit
+def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, DELTA, NUM_HEADS: gl.constexpr,
+                           SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                           BLOCK: gl.constexpr, num_warps: gl.constexpr):
+    """DELTA [B,H,S] float32 = rowsum(dO * O) per head, from GRAD_ATTN and ATTN_OUT
+    [B,S,E]: program ids (row block, batch * NUM_HEADS + head)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
+                                            [num_warps, 1], [1, 0])
+    batch_head = gl.program_id(1)
+    batch = batch_head // NUM_HEADS
+    head = batch_head % NUM_HEADS
+    rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    offsets = ((batch * SEQ_LEN + rows).to(gl.int64)[:, None] * NUM_HEADS * HEAD_DIM
+               + head * HEAD_DIM + cols[None, :])
+    in_rows = (rows < SEQ_LEN)[:, None]
+    grad_attn = gl.load(GRAD_ATTN + offsets, mask=in_rows, other=0.0).to(gl.float32)
+    attn_output = gl.load(ATTN_OUT + offsets, mask=in_rows, other=0.0).to(gl.float32)
+    gl.store(DELTA + batch_head.to(gl.int64) * SEQ_LEN + rows,
+             gl.sum(grad_attn * attn_output, axis=1), mask=rows < SEQ_LEN)
