@@ -1,38 +1,164 @@
-"""A Hugging Face CLIP vision tower as people train it, stock against swapped
-(vitattn_bwd.integrations.hf.swap_attention, precision None), eager and under
-torch.compile(model), in float32 and under bf16 autocast: every combination side by
-side in one process, so that each ratio compares runs of the same machine.
+"""Vision towers as people train them, stock against swapped (swap_attention, precision
+None unless a row says otherwise), every model of a suite side by side in one process so
+that each ratio compares runs of the same machine. One invocation runs one suite; each
+fits one device call of at most ~8 minutes on a cold H200 (estimates below, from first
+compiled steps of 19-25 s per 12-layer model, docs/runs/towers/):
 
-    python scripts/bench_towers.py [--layers 12] [--batch-sizes 8 32]
-                                   [--settings float32 autocast] [--rounds 3]
+    PYTHONPATH=. python3 scripts/bench_towers.py --suite SUITE [--layers N]
+        [--batch-sizes ...] [--float32-precisions high highest] [--out DIR]
 
-Per setting and batch size, one row per model: the median ms of a training step
-(forward, backward of all parameters, zero_grad; inputs at fixed addresses), the spread
-(min-max of the timed steps), the first step's seconds (compiles and autotuning
-included; our compiles are cached across models of the same shapes, so the first model
-that needs them pays for them), the GPU-busy ms per step (the union of the kernels'
-intervals in a torch.profiler trace of 3 steps: wall time far above it means a
-host-bound step), and the graph breaks torch._dynamo.explain finds in the model. The
-ratios at the end are stock's time over the swapped one's (above 1: the swap is faster)
-for eager against eager, compiled against compiled, and the swap eager against
-torch.compile(stock). float32 runs at torch's "high" matmul precision (TF32 for the
-stock tower's matmuls; our fused path's "high") unless --float32-precision says
-otherwise. On a CPU a small tower (65 tokens, 128 wide) checks that the script runs.
+  autocast       HF CLIP ViT-L/14-336 (--layers, 12 or 24), bf16 autocast, batch 1 8 32:
+                 stock, swapped, torch.compile(stock), torch.compile(swapped), and at the
+                 largest batch torch.compile(swapped, mode="reduce-overhead")
+                 (~4 min at 12 layers, ~7 at 24)
+  float32        the same models in float32 at each --float32-precisions, batch 8 32
+                 (~6 min at 12 layers; at 24 give one precision per call)
+  integrations   timm vit_large_patch14_clip_336 and OpenCLIP ViT-L/14-336 (4 blocks,
+                 batch 32) and a SigLIP so400m-shaped HF tower (hidden 1152, 16 heads of
+                 72, 729 tokens, 6 layers, batch 16), float32 and autocast, eager and
+                 compiled (~6 min)
+  deterministic  HF CLIP 12 layers, batch 32, autocast and float32 "high", eager, each
+                 model without and with torch.use_deterministic_algorithms(True)
+                 (CUBLAS_WORKSPACE_CONFIG=:4096:8 for the whole process): the step times,
+                 a bitwise repeat check of every model, the flag's cost with
+                 torch.utils.deterministic.fill_uninitialized_memory off, and the kernels
+                 whose GPU time the flag changes most (~5 min)
+  restart        first step of torch.compile(stock) and torch.compile(swapped) (HF CLIP,
+                 12 layers, batch 32, autocast and float32 "high"), each in a process of
+                 its own: on empty caches, again on the caches the first left, and on
+                 empty caches after torch.compiler.load_cache_artifacts of what the first
+                 saved (~5 min)
+  host           the host time of one block's eager fwd+bwd (VisionAttentionBlock against
+                 the stock block, and under autocast at precision "medium" too), batch 1 8
+                 32, autocast and float32 "high" (~3 min; keep max-autotune: a Gluon
+                 choice launches through an operator, a Triton template does not)
+
+Per model the tables give the median ms of a training step (forward, backward of a fixed
+random gradient of the output into every parameter, zero_grad; inputs at fixed
+addresses), the spread (min-max of the timed steps), the first step's seconds (compiles
+and autotuning included; our own graphs are cached across models of the same shapes, so
+the first model that needs them pays for them), the GPU-busy ms per step (the union of
+the kernels' intervals in a torch.profiler trace of 3 steps) and wall / GPU-busy (far
+above 1: a host-bound step), the graph breaks torch._dynamo.explain finds, and for
+reduce-overhead models the cudagraph skips Inductor logged. Ratios are stock's time over
+the swapped one's (above 1: the swap is faster). Everything goes to DIR/SUITE.json (DIR:
+--out, else $OUT, else results/) and a markdown table printed last. On a CPU the suites
+run at a tiny size (a 65-token, 128-wide tower) to check the script itself.
 """
 import argparse
+import contextlib
 import copy
 import functools
+import json
+import logging
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_module import compare_times, hf_step, hf_tower, step_times  # noqa: E402
+from bench_module import compare_times, step_times  # noqa: E402
+from profile_host import host_us  # noqa: E402
 
-from vitattn_bwd.integrations.hf import swap_attention  # noqa: E402
+from vitattn_bwd import VisionAttentionBlock, reference  # noqa: E402
+from vitattn_bwd.integrations import swap_attention  # noqa: E402
+
+SUITES = ("autocast", "float32", "integrations", "deterministic", "restart", "host")
+DETERMINISTIC_CUBLAS = ":4096:8"
+
+
+# ----------------------------------------------------------------------------- towers
+
+def hf_clip(device, layers):
+    """A random-init HF CLIPVisionModel: ViT-L/14-336 on CUDA, 65 tokens on the CPU."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+    size = (dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
+                 image_size=336, patch_size=14) if device == "cuda" else
+            dict(hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                 image_size=64, patch_size=8))
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(num_hidden_layers=layers, hidden_act="quick_gelu", **size)
+    return CLIPVisionModel(config).to(device).train()
+
+
+def hf_siglip(device, layers):
+    """A random-init HF SiglipVisionModel of so400m's shapes (1152 wide, 16 heads of 72,
+    384 / 14: 729 tokens) on CUDA; on the CPU 4 heads of 18, 64 tokens."""
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+    size = (dict(hidden_size=1152, intermediate_size=4304, num_attention_heads=16,
+                 image_size=384, patch_size=14) if device == "cuda" else
+            dict(hidden_size=72, intermediate_size=288, num_attention_heads=4,
+                 image_size=64, patch_size=8))
+    torch.manual_seed(0)
+    config = SiglipVisionConfig(num_hidden_layers=layers, **size)
+    return SiglipVisionModel(config).to(device).train()
+
+
+def timm_vit(device, layers):
+    import timm
+    torch.manual_seed(0)
+    return timm.create_model("vit_large_patch14_clip_336", pretrained=False, depth=layers,
+                             num_classes=0).to(device).train()
+
+
+def open_clip_vit(device, layers):
+    from open_clip.transformer import VisionTransformer
+    torch.manual_seed(0)
+    return VisionTransformer(image_size=336, patch_size=14, width=1024, layers=layers,
+                             heads=16, mlp_ratio=4.0, output_dim=768).to(device).train()
+
+
+def image_size(model):
+    config = getattr(model, "config", None)
+    if config is not None:
+        return config.image_size
+    if hasattr(model, "patch_embed"):                                       # timm
+        return model.patch_embed.img_size[0]
+    return model.image_size[0]                                              # OpenCLIP
+
+
+def tower_output(result):
+    """The tensor a tower's forward returns: HF's last_hidden_state, or the first of a
+    tuple (OpenCLIP with tokens), or the tensor itself (timm's pooled features)."""
+    if hasattr(result, "last_hidden_state"):
+        return result.last_hidden_state
+    return result[0] if isinstance(result, tuple) else result
+
+
+def is_hf(model):
+    return hasattr(getattr(model, "_orig_mod", model), "config")
+
+
+# ------------------------------------------------------------------------ measuring
+
+def autocast_region(device, on):
+    return functools.partial(torch.autocast, device, torch.bfloat16, enabled=on)
+
+
+def train_step(model, pixels, amp, cudagraph_steps=False):
+    """One training step of `model` on `pixels`: the forward under `amp`, the backward of
+    a fixed random gradient of the output (drawn at the first call), zero_grad first.
+    cudagraph_steps: mark each step's start for CUDA graph trees (reduce-overhead)."""
+    grad = []
+    hf = is_hf(model)
+
+    def step():
+        if cudagraph_steps:
+            torch.compiler.cudagraph_mark_step_begin()
+        model.zero_grad(set_to_none=True)
+        with amp():
+            out = tower_output(model(pixel_values=pixels) if hf else model(pixels))
+        if not grad:
+            generator = torch.Generator(out.device).manual_seed(1)
+            grad.append(torch.randn(out.shape, generator=generator, device=out.device))
+        out.backward(grad[0].to(out.dtype))
+    return step
 
 
 def gpu_busy_ms(step, steps=3):
@@ -54,76 +180,527 @@ def gpu_busy_ms(step, steps=3):
     return busy / 1e3 / steps
 
 
+def kernel_ms(step, steps=2):
+    """{kernel name: GPU ms per step} from a torch.profiler trace ({} off CUDA)."""
+    if not torch.cuda.is_available():
+        return {}
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals = {}
+    for e in trace.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            totals[e.name] = totals.get(e.name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
+    return totals
+
+
 def graph_breaks(model, pixels, amp):
+    """torch._dynamo.explain's graph-break count for one forward of `model`."""
     torch._dynamo.reset()
+    kwargs = {"pixel_values": pixels} if is_hf(model) else {}
+    args = () if kwargs else (pixels,)
     with amp():
-        return torch._dynamo.explain(model)(pixel_values=pixels).graph_break_count
+        return torch._dynamo.explain(model)(*args, **kwargs).graph_break_count
 
 
-def bench(setting, batch_sizes, layers, rounds, repeats, device):
-    amp = functools.partial(torch.autocast, device, torch.bfloat16,
-                            enabled=setting == "autocast")
-    stock = hf_tower(device, layers)
+class CudagraphSkips(logging.Handler):
+    """The messages of Inductor's cudagraph-skip log (torch._inductor.cudagraph_utils:
+    log_cudagraph_skip_and_bump_counter) while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "skipping cudagraphs" in message:
+            self.messages.append(message)
+
+    @contextlib.contextmanager
+    def capture(self):
+        logger = logging.getLogger("torch._inductor.cudagraph_utils.__cudagraphs")
+        torch._logging.set_logs(cudagraphs=True)
+        logger.addHandler(self)
+        try:
+            yield self
+        finally:
+            logger.removeHandler(self)
+            torch._logging.set_logs()
+
+
+def measure(models, pixels, amp, device, rounds, repeats, explain=True):
+    """One row per model (name -> model): the step's median, spread, first-step seconds,
+    GPU-busy ms, graph breaks and cudagraph skips (reduce-overhead models)."""
+    steps = {name: train_step(model, pixels, amp, "reduce-overhead" in name)
+             for name, model in models.items()}
+    rows = {name: {} for name in models}
+    for name, step in steps.items():
+        skips = CudagraphSkips()
+        before = torch._dynamo.utils.counters["inductor"]["cudagraph_skips"]
+        with skips.capture() if "reduce-overhead" in name else contextlib.nullcontext():
+            rows[name]["first_step_s"] = step_times(step, device, 1)[0] / 1e3
+            step()                                        # reduce-overhead records here
+        if "reduce-overhead" in name:
+            rows[name]["cudagraph_skips"] = (
+                torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] - before)
+            rows[name]["cudagraph_skip_reasons"] = skips.messages[:5]
+    times = compare_times(steps, device, rounds, repeats)
+    for name, t in times.items():
+        busy = gpu_busy_ms(steps[name])
+        median = statistics.median(t)
+        rows[name].update(median_ms=median, min_ms=min(t), max_ms=max(t), gpu_busy_ms=busy,
+                          wall_over_busy=median / busy if busy == busy else float("nan"))
+    if explain:                 # an eager model's breaks are its compiled twins' too
+        for name, model in models.items():
+            if not name.startswith(("compiled", "reduce-overhead")):
+                rows[name]["graph_breaks"] = graph_breaks(model, pixels, amp)
+        for name in rows:
+            eager = name.split(" ", 1)[-1]
+            if "graph_breaks" not in rows[name] and eager in rows:
+                rows[name]["graph_breaks"] = rows[eager].get("graph_breaks")
+    torch._dynamo.reset()
+    return rows
+
+
+def tower_models(stock, compiled=True, reduce_overhead=False, extra=None):
+    """name -> model: stock, swapped (precision None), their torch.compile, and
+    optionally torch.compile(swapped, mode="reduce-overhead") and `extra` swaps
+    (name -> precision)."""
     swapped = swap_attention(copy.deepcopy(stock))
-    c = stock.config
-    tokens = (c.image_size // c.patch_size) ** 2 + 1
-    print(f"\n{setting}: {layers} layers, {tokens} tokens, {c.hidden_size} wide, "
-          f"{c.num_attention_heads} heads, matmul precision "
-          f"{torch.get_float32_matmul_precision()}")
-    ratios = []
-    for B in batch_sizes:
-        torch.manual_seed(B)
-        pixels = torch.randn(B, 3, c.image_size, c.image_size, device=device)
-        grad = torch.randn(B, tokens, c.hidden_size, device=device)
-        breaks = {"stock": graph_breaks(stock, pixels, amp),
-                  "swapped": graph_breaks(swapped, pixels, amp)}
-        torch._dynamo.reset()
-        models = {"stock": stock, "swapped": swapped,
-                  "compiled stock": torch.compile(stock, dynamic=False),
-                  "compiled swapped": torch.compile(swapped, dynamic=False)}
-        steps = {name: hf_step(model, pixels, grad, amp) for name, model in models.items()}
-        first = {name: step_times(step, device, 1)[0] / 1e3
-                 for name, step in steps.items()}
-        times = compare_times(steps, device, rounds, repeats)
-        medians = {name: statistics.median(t) for name, t in times.items()}
-        print(f"\n| batch {B} | median ms | spread ms | first step s | GPU-busy ms | "
-              "graph breaks |")
-        print("|---|---|---|---|---|---|")
-        for name, t in times.items():
-            print(f"| {name} | {medians[name]:.2f} | {min(t):.2f}-{max(t):.2f} | "
-                  f"{first[name]:.1f} | {gpu_busy_ms(steps[name]):.2f} | "
-                  f"{breaks[name.split()[-1]]} |", flush=True)
-        ratios.append((B, medians["stock"] / medians["swapped"],
-                       medians["compiled stock"] / medians["compiled swapped"],
-                       medians["compiled stock"] / medians["swapped"]))
-    return ratios
+    models = {"stock": stock, "swapped": swapped}
+    for name, precision in (extra or {}).items():
+        models[name] = swap_attention(copy.deepcopy(stock), precision=precision)
+    if compiled:
+        models["compiled stock"] = torch.compile(stock, dynamic=False)
+        models["compiled swapped"] = torch.compile(swapped, dynamic=False)
+    if reduce_overhead:
+        models["reduce-overhead swapped"] = torch.compile(swapped, dynamic=False,
+                                                          mode="reduce-overhead")
+    return models
 
 
-def main():
+def ratios(rows):
+    """stock / swapped medians: eager, compiled, and compiled stock / swapped eager."""
+    def ratio(a, b):
+        return rows[a]["median_ms"] / rows[b]["median_ms"] if a in rows and b in rows \
+            else None
+    return {"eager": ratio("stock", "swapped"),
+            "compiled": ratio("compiled stock", "compiled swapped"),
+            "compiled stock / swapped eager": ratio("compiled stock", "swapped")}
+
+
+def pixels_for(model, batch, device):
+    size = image_size(model)
+    torch.manual_seed(batch)
+    return torch.randn(batch, 3, size, size, device=device)
+
+
+def run_towers(tower, setting, batch_sizes, args, device, reduce_overhead_batch=None,
+               extra=None):
+    """Every model of tower_models at each batch size: [{setting, batch, rows, ratios}]."""
+    results = []
+    for batch in batch_sizes:
+        models = tower_models(tower, reduce_overhead=batch == reduce_overhead_batch,
+                              extra=extra)
+        pixels = pixels_for(tower, batch, device)
+        rows = measure(models, pixels, autocast_region(device, setting == "autocast"),
+                       device, args.rounds, args.repeats)
+        results.append({"setting": setting, "batch": batch, "rows": rows,
+                        "ratios": ratios(rows)})
+        print_rows(f"{setting}, batch {batch}", rows)
+    return results
+
+
+# ------------------------------------------------------------------------- suites
+
+def suite_autocast(args, device):
+    tower = hf_clip(device, args.layers)
+    sizes = args.batch_sizes or ([1, 8, 32] if device == "cuda" else [1, 2])
+    return run_towers(tower, "autocast", sizes, args, device,
+                      reduce_overhead_batch=max(sizes) if device == "cuda" else None)
+
+
+def suite_float32(args, device):
+    tower = hf_clip(device, args.layers)
+    sizes = args.batch_sizes or ([8, 32] if device == "cuda" else [2])
+    results = []
+    for precision in args.float32_precisions:
+        torch.set_float32_matmul_precision(precision)
+        results += run_towers(tower, f"float32 {precision}", sizes, args, device,
+                              reduce_overhead_batch=max(sizes) if device == "cuda" else None)
+    return results
+
+
+def suite_integrations(args, device):
+    """timm and OpenCLIP (4 blocks, batch 32) and SigLIP so400m shapes (6 layers, batch
+    16), float32 at the first --float32-precisions and autocast."""
+    cuda = device == "cuda"
+    towers = (("timm", timm_vit, 4, 32), ("open_clip", open_clip_vit, 4, 32),
+              ("siglip so400m", hf_siglip, 6, 16))
+    torch.set_float32_matmul_precision(args.float32_precisions[0])
+    results = []
+    for library, build, layers, batch in towers:
+        try:
+            tower = build(device, layers if cuda else 2)
+        except ImportError as error:
+            print(f"\n{library}: not importable here ({error})", flush=True)
+            results.append({"tower": library, "missing": str(error)})
+            continue
+        for setting in (f"float32 {args.float32_precisions[0]}", "autocast"):
+            for result in run_towers(tower, setting, [batch if cuda else 2], args, device):
+                results.append({"tower": library, **result})
+        del tower
+    return results
+
+
+def bitwise_repeat(model, step):
+    """Whether two steps on the same inputs give bit-identical gradients: (all equal,
+    how many parameter gradients differ)."""
+    grads = []
+    for _ in range(2):
+        step()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    differ = sum(not torch.equal(a, b) for a, b in zip(*grads))
+    return differ == 0, differ
+
+
+@contextlib.contextmanager
+def deterministic(on, fill=True):
+    """torch.use_deterministic_algorithms(on) and fill_uninitialized_memory=fill inside,
+    the process's settings restored after."""
+    was, was_fill = torch.are_deterministic_algorithms_enabled(), \
+        torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(on)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch.utils.deterministic.fill_uninitialized_memory = was_fill
+
+
+def suite_deterministic(args, device):
+    """Eager stock and swapped towers (and precision "medium", our deterministic
+    one-product path, under autocast), without and with the flag.
+
+    What the flag changes (torch 2.13's sources; the guard, the fill and the cache key
+    checked on the CPU, the cache key by tests/test_cache.py):
+    stock SDPA leaves cuDNN (sdp_utils' check_cudnn_deterministic) for flash's
+    deterministic backward; every tensor allocated through the dispatcher (torch.empty,
+    new_empty, empty_like, clone, and the outputs that our kernels' launchers, the
+    LayerNorm and SDPA kernels allocate) is first filled with NaN
+    (torch.utils.deterministic.fill_uninitialized_memory), which Inductor's own buffers
+    skip; dynamo's global-state guard fails, so every compiled graph, ours too,
+    compiles again, and under another Inductor cache key (which holds the flag and
+    fill_uninitialized_memory); Inductor then restricts its reductions' configs and
+    materializes some broadcasts. CUBLAS_WORKSPACE_CONFIG=:4096:8 is cuBLAS's default
+    on sm90 (32 MiB). The "no NaN fill" row measures the fill's share; the kernel table
+    the kernels whose time the flag changed."""
+    tower = hf_clip(device, args.layers)
+    batch = (args.batch_sizes or ([32] if device == "cuda" else [2]))[0]
+    pixels = pixels_for(tower, batch, device)
+    torch.set_float32_matmul_precision("high")
+    results = []
+    for setting in ("autocast", "float32 high"):
+        amp = autocast_region(device, setting == "autocast")
+        extra = {"swapped medium": "medium"} if setting == "autocast" else {}
+        models = tower_models(tower, compiled=False, extra=extra)
+        fused = "swapped medium" if setting == "autocast" else "swapped"
+        modes = {"flag off": dict(on=False), "flag on": dict(on=True),
+                 "flag on, no NaN fill": dict(on=True, fill=False)}
+        by_mode, kernels = {}, {}
+        for mode, flags in modes.items():
+            with deterministic(**flags):
+                chosen = models if mode != "flag on, no NaN fill" else {fused: models[fused]}
+                rows = measure(chosen, pixels, amp, device, args.rounds, args.repeats,
+                               explain=False)
+                for name, model in chosen.items():
+                    same, differ = bitwise_repeat(model, train_step(model, pixels, amp))
+                    rows[name].update(bitwise_repeat=same, gradients_differing=differ)
+                if mode != "flag on, no NaN fill":
+                    kernels[mode] = kernel_ms(train_step(models[fused], pixels, amp))
+            by_mode[mode] = rows
+            print_rows(f"{setting}, batch {batch}, {mode}", rows)
+        results.append({"setting": setting, "batch": batch, "modes": by_mode,
+                        "fused_model": fused,
+                        "kernel_changes": kernel_changes(kernels["flag off"],
+                                                         kernels["flag on"])})
+        print_kernel_changes(f"{setting}: {fused}", results[-1]["kernel_changes"])
+    return results
+
+
+def kernel_changes(off, on, top=10):
+    """The kernels whose GPU ms per step the flag changed most: [(name, off, on)]."""
+    names = set(off) | set(on)
+    changes = sorted(names, key=lambda n: -abs(on.get(n, 0.0) - off.get(n, 0.0)))
+    return [(n, off.get(n, 0.0), on.get(n, 0.0)) for n in changes[:top]]
+
+
+RESTART_SETTINGS = ("autocast", "float32 high")
+RESTART_MODELS = ("compiled stock", "compiled swapped")
+
+
+def restart_child(args, device):
+    """(in a child process) The first step of one compiled model, after CUDA's and
+    cuBLAS's own start-up; optionally loading or saving cache artifacts."""
+    if args.load_artifacts:
+        torch.compiler.load_cache_artifacts(Path(args.load_artifacts).read_bytes())
+    setting, model_name = args.restart_setting, args.restart_model
+    torch.set_float32_matmul_precision("high")
+    tower = hf_clip(device, args.layers)
+    if model_name == "compiled swapped":
+        tower = swap_attention(tower)
+    model = torch.compile(tower, dynamic=False)
+    batch = (args.batch_sizes or ([32] if device == "cuda" else [2]))[0]
+    pixels = pixels_for(tower, batch, device)
+    warm = torch.ones(64, 64, device=device)
+    (warm @ warm).sum().item()                         # CUDA context, cuBLAS handle
+    step = train_step(model, pixels, autocast_region(device, setting == "autocast"))
+    first = step_times(step, device, 1)[0] / 1e3
+    counters = torch._dynamo.utils.counters["inductor"]
+    if args.save_artifacts:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is not None:
+            Path(args.save_artifacts).write_bytes(saved[0])
+    print(json.dumps({"first_step_s": first, "fxgraph_cache_miss": counters["fxgraph_cache_miss"],
+                      "fxgraph_cache_hit": counters["fxgraph_cache_hit"]}))
+
+
+def suite_restart(args, device):
+    """Each (setting, model) in fresh processes: cold on empty caches (saving the cache
+    artifacts), warm on the caches it left, and on empty caches after loading the
+    artifacts."""
+    results = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for setting in RESTART_SETTINGS:
+            for model_name in RESTART_MODELS:
+                tag = f"{setting}-{model_name}".replace(" ", "_")
+                caches, fresh = Path(scratch, tag), Path(scratch, tag + "-fresh")
+                artifacts = Path(scratch, tag + ".bin")
+                row = {"setting": setting, "model": model_name}
+                for phase, cache_dir, extra in (
+                        ("cold", caches, ["--save-artifacts", str(artifacts)]),
+                        ("warm restart", caches, []),
+                        ("artifacts restart", fresh, ["--load-artifacts", str(artifacts)])):
+                    if phase == "artifacts restart" and not artifacts.exists():
+                        row[phase] = {"error": "save_cache_artifacts returned nothing"}
+                        continue
+                    row[phase] = restart_process(args, setting, model_name, cache_dir, extra)
+                results.append(row)
+                print(f"\n{setting}, {model_name}: " + json.dumps(row), flush=True)
+    return results
+
+
+def restart_process(args, setting, model_name, cache_dir, extra):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
+    env.pop("TRITON_CACHE_DIR", None)
+    env.pop("VITATTN_BWD_CACHE", None)
+    command = [sys.executable, __file__, "--suite", "restart", "--restart-child",
+               "--restart-setting", setting, "--restart-model", model_name,
+               "--layers", str(args.layers), *extra]
+    if args.batch_sizes:
+        command += ["--batch-sizes", *map(str, args.batch_sizes)]
+    start = time.perf_counter()
+    run = subprocess.run(command, capture_output=True, text=True, env=env)
+    if run.returncode:
+        return {"error": run.stderr[-2000:]}
+    return {**json.loads(run.stdout.strip().splitlines()[-1]),
+            "process_s": time.perf_counter() - start}
+
+
+def host_time_us(step, calls, cuda):
+    """Host µs per call of step(): profile_host.host_us on CUDA (the GPU kept busy ahead
+    of the calls); on the CPU, where host and device are one, the time per call after 3
+    calls that compile and warm up."""
+    if cuda:
+        return host_us(step, calls)
+    for _ in range(3):
+        step()
+    start = time.perf_counter()
+    for _ in range(calls):
+        step()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def suite_host(args, device):
+    """Host µs per eager fwd+bwd of one block, ours against the stock block (the GPU kept
+    busy ahead of the calls, so no call waits for it; profile_host.host_us)."""
+    cuda = device == "cuda"
+    seq_len, embed_dim, heads = (577, 1024, 16) if cuda else (65, 128, 4)
+    torch.set_float32_matmul_precision("high")
+    results = []
+    for setting in ("autocast", "float32 high"):
+        amp = autocast_region(device, setting == "autocast")
+        for batch in args.batch_sizes or ([1, 8, 32] if cuda else [1, 2]):
+            torch.manual_seed(0)
+            block = VisionAttentionBlock(embed_dim, heads).to(device)
+            blocks = {"stock": reference.ReferenceBlock(block), "swapped": block}
+            if setting == "autocast":            # our one-product path, as "medium" runs it
+                medium = VisionAttentionBlock(embed_dim, heads, precision="medium")
+                medium.load_state_dict(block.state_dict())
+                blocks["swapped medium"] = medium.to(device)
+            x = torch.randn(batch, seq_len, embed_dim, device=device, requires_grad=True)
+            grad = torch.randn_like(x)
+            host = {}
+            for name, model in blocks.items():
+                def step(model=model):
+                    with amp():
+                        y = model(x)
+                    y.backward(grad.to(y.dtype))
+                host[name] = statistics.median(host_time_us(step, args.repeats * 5, cuda)
+                                               for _ in range(args.rounds))
+            results.append({"setting": setting, "batch": batch, "host_us": host,
+                            "stock_over_swapped": host["stock"] / host["swapped"]})
+            if "swapped medium" in host:
+                results[-1]["stock_over_medium"] = host["stock"] / host["swapped medium"]
+            print(f"{setting}, batch {batch}: host us {host}", flush=True)
+    return results
+
+
+SUITE_FUNCTIONS = {"autocast": suite_autocast, "float32": suite_float32,
+                   "integrations": suite_integrations, "deterministic": suite_deterministic,
+                   "restart": suite_restart, "host": suite_host}
+
+
+# ------------------------------------------------------------------------- tables
+
+def cell(value, fmt="{:.2f}"):
+    if value is None or value != value:
+        return "-"
+    return fmt.format(value) if isinstance(value, float) else str(value)
+
+
+def print_rows(title, rows):
+    print(f"\n| {title} | median ms | spread ms | first step s | GPU-busy ms | wall/busy | "
+          "graph breaks | cudagraph skips | bitwise repeat |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {cell(r.get('median_ms'))} | {cell(r.get('min_ms'))}-"
+              f"{cell(r.get('max_ms'))} | {cell(r.get('first_step_s'), '{:.1f}')} | "
+              f"{cell(r.get('gpu_busy_ms'))} | {cell(r.get('wall_over_busy'))} | "
+              f"{cell(r.get('graph_breaks'))} | {cell(r.get('cudagraph_skips'))} | "
+              f"{cell(r.get('bitwise_repeat'))} |", flush=True)
+        for reason in r.get("cudagraph_skip_reasons", ()):
+            print(f"  cudagraph log: {reason}")
+
+
+def print_kernel_changes(title, changes):
+    print(f"\n| {title}: kernel | ms/step flag off | ms/step flag on |\n|---|---|---|")
+    for name, off, on in changes:
+        print(f"| {name[:90]} | {off:.3f} | {on:.3f} |")
+
+
+def summary(suite, results):
+    """The suite's closing table (printed last)."""
+    lines = []
+    if suite in ("autocast", "float32", "integrations"):
+        lines += ["| tower | setting | batch | stock ms | swapped ms | compiled stock ms | "
+                  "compiled swapped ms | eager ratio | compiled ratio | "
+                  "compiled stock / swapped eager | compiled swapped wall/busy | "
+                  "graph breaks stock / swapped | reduce-overhead swapped ms (skips) |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            if "missing" in r:
+                lines.append(f"| {r['tower']} | not importable: {r['missing']} |")
+                continue
+            rows, q = r["rows"], r["ratios"]
+            ms = [cell(rows.get(n, {}).get("median_ms")) for n in
+                  ("stock", "swapped", "compiled stock", "compiled swapped")]
+            lines.append(f"| {r.get('tower', 'hf clip')} | {r['setting']} | {r['batch']} | "
+                         + " | ".join(ms) + " | " + " | ".join(
+                             cell(q[k], "{:.2f}x") for k in q) + " | "
+                         + cell(rows.get("compiled swapped", {}).get("wall_over_busy"))
+                         + f" | {cell(rows['stock'].get('graph_breaks'))} / "
+                         f"{cell(rows['swapped'].get('graph_breaks'))} | "
+                         + reduce_overhead_cell(rows) + " |")
+    elif suite == "deterministic":
+        lines += ["| setting | model | flag off ms | flag on ms | on / off | bitwise off / on |",
+                  "|---|---|---|---|---|---|"]
+        for r in results:
+            off, on = r["modes"]["flag off"], r["modes"]["flag on"]
+            for name in off:
+                lines.append(f"| {r['setting']} | {name} | {cell(off[name]['median_ms'])} | "
+                             f"{cell(on[name]['median_ms'])} | "
+                             f"{on[name]['median_ms'] / off[name]['median_ms']:.3f} | "
+                             f"{off[name]['bitwise_repeat']} / {on[name]['bitwise_repeat']} |")
+            nofill = r["modes"]["flag on, no NaN fill"][r["fused_model"]]["median_ms"]
+            lines.append(f"| {r['setting']} | {r['fused_model']}, flag on, no NaN fill | | "
+                         f"{nofill:.2f} | {nofill / off[r['fused_model']]['median_ms']:.3f} "
+                         "| |")
+    elif suite == "restart":
+        lines += ["| setting | model | cold first step s | warm restart s | "
+                  "artifacts restart s | cache hits warm |", "|---|---|---|---|---|---|"]
+        for r in results:
+            s = [cell(r[p].get("first_step_s")) for p in
+                 ("cold", "warm restart", "artifacts restart")]
+            lines.append(f"| {r['setting']} | {r['model']} | " + " | ".join(s) + " | "
+                         f"{cell(r['warm restart'].get('fxgraph_cache_hit'))} |")
+    elif suite == "host":
+        lines += ["| setting | batch | stock host us | swapped host us | stock / swapped | "
+                  "swapped medium host us | stock / medium |", "|---|---|---|---|---|---|---|"]
+        for r in results:
+            medium = r["host_us"].get("swapped medium")
+            lines.append(f"| {r['setting']} | {r['batch']} | {r['host_us']['stock']:.0f} | "
+                         f"{r['host_us']['swapped']:.0f} | {r['stock_over_swapped']:.2f}x | "
+                         f"{cell(medium, '{:.0f}')} | "
+                         f"{cell(r.get('stock_over_medium'), '{:.2f}x')} |")
+    return "\n".join(lines)
+
+
+def reduce_overhead_cell(rows):
+    row = rows.get("reduce-overhead swapped")
+    if row is None:
+        return "-"
+    return f"{cell(row['median_ms'])} ({row['cudagraph_skips']})"
+
+
+def environment():
+    import triton
+    return {"torch": torch.__version__, "triton": triton.__version__,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "compile_mode": os.environ.get("VITATTN_BWD_COMPILE_MODE", "max-autotune"),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=12, help="default: %(default)s")
+    parser.add_argument("--suite", required=True, choices=SUITES)
+    parser.add_argument("--layers", type=int, help="HF CLIP layers (default: 12 on "
+                        "CUDA, 2 on the CPU)")
     parser.add_argument("--batch-sizes", type=int, nargs="+",
-                        help="default: 8 32 on CUDA, 2 on the CPU")
-    parser.add_argument("--settings", nargs="+", default=["float32", "autocast"],
-                        choices=("float32", "autocast"), help="default: %(default)s")
-    parser.add_argument("--float32-precision", default="high",
-                        choices=("highest", "high"), help="default: %(default)s")
+                        help="default: the suite's (module docstring)")
+    parser.add_argument("--float32-precisions", nargs="+", default=["high", "highest"],
+                        choices=("highest", "high"), help="default: %(default)s "
+                        "(integrations: the first only)")
     parser.add_argument("--rounds", type=int, default=3, help="default: %(default)s")
-    parser.add_argument("--repeats", type=int, default=4, help="default: %(default)s")
-    args = parser.parse_args()
+    parser.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
+    parser.add_argument("--out", type=Path, help="default: $OUT, else results/")
+    # the restart suite's child processes
+    parser.add_argument("--restart-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--restart-setting", choices=RESTART_SETTINGS, help=argparse.SUPPRESS)
+    parser.add_argument("--restart-model", choices=RESTART_MODELS, help=argparse.SUPPRESS)
+    parser.add_argument("--save-artifacts", help=argparse.SUPPRESS)
+    parser.add_argument("--load-artifacts", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    batch_sizes = args.batch_sizes or ([8, 32] if device == "cuda" else [2])
-    torch.set_float32_matmul_precision(args.float32_precision)
-    summary = []
-    for setting in args.settings:
-        summary += [(setting, *row) for row in bench(setting, batch_sizes, args.layers,
-                                                      args.rounds, args.repeats, device)]
-    print("\n| setting | batch | eager: stock / swapped | compiled: stock / swapped | "
-          "compiled stock / swapped eager |")
-    print("|---|---|---|---|---|")
-    for setting, B, eager, compiled, mixed in summary:
-        print(f"| {setting} | {B} | {eager:.2f}x | {compiled:.2f}x | {mixed:.2f}x |")
+    args.layers = args.layers or (12 if device == "cuda" else 2)
+    if args.suite == "deterministic":
+        # read by cuBLAS when its first handle is made, so before any CUDA work
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS
+    if args.restart_child:
+        return restart_child(args, device)
+    results = SUITE_FUNCTIONS[args.suite](args, device)
+    out = args.out or Path(os.environ.get("OUT") or "results")
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"suite": args.suite, "layers": args.layers, "environment": environment(),
+              "results": results}
+    (out / f"{args.suite}.json").write_text(json.dumps(record, indent=1, default=str))
+    print(f"\n{args.suite}: {json.dumps(environment())}; {out / (args.suite + '.json')}")
+    print(summary(args.suite, results))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,79 @@
+"""scripts/bench_towers.py on the CPU at a tiny size (a 1-layer, 65-token, 128-wide HF CLIP
+tower, batch 1-2): each suite tested here runs, writes its JSON, and what it records is
+what it measured: medians inside their spreads, ratios of the medians it printed, 0 graph
+breaks for the stock and swapped towers (the swapped float32 tower runs our operators
+inside torch.compile), and under torch.use_deterministic_algorithms(True) every model's
+step repeats bit for bit. Needs transformers (skipped without it, as tests/test_hf.py);
+the GPU runs of the same suites are the script's docstring's commands. The integrations
+and restart suites share run_towers / train_step with these and are left to the GPU run
+(their compiles of four more towers would take minutes here)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_suite(out, suite, *extra):
+    """Run one suite in a fresh process (the deterministic suite sets process-wide
+    state: the flag, CUBLAS_WORKSPACE_CONFIG); return its JSON record and stdout."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_towers.py"), "--suite", suite,
+         "--out", str(out), "--layers", "1", "--rounds", "1", "--repeats", "2", *extra],
+        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path), timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads((out / f"{suite}.json").read_text()), run.stdout
+
+
+def check_row(row):
+    assert 0 < row["min_ms"] <= row["median_ms"] <= row["max_ms"], row
+    assert row["first_step_s"] > 0, row
+
+
+def test_float32_suite_compiles_both_towers_without_graph_breaks(tmp_path):
+    record, stdout = run_suite(tmp_path, "float32", "--float32-precisions", "high",
+                               "--batch-sizes", "2")
+    (result,) = record["results"]
+    rows = result["rows"]
+    assert set(rows) == {"stock", "swapped", "compiled stock", "compiled swapped"}
+    for name, row in rows.items():
+        check_row(row)
+        assert row["graph_breaks"] == 0, name
+    assert result["ratios"]["eager"] == pytest.approx(
+        rows["stock"]["median_ms"] / rows["swapped"]["median_ms"])
+    assert result["ratios"]["compiled"] == pytest.approx(
+        rows["compiled stock"]["median_ms"] / rows["compiled swapped"]["median_ms"])
+    # the closing table is printed last
+    assert stdout.strip().splitlines()[-1].startswith("| hf clip | float32 high | 2 |")
+
+
+def test_deterministic_suite_repeats_every_step_bitwise_under_the_flag(tmp_path):
+    record, _ = run_suite(tmp_path, "deterministic", "--batch-sizes", "2")
+    assert record["environment"]["cublas_workspace_config"] == ":4096:8"
+    settings = {r["setting"]: r for r in record["results"]}
+    assert set(settings) == {"autocast", "float32 high"}
+    assert set(settings["autocast"]["modes"]["flag on"]) == {"stock", "swapped",
+                                                             "swapped medium"}
+    for result in settings.values():
+        for mode, rows in result["modes"].items():
+            for name, row in rows.items():
+                check_row(row)
+                assert row["bitwise_repeat"] and row["gradients_differing"] == 0, \
+                    (result["setting"], mode, name)
+
+
+def test_host_suite_times_both_blocks(tmp_path):
+    record, _ = run_suite(tmp_path, "host", "--batch-sizes", "1")
+    assert {(r["setting"], r["batch"]) for r in record["results"]} == {
+        ("autocast", 1), ("float32 high", 1)}
+    for r in record["results"]:
+        assert r["host_us"]["stock"] > 0 and r["host_us"]["swapped"] > 0
+        assert r["stock_over_swapped"] == pytest.approx(
+            r["host_us"]["stock"] / r["host_us"]["swapped"])
