@@ -43,7 +43,6 @@ TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168), WsTiles(64, 64, 2, 
 # programs per SM by registers, where ptxas spills 28-36 bytes of the consumers'.
 CANDIDATE_TILES = (WsTiles(64, 64, 2, 128), WsTiles(64, 64, 3, 128))
 WORKER_REGISTERS = 24
-DELTA_BLOCK = 64
 
 
 def _shared_layout(block_shape, dtype):
@@ -68,11 +67,10 @@ def _heads_in_rows(q):
                      f"projection [B,S,3E]; got q strides {q.stride()}")
 
 
-def _descriptor(t, heads_in_rows, block_rows):
-    """A TMA descriptor of [block_rows, D] tiles of t [B,H,S,D] (heads_in_rows: rows
-    of [B*H*S, D]) or of t [B,H,S,D] head views / t [B,S,E] (rows of [B*S, E])."""
+def _descriptor(t, heads_in_rows, block_rows, head_dim):
+    """A TMA descriptor of [block_rows, head_dim] tiles of t [B,H,S,D] (heads_in_rows:
+    rows of [B*H*S, D]), of t [B,H,S,D] head views or of t [B,S,E] (rows of [B*S, E])."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    head_dim = t.shape[-1]
     if t.dim() == 3:                                            # [B,S,E]
         shape, strides = [t.shape[0] * t.shape[1], t.shape[2]], [t.stride(1), 1]
     elif heads_in_rows:
@@ -109,16 +107,18 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
         raise ValueError(f"tiles must have block_m 64 and block_n 64 or 128, got {tiles}")
 
 
-def launch_delta(grad_attn, attn_output, num_heads):
-    """rowsum(dO * O) per head: [B,H,S] float32 from grad_attn, attn_output [B,S,E]."""
+def launch_delta(grad_attn, attn_output, num_heads, block_m=64):
+    """(delta [B,H,S] float32 = rowsum(dO * O) per head, from grad_attn, attn_output
+    [B,S,E]; the main kernel's semaphores [B*H, ceil(S / block_m)] int32, zeroed)."""
     from .kernels.attention_bwd_ws import attention_delta_kernel
     batch, seq_len, embed_dim = grad_attn.shape
     delta = grad_attn.new_empty(batch, num_heads, seq_len, dtype=torch.float32)
-    grid = (-(-seq_len // DELTA_BLOCK), batch * num_heads)
-    attention_delta_kernel[grid](grad_attn, attn_output, delta, NUM_HEADS=num_heads,
-                                 SEQ_LEN=seq_len, HEAD_DIM=embed_dim // num_heads,
-                                 BLOCK=DELTA_BLOCK, num_warps=4)
-    return delta
+    query_tiles = -(-seq_len // block_m)
+    semaphores = grad_attn.new_empty(batch * num_heads, query_tiles, dtype=torch.int32)
+    attention_delta_kernel[(query_tiles, batch * num_heads)](
+        grad_attn, attn_output, delta, semaphores, NUM_HEADS=num_heads, SEQ_LEN=seq_len,
+        HEAD_DIM=embed_dim // num_heads, BLOCK=block_m, num_warps=4)
+    return delta, semaphores
 
 
 def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0]):
@@ -128,16 +128,16 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0]):
     _check(q, k, v, grad_attn, attn_output, lse, tiles)
     heads_in_rows = _heads_in_rows(q)
     batch, heads, seq_len, head_dim = q.shape
-    delta = launch_delta(grad_attn, attn_output, heads)
-    query_tiles = -(-seq_len // tiles.block_m)
+    delta, semaphores = launch_delta(grad_attn, attn_output, heads, tiles.block_m)
     grad_q_accum = q.new_empty(batch * heads, seq_len, head_dim, dtype=torch.float32)
-    semaphores = torch.zeros(batch * heads, query_tiles, device=q.device, dtype=torch.int32)
     grad_q = q.new_empty(batch, seq_len, heads * head_dim)
     grad_kv = q.new_empty(batch, seq_len, 2 * heads * head_dim)
     grid = (-(-seq_len // tiles.block_n), batch * heads)
     attention_bwd_ws_kernel[grid](
-        _descriptor(q, heads_in_rows, tiles.block_m), _descriptor(k, heads_in_rows, tiles.block_n),
-        _descriptor(v, heads_in_rows, tiles.block_n), _descriptor(grad_attn, False, tiles.block_m),
+        _descriptor(q, heads_in_rows, tiles.block_m, head_dim),
+        _descriptor(k, heads_in_rows, tiles.block_n, head_dim),
+        _descriptor(v, heads_in_rows, tiles.block_n, head_dim),
+        _descriptor(grad_attn, False, tiles.block_m, head_dim),
         lse, delta, grad_q_accum, semaphores, grad_q, grad_kv, scale,
         **kernel_constexprs(heads, seq_len, head_dim, tiles, heads_in_rows),
         maxnreg=tiles.maxnreg)

@@ -27,7 +27,7 @@ three waits per tile, each leaving one or two products in flight.
 
 dQ is deterministic: the key blocks of a head add their dQ_m tiles in key-block order,
 enforced by one int32 semaphore per (head, query tile) that counts the blocks already
-added (SEMAPHORES, zeros at launch). Block 0 stores its tile into the float32
+added (SEMAPHORES, cleared by attention_delta_kernel). Block 0 stores its tile into the float32
 accumulator DQ_ACCUM [B*H,S,D] (never zeroed), blocks 1..n-2 wait for their turn and add
 with `red` (an atomic add, but one block at a time), and the last block adds the
 accumulator to its own tile and stores dQ, scaled, in the operands' dtype: the sum's
@@ -36,8 +36,8 @@ first (program id 0), so a block waits only on blocks launched before it. Rows p
 the sequence end: TMA reads the next rows of the tensor (zeros past its end); P^T and
 dS^T are 0 there, so they add nothing, and nothing is stored for them.
 
-delta = rowsum(dO * O) [B,H,S] float32 comes from attention_delta_kernel (a pass over
-dO and O before the main kernel).
+delta = rowsum(dO * O) [B,H,S] float32 comes from attention_delta_kernel, a pass over dO
+and O before the main kernel, which zeroes the semaphores too.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -262,8 +262,8 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA, 
     q_desc, grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D]
     tiles (head_coordinates says where a head lies). LSE, DELTA [B,H,S] float32
     (natural-log log-sum-exp of the logits * scale, rowsum(dO * O)); DQ_ACCUM [B*H,S,D]
-    float32 scratch; SEMAPHORES [B*H, ceil(S / BM)] int32 zeros. BLOCK_N = 16 *
-    num_warps (one consumer warpgroup per 64 keys); the producer and the dQ writer, one
+    float32 scratch; SEMAPHORES [B*H, ceil(S / BM)] int32 zeros (attention_delta_kernel
+    clears them). BLOCK_N = 16 * num_warps (one consumer warpgroup per 64 keys); the producer and the dQ writer, one
     warp each, keep WORKER_REGISTERS registers per thread."""
     gl.static_assert(BLOCK_N == 16 * num_warps, "one consumer warpgroup per 64 keys")
     dtype: gl.constexpr = q_desc.dtype
@@ -306,11 +306,15 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA, 
 
 
 @gluon.jit
-def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, DELTA, NUM_HEADS: gl.constexpr,
+def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, DELTA, SEMAPHORES, NUM_HEADS: gl.constexpr,
                            SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                            BLOCK: gl.constexpr, num_warps: gl.constexpr):
-    """DELTA [B,H,S] float32 = rowsum(dO * O) per head, from GRAD_ATTN and ATTN_OUT
-    [B,S,E]: program ids (row block, batch * NUM_HEADS + head)."""
+    """What attention_bwd_ws_kernel reads and nothing computes before it: DELTA [B,H,S]
+    float32 = rowsum(dO * O) per head, from GRAD_ATTN and ATTN_OUT [B,S,E], and its
+    SEMAPHORES [B*H, ceil(S / BLOCK)] set to 0 (BLOCK: the main kernel's BLOCK_M), so
+    that no launch of its own clears them. Program ids (row block, batch * NUM_HEADS +
+    head)."""
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK - 1) // BLOCK
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
                                             [num_warps, 1], [1, 0])
     batch_head = gl.program_id(1)
@@ -325,3 +329,4 @@ def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, DELTA, NUM_HEADS: gl.constexpr,
     attn_output = gl.load(ATTN_OUT + offsets, mask=in_rows, other=0.0).to(gl.float32)
     gl.store(DELTA + batch_head.to(gl.int64) * SEQ_LEN + rows,
              gl.sum(grad_attn * attn_output, axis=1), mask=rows < SEQ_LEN)
+    gl.store(SEMAPHORES + batch_head * NUM_TILES + gl.program_id(0), 0)
