@@ -8,28 +8,31 @@ timed in one call on the GPU; or, with --sm90, its machine code on any machine.
 On the GPU, bf16, head dim 64, 577 tokens, 16 heads, q, k, v the head views of one QKV
 projection [B,S,3E] and the forward from torch's flash attention (time_core_half's
 inputs). At batch 1 and --batch, for each configuration in attention_bwd_ws.TILES and
-CANDIDATE_TILES:
-relative errors of dQ, dK, dV against float64 (P recomputed from the same lse) beside
-those of the current Gluon kernels and of SDPA's flash and cuDNN backwards; the
-relative difference from the current Gluon kernels; bitwise equality over 3 calls and
-between the QKV views and contiguous copies. At --batch: the median time (L2 flushed)
-of each configuration's whole backward (delta kernel, semaphore zeros, main kernel),
-of the delta kernel alone, of the current rows + cols, and of SDPA's raw flash and
-cuDNN backward operators (from their own forwards; cuDNN's adds dQ with atomics), with
-TFLOP/s of 5 products of 2*B*H*S^2*D each. Prints a table last; details in
-DIR/core_ws.json.
+CANDIDATE_TILES: relative errors of dQ, dK, dV against float64 (P recomputed from the
+same lse) beside those of the current Gluon kernels and of SDPA's flash and cuDNN
+backwards; the relative difference from the current Gluon kernels; bitwise equality
+over 3 calls and between the QKV views and contiguous copies. Each configuration's
+first calls run under a 120 s deadline that ends the process (exit status 3, "HANG"
+printed) if they never finish. At --batch: the median time (L2 flushed) of each
+configuration's whole backward (delta kernel, which zeroes the semaphores, then the
+main kernel), of the delta kernel alone, of the current rows + cols, and of SDPA's raw
+flash and cuDNN backward operators (from their own forwards; cuDNN's adds dQ with
+atomics), with TFLOP/s of 5 products of 2*B*H*S^2*D each. Prints a table last;
+details in DIR/core_ws.json.
 
 --sm90 compiles each configuration (both lists) for sm_90 (no launch) and prints, per
 configuration: shared memory, spill bytes, HGMMA and wgmma-wait counts in the SASS,
 the setmaxnreg register counts, and any ptxas note that it serialized the wgmmas.
 """
 import argparse
+import contextlib
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -64,6 +67,22 @@ def sm90_report():
                 r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])}),
             serialized=re.findall(r"\(C75\d\d\)[^\n]*", notes))))
     return report
+
+
+@contextlib.contextmanager
+def deadline(seconds, what):
+    """End the process (exit status 3) if the block, which must synchronize the GPU,
+    takes longer than `seconds`: a kernel waiting on a semaphore that never comes
+    would otherwise hang the device call until its limit."""
+    def expire():
+        print(f"HANG: {what} did not finish in {seconds} s", flush=True)
+        os._exit(3)
+    timer = threading.Timer(seconds, expire)
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def gpu_main(batch, out_dir):
@@ -120,48 +139,61 @@ def gpu_main(batch, out_dir):
         ref = attention_core.attention_backward_math(
             *(t.double() for t in (attention_core.probabilities(
                 lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
-        checks = {}
-        (rows, cols), current = ours(q, k, v, grad_attn, attn_output, lse,
-                                     gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])
-        rows()
-        cols()
-        current = (current[0], *current[1].chunk(2, dim=-1))
-        checks["current gluon rows+cols"] = [rel(g, r) for g, r in zip(current, ref)]
+        checks, outputs = {}, {}
+        contiguous = [t.contiguous() for t in (q, k, v)]
+        for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
+            name = f"ws {tuple(tiles)}"
+
+            def run(q=q, k=k, v=v, tiles=tiles):
+                grad_q, grad_kv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output,
+                                                          lse, SCALE, tiles)
+                return (grad_q, *grad_kv.chunk(2, dim=-1))
+            try:
+                with deadline(120, f"{name} at batch {b} (compile and 5 calls)"):
+                    got = run()
+                    again = [run() for _ in range(3)]
+                    from_copies = run(*contiguous)
+                    torch.cuda.synchronize()
+                outputs[name] = got
+                checks[name] = dict(
+                    vs_float64=[rel(g, r) for g, r in zip(got, ref)],
+                    bitwise_3_calls=all(torch.equal(a, g) for call in again
+                                        for a, g in zip(call, got)),
+                    bitwise_views_vs_contiguous=all(
+                        torch.equal(a, g) for a, g in zip(from_copies, got)))
+                print(json.dumps({f"batch {b}, {name}": checks[name]}), flush=True)
+                if b == batch:
+                    ms = bench(run)
+                    table.append(("ws one pass", tuple(tiles), ms, flops / ms / 1e9))
+            except Exception as error:      # report and go on to the next configuration
+                checks[name] = repr(error)[:300]
+                print(json.dumps({f"batch {b}, {name}": checks[name]}), flush=True)
+        if b == batch:
+            ms = bench(lambda: attention_bwd_ws.launch_delta(grad_attn, attn_output, H))
+            table.append(("ws delta kernel alone", "-", ms, float("nan")))
+        try:                                 # gluon_core's kernels, as they are today
+            (rows, cols), current = ours(q, k, v, grad_attn, attn_output, lse,
+                                         gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])
+            rows()
+            cols()
+            current = (current[0], *current[1].chunk(2, dim=-1))
+            checks["current gluon rows+cols"] = [rel(g, r) for g, r in zip(current, ref)]
+            for name, got in outputs.items():
+                checks[name]["vs_current"] = [rel(g, c) for g, c in zip(got, current)]
+            if b == batch:
+                ms = bench(lambda: (rows(), cols()))
+                table.append(("current gluon rows+cols", "-", ms, flops / ms / 1e9))
+        except Exception as error:
+            checks["current gluon rows+cols"] = repr(error)[:300]
         for name, entry in sdpa_raw(q, k, v, grad_attn).items():
             checks[name] = entry if isinstance(entry, str) else [
                 rel(g, r) for g, r in zip(entry[1], ref)]
             if b == batch and not isinstance(entry, str):
                 ms = bench(entry[0])
                 table.append((name, "-", ms, flops / ms / 1e9))
-        contiguous = [t.contiguous() for t in (q, k, v)]
-        for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
-            def run(q=q, k=k, v=v, tiles=tiles):
-                grad_q, grad_kv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output,
-                                                          lse, SCALE, tiles)
-                return (grad_q, *grad_kv.chunk(2, dim=-1))
-            try:
-                got = run()
-                again = [run() for _ in range(3)]
-                checks[f"ws {tuple(tiles)}"] = dict(
-                    vs_float64=[rel(g, r) for g, r in zip(got, ref)],
-                    vs_current=[rel(g, c) for g, c in zip(got, current)],
-                    bitwise_3_calls=all(torch.equal(a, g) for call in again
-                                        for a, g in zip(call, got)),
-                    bitwise_views_vs_contiguous=all(
-                        torch.equal(a, g) for a, g in zip(run(*contiguous), got)))
-                if b == batch:
-                    ms = bench(run)
-                    table.append(("ws one pass", tuple(tiles), ms, flops / ms / 1e9))
-            except Exception as error:      # report and go on to the next configuration
-                checks[f"ws {tuple(tiles)}"] = repr(error)[:300]
         report[f"batch {b}: dQ, dK, dV rel. error"] = checks
         print(json.dumps({f"batch {b}": checks}), flush=True)
-        if b == batch:
-            ms = bench(lambda: attention_bwd_ws.launch_delta(grad_attn, attn_output, H))
-            table.append(("ws delta kernel alone", "-", ms, float("nan")))
-            ms = bench(lambda: (rows(), cols()))
-            table.append(("current gluon rows+cols", "-", ms, flops / ms / 1e9))
-        del ref
+        del ref, outputs
         torch.cuda.empty_cache()
     report["table"] = table
     Path(out_dir, "core_ws.json").write_text(json.dumps(report, indent=1))
