@@ -115,7 +115,7 @@ def test_gluon_kernels_at_a_padded_head_dim(padded_resources):
     spill nothing, but for the 48 bytes of the cols pass of bf16x3 with P given (the
     contract's mode, at head dim 64 in the benchmark; gluon_core.WIDE_COLS_TILES)."""
     gluon = [(name, r) for name, _, _, r in padded_resources if name.startswith("gluon")]
-    assert len(gluon) == 16
+    assert len(gluon) == 12                    # six modes x two passes x one tile each
     for name, r in gluon:
         assert r["shared_bytes"] <= H200_SHARED_MEMORY and r["waits"] <= 3, (name, r)
         assert r["spill_stores"] <= (48 if name == "gluon cols" else 0), (name, r)

@@ -54,7 +54,8 @@ COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 3))
 # bf16x3 with P given (the contract's mode, whose head dim is 64). At head dim 128
 # (no masks) the register allocation differs: the float32 cols pass spills 124 bytes
 # with P given, 112 with P recomputed (bf16, fp16 and fp16-halves variants none); the
-# Triton templates it is timed against spill more there. Not yet timed on the GPU.
+# Triton templates' cols tiles it is timed against spill 100-504 bytes there. Not yet
+# timed on the GPU.
 WIDE_ROWS_TILES = (TileConfig(64, 32, 4, 2),)
 WIDE_COLS_TILES = (TileConfig(16, 64, 4, 3),)
 # Every multiple of 8 up to 128 (attention_core.kernel_head_dim): the kernels pad their
