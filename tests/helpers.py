@@ -1,5 +1,5 @@
 """Test helpers shared by every test file: the one input factory, the float64 reference,
-relative errors, and the one table of relative-error bounds."""
+relative errors, the one table of relative-error bounds, the spies and the AdamW loop."""
 import torch
 
 from vitattn_bwd import reference
@@ -62,18 +62,54 @@ def assert_within_bounds(outputs, inputs, num_heads, ln_grad):
     return errors
 
 
+def recorded_calls(monkeypatch, owner, name, record):
+    """A spy: `owner.name` (a module's function or a class's method) wrapped, for this
+    test only, so that each call still runs it and first appends record(*args, **kwargs)
+    to the list returned."""
+    calls = []
+    real = getattr(owner, name)
+
+    def recording(*args, **kwargs):
+        calls.append(record(*args, **kwargs))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(owner, name, recording)
+    return calls
+
+
 def recorded_half_dtypes(monkeypatch):
     """The half dtype (None: float32 math) of each fused forward, as called: a list that
     fills as module.attention_block_forward runs (patched for this test only)."""
     from vitattn_bwd import module
-    calls = []
-    forward = module.attention_block_forward
+    return recorded_calls(monkeypatch, module, "attention_block_forward",
+                          lambda *args: args[10])
 
-    def recording_forward(*args):
-        calls.append(args[10])
-        return forward(*args)
-    monkeypatch.setattr(module, "attention_block_forward", recording_forward)
-    return calls
+
+def adamw_losses(model, loss_of, batch_of, steps, lr):
+    """`steps` AdamW steps (learning rate `lr`) of `model` in training mode, step i on the
+    loss loss_of(model, *batch_of(i)); the losses, as Python floats."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(model, *batch_of(step))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def update_difference(ours, stock, start, skip=()):
+    """How far two models' updates from the same `start` ({name: parameter}) differ:
+    |ours - stock| / |stock - start| over every parameter whose name ends in none of
+    `skip`; and {name: that parameter's squared norm of ours - stock}."""
+    squared, total = {}, 0.0
+    for (name, a), (_, b) in zip(ours.named_parameters(), stock.named_parameters()):
+        if name.endswith(tuple(skip)):
+            continue
+        squared[name] = ((a - b).double().norm() ** 2).item()
+        total += ((b - start[name]).double().norm() ** 2).item()
+    return (sum(squared.values()) / total) ** 0.5, squared
 
 
 # Where .ci/run installed the newest triton a fresh GPU install resolves (a folder of its

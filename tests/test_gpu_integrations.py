@@ -21,7 +21,7 @@ import torch
 
 from vitattn_bwd.integrations import swap_attention, swapped_layers, unswap_attention
 
-from .helpers import relative_errors
+from .helpers import adamw_losses, relative_errors, update_difference
 
 pytestmark = pytest.mark.gpu
 
@@ -129,28 +129,15 @@ def test_timm_vit_l14_336_outputs_and_gradients_against_stock_and_float64(layer_
 
 def _adamw(loss_of, stock, ours, tokens):
     start = {n: p.detach().clone() for n, p in stock.named_parameters()}
-    losses = {}
-    for key, model in (("stock", stock), ("ours", ours)):
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        losses[key] = []
-        for step in range(5):
-            pixels, weight = _batch(10 + step, tokens)
-            opt.zero_grad(set_to_none=True)
-            loss = loss_of(model, pixels, weight)
-            loss.backward()
-            opt.step()
-            losses[key].append(loss.item())
+    losses = {key: adamw_losses(model, loss_of, lambda step: _batch(10 + step, tokens), 5,
+                                lr=1e-4)
+              for key, model in (("stock", stock), ("ours", ours))}
     for a, b in zip(losses["ours"], losses["stock"]):
         assert abs(a - b) <= 1e-4 * abs(b), (losses["ours"], losses["stock"])
     assert losses["ours"][-1] < losses["ours"][0], losses["ours"]
     # as tests/test_gpu_module.py: AdamW's sign-like steps differ where a gradient entry
     # is below its error; a few 1e-4 of the entries, ~0.04 of the update's norm
-    diffs, total = {}, 0.0
-    for (name, a), (_, b) in zip(ours.named_parameters(), stock.named_parameters()):
-        diffs[name] = ((a - b).double().norm() ** 2).item()
-        total += ((b - start[name]).double().norm() ** 2).item()
-    rel = (sum(diffs.values()) / total) ** 0.5
+    rel, diffs = update_difference(ours, stock, start)
     worst = sorted(diffs, key=diffs.get, reverse=True)[:4]
     print(f"AdamW: losses ours {losses['ours']} stock {losses['stock']}; update "
           f"difference {rel:.3e} of the update; largest shares: "

@@ -20,7 +20,8 @@ import torch
 
 from vitattn_bwd import VisionAttentionBlock, reference
 
-from .helpers import recorded_half_dtypes, relative_errors
+from .helpers import (adamw_losses, recorded_calls, recorded_half_dtypes, relative_errors,
+                      update_difference)
 
 pytestmark = pytest.mark.gpu
 
@@ -286,13 +287,10 @@ def test_batch_one_on_autograd_thread_interleaved_with_main_thread_graphs(monkey
     on both threads."""
     import threading
     from vitattn_bwd import cuda_graphs
-    replays = []
-    original = cuda_graphs._Captured.replay
-
-    def counted(self, inputs):
-        replays.append(threading.current_thread() is threading.main_thread())
-        return original(self, inputs)
-    monkeypatch.setattr(cuda_graphs._Captured, "replay", counted)
+    # per replay: whether it ran on the main thread
+    replays = recorded_calls(
+        monkeypatch, cuda_graphs._Captured, "replay",
+        lambda self, inputs: threading.current_thread() is threading.main_thread())
     from vitattn_bwd import contract
     from vitattn_bwd.workloads import make_inputs
     block = _block()
@@ -485,21 +483,15 @@ def test_hf_vit_l14_336_in_bfloat16_at_medium_against_the_stock_bfloat16_model()
 def test_hf_vit_l14_336_five_adamw_steps_track_the_stock_model():
     stock, ours = _towers()
     start = {n: p.detach().clone() for n, p in stock.named_parameters()}
-    losses = {}
-    for key, model in (("stock", stock), ("ours", ours)):
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        losses[key] = []
-        for step in range(5):
-            pixels, weight = _batch(10 + step)
-            opt.zero_grad(set_to_none=True)
-            # a regression loss, positive and O(1): no cancellation in the comparison
-            out = model(pixel_values=pixels)
-            loss = ((out.last_hidden_state - weight) ** 2).mean() \
-                + out.pooler_output.pow(2).mean()
-            loss.backward()
-            opt.step()
-            losses[key].append(loss.item())
+
+    def regression(model, pixels, weight):
+        """Positive and O(1): no cancellation in the comparison."""
+        out = model(pixel_values=pixels)
+        return (((out.last_hidden_state - weight) ** 2).mean()
+                + out.pooler_output.pow(2).mean())
+    losses = {key: adamw_losses(model, regression, lambda step: _batch(10 + step), 5,
+                                lr=1e-4)
+              for key, model in (("stock", stock), ("ours", ours))}
     # losses: the forward's ~1e-6 plus the effect of slightly different updates
     for a, b in zip(losses["ours"], losses["stock"]):
         assert abs(a - b) <= 1e-4 * abs(b), (losses["ours"], losses["stock"])
@@ -509,13 +501,7 @@ def test_hf_vit_l14_336_five_adamw_steps_track_the_stock_model():
     # errors ~1e-4 (TF32 QKV weights ~4e-4) of a gradient's rms, a few 1e-4 of the entries,
     # each by 2 lr, i.e. ~sqrt(4 * 3e-4) ~ 0.04 of the update's norm; later steps alike.
     # k_proj.bias is left out: its exact gradient is zero, so its updates are noise.
-    diff, total = 0.0, 0.0
-    for (name, a), (_, b) in zip(ours.named_parameters(), stock.named_parameters()):
-        if name.endswith("k_proj.bias"):
-            continue
-        diff += ((a - b).double().norm() ** 2).item()
-        total += ((b - start[name]).double().norm() ** 2).item()
-    rel = (diff / total) ** 0.5
+    rel, _ = update_difference(ours, stock, start, skip=("k_proj.bias",))
     print(f"AdamW: losses ours {losses['ours']} stock {losses['stock']}; "
           f"update difference {rel:.3e} of the update")
     assert rel < 0.2, rel

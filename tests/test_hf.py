@@ -18,7 +18,7 @@ from vitattn_bwd.integrations import hf  # noqa: E402
 from vitattn_bwd.integrations.hf import (swap_attention, swapped_layers,  # noqa: E402
                                          unswap_attention)
 
-from .helpers import graph_breaks_and_ops  # noqa: E402
+from .helpers import adamw_losses, graph_breaks_and_ops, recorded_calls  # noqa: E402
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2,
             num_hidden_layers=2, image_size=16, patch_size=8)       # 5 tokens
@@ -81,15 +81,8 @@ def _grads(model, pixels, weight):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the calls of the fused attention half (proves the swap is in use)."""
-    calls = []
-    real = hf.vision_attention
-
-    def counting(*args):
-        calls.append(args[0].shape)
-        return real(*args)
-    monkeypatch.setattr(hf, "vision_attention", counting)
-    return calls
+    """x's shape at each call of the fused attention half (proves the swap is in use)."""
+    return recorded_calls(monkeypatch, hf, "vision_attention", lambda x, *args: x.shape)
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
@@ -189,18 +182,9 @@ def test_output_attentions_is_refused_clearly():
 
 def test_adamw_steps_track_the_stock_model():
     stock, ours = _pair()
-    losses = {}
-    for key, model in (("stock", stock), ("ours", ours)):
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses[key] = []
-        for step in range(5):
-            pixels, weight = _inputs(seed=10 + step)
-            opt.zero_grad()
-            loss = _loss(model, pixels, weight)
-            loss.backward()
-            opt.step()
-            losses[key].append(loss.item())
+    losses = {key: adamw_losses(model, _loss, lambda step: _inputs(seed=10 + step), 5,
+                                lr=1e-2)
+              for key, model in (("stock", stock), ("ours", ours))}
     torch.testing.assert_close(torch.tensor(losses["ours"]), torch.tensor(losses["stock"]),
                                rtol=1e-10, atol=0)
     assert losses["ours"][-1] != losses["ours"][0]

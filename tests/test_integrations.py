@@ -3,14 +3,15 @@ the CPU.
 
 timm and open_clip_torch cannot be imported on the CPU machines (their torchvision
 dependency does not import beside the CPU build of torch), so these tests run against
-STAND-INS defined below: small modules of our own, named TimmStyle* and OpenCLIPStyle*,
-that reproduce the attribute layout and the forward math of timm's
-vision_transformer.Block / Attention / LayerScale / DropPath and of OpenCLIP's
-transformer.ResidualAttentionBlock (with nn.MultiheadAttention, as in open_clip 3.3, or
-OpenCLIP's own Attention class, as in its later sources) / LayerScale /
-CustomResidualAttentionBlock, as read from their sources. They are not the libraries:
-the integrations are told about them with `register_classes`, as a vendored copy would
-be. tests/test_gpu_integrations.py runs the same swap against the real libraries.
+STAND-INS defined below: small modules of our own, named TimmStyle* and OpenCLIPStyle*
+(and LayerScaleStandIn, whose code the two libraries share), that reproduce the
+attribute layout and the forward math of timm's vision_transformer.Block / Attention /
+LayerScale / DropPath and of OpenCLIP's transformer.ResidualAttentionBlock (with
+nn.MultiheadAttention, as in open_clip 3.3, or OpenCLIP's own Attention class, as in its
+later sources) / LayerScale / CustomResidualAttentionBlock, as read from their sources.
+They are not the libraries: the integrations are told about them with
+`register_classes`, as a vendored copy would be. tests/test_gpu_integrations.py runs the
+same swap against the real libraries.
 
 Checked: matching, state_dict keys, checkpoints both ways, outputs and gradients of the
 swapped model against the stock stand-in (float64 to 1e-12, float32 to 2e-5; the CPU path
@@ -32,9 +33,24 @@ from vitattn_bwd.integrations import _common, swap_attention, swapped_layers, un
 from vitattn_bwd.integrations import open_clip as oc_integration
 from vitattn_bwd.integrations import timm as timm_integration
 
-from .helpers import graph_breaks_and_ops, recorded_half_dtypes
+from .helpers import (adamw_losses, graph_breaks_and_ops, recorded_calls,
+                      recorded_half_dtypes)
 
 DIM, HEADS, TOKENS, BATCH, EPS = 32, 4, 7, 2, 1e-5
+
+
+class LayerScaleStandIn(nn.Module):
+    """timm's LayerScale (timm/layers/layer_scale.py) and OpenCLIP's
+    (src/open_clip/transformer.py), the same code in both: registered with both
+    integrations below. NOT timm or open_clip."""
+
+    def __init__(self, dim, init_values=1e-5, inplace=False):
+        super().__init__()
+        self.inplace = inplace
+        self.gamma = nn.Parameter(init_values * torch.ones(dim))
+
+    def forward(self, x):
+        return x.mul_(self.gamma) if self.inplace else x * self.gamma
 
 
 # --------------------------------------------------------------------------------------
@@ -70,16 +86,6 @@ class TimmStyleAttention(nn.Module):
         return self.proj_drop(self.proj(x))
 
 
-class TimmStyleLayerScale(nn.Module):
-    def __init__(self, dim, init_values=1e-5, inplace=False):
-        super().__init__()
-        self.inplace = inplace
-        self.gamma = nn.Parameter(init_values * torch.ones(dim))
-
-    def forward(self, x):
-        return x.mul_(self.gamma) if self.inplace else x * self.gamma
-
-
 class TimmStyleDropPath(nn.Module):
     def __init__(self, drop_prob=0.):
         super().__init__()
@@ -102,11 +108,11 @@ class TimmStyleBlock(nn.Module):
         self.attn = TimmStyleAttention(dim, num_heads, qkv_bias=qkv_bias, qk_norm=qk_norm,
                                        scale_norm=scale_norm, attn_drop=attn_drop,
                                        proj_drop=proj_drop, attn_head_dim=attn_head_dim)
-        self.ls1 = TimmStyleLayerScale(dim, init_values) if init_values else nn.Identity()
+        self.ls1 = LayerScaleStandIn(dim, init_values) if init_values else nn.Identity()
         self.drop_path1 = TimmStyleDropPath(drop_path) if drop_path > 0. else nn.Identity()
         self.norm2 = nn.LayerNorm(dim, eps=eps)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-        self.ls2 = TimmStyleLayerScale(dim, init_values) if init_values else nn.Identity()
+        self.ls2 = LayerScaleStandIn(dim, init_values) if init_values else nn.Identity()
         self.drop_path2 = TimmStyleDropPath(drop_path) if drop_path > 0. else nn.Identity()
 
     def forward(self, x, attn_mask=None, is_causal=False):
@@ -135,7 +141,7 @@ class TimmStyleVisionTransformer(nn.Module):
 
 
 timm_integration.register_classes(block=TimmStyleBlock, attention=TimmStyleAttention,
-                                  layer_scale=TimmStyleLayerScale,
+                                  layer_scale=LayerScaleStandIn,
                                   drop_path=TimmStyleDropPath)
 
 
@@ -143,16 +149,6 @@ timm_integration.register_classes(block=TimmStyleBlock, attention=TimmStyleAtten
 # Stand-ins for OpenCLIP (src/open_clip/transformer.py): same attribute names and
 # forward math. NOT open_clip.
 # --------------------------------------------------------------------------------------
-class OpenCLIPStyleLayerScale(nn.Module):
-    def __init__(self, dim, init_values=1e-5, inplace=False):
-        super().__init__()
-        self.inplace = inplace
-        self.gamma = nn.Parameter(init_values * torch.ones(dim))
-
-    def forward(self, x):
-        return x.mul_(self.gamma) if self.inplace else x * self.gamma
-
-
 class OpenCLIPStyleAttention(nn.Module):
     """OpenCLIP's own Attention (its later sources; batch first, in_proj_weight /
     in_proj_bias / out_proj like nn.MultiheadAttention)."""
@@ -210,12 +206,12 @@ class OpenCLIPStyleResidualAttentionBlock(nn.Module):
                                               bias=bias, **attn_kwargs)
         else:
             self.attn = OpenCLIPStyleAttention(d_model, n_head, qkv_bias=bias, **attn_kwargs)
-        self.ls_1 = (OpenCLIPStyleLayerScale(d_model, ls_init_value)
+        self.ls_1 = (LayerScaleStandIn(d_model, ls_init_value)
                      if ls_init_value is not None else nn.Identity())
         self.ln_2 = nn.LayerNorm(d_model, eps=eps)
         self.mlp = nn.Sequential(nn.Linear(d_model, 2 * d_model), nn.GELU(),
                                  nn.Linear(2 * d_model, d_model))
-        self.ls_2 = (OpenCLIPStyleLayerScale(d_model, ls_init_value)
+        self.ls_2 = (LayerScaleStandIn(d_model, ls_init_value)
                      if ls_init_value is not None else nn.Identity())
 
     def attention(self, q_x, k_x=None, v_x=None, attn_mask=None):
@@ -302,7 +298,7 @@ class OpenCLIPStyleCLIP(nn.Module):
 
 oc_integration.register_classes(block=OpenCLIPStyleResidualAttentionBlock,
                                 attention=OpenCLIPStyleAttention,
-                                layer_scale=OpenCLIPStyleLayerScale,
+                                layer_scale=LayerScaleStandIn,
                                 refused=OpenCLIPStyleCustomResidualAttentionBlock)
 
 
@@ -334,6 +330,11 @@ def _inputs(dtype=torch.float64, batch=BATCH, seed=1):
     x = torch.randn(batch, TOKENS, DIM, generator=g).to(dtype)
     w = torch.randn(batch, TOKENS, DIM, generator=g).to(dtype)
     return x, w
+
+
+def _weighted_sum(model, x, w):
+    """The tests' loss: the output weighted by w, summed."""
+    return (model(x) * w).sum()
 
 
 def _grads(model, x, w):
@@ -382,15 +383,8 @@ def _assert_same(stock, ours, dtype, bound, x_w=None):
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts the calls of the fused attention half (proves the swap is in use)."""
-    calls = []
-    real = _common.vision_attention
-
-    def counting(*args):
-        calls.append(args[0].shape)
-        return real(*args)
-    monkeypatch.setattr(_common, "vision_attention", counting)
-    return calls
+    """x's shape at each call of the fused attention half (proves the swap is in use)."""
+    return recorded_calls(monkeypatch, _common, "vision_attention", lambda x, *args: x.shape)
 
 
 BOUNDS = [(torch.float64, 1e-12), (torch.float32, 2e-5)]
@@ -544,18 +538,9 @@ def test_timm_state_dict_checkpoints_and_unswap(spy):
 
 def test_timm_adamw_steps_track_the_stock_model():
     stock, ours = _pair(TimmStyleVisionTransformer, init_values=0.3, qkv_bias=True)
-    losses = {}
-    for key, model in (("stock", stock), ("ours", ours)):
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        losses[key] = []
-        for step in range(4):
-            x, w = _inputs(seed=10 + step)
-            opt.zero_grad()
-            loss = (model(x) * w).sum()
-            loss.backward()
-            opt.step()
-            losses[key].append(loss.item())
+    losses = {key: adamw_losses(model, _weighted_sum, lambda step: _inputs(seed=10 + step),
+                                4, lr=1e-2)
+              for key, model in (("stock", stock), ("ours", ours))}
     torch.testing.assert_close(torch.tensor(losses["ours"]), torch.tensor(losses["stock"]),
                                rtol=1e-10, atol=0)
     assert losses["ours"][-1] != losses["ours"][0]
@@ -591,12 +576,16 @@ def test_timm_eval_mode_ignores_dropout_and_drop_path(spy):
     assert len(spy) == 2
 
 
-def test_timm_autocast_bfloat16_training_step():
+@pytest.mark.parametrize("cls,layer_scale", [
+    (TimmStyleVisionTransformer, dict(init_values=0.3)),
+    (OpenCLIPStyleVisionTransformer, dict(ls_init_value=0.3)),
+], ids=["timm", "open_clip"])
+def test_autocast_bfloat16_training_step(cls, layer_scale):
     """Under autocast the swapped block runs through vision_attention, and so follows
     autocast as the stock block does (vitattn_bwd.module); the step completes, gradients
     come back in the parameters' dtype, and the result is within bf16 accuracy of
     float64."""
-    stock64 = _make(TimmStyleVisionTransformer, init_values=0.3)
+    stock64 = _make(cls, **layer_scale)
     ours = swap_attention(copy.deepcopy(stock64).float())
     x, w = _inputs(torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -812,32 +801,12 @@ def test_open_clip_adamw_steps_track_the_stock_model():
     stock, ours = _pair(OpenCLIPStyleVisionTransformer, ls_init_value=0.3,
                         batch_first=False)
     for model in (stock, ours):
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(4):
-            x, w = _inputs(seed=10 + step)
-            opt.zero_grad()
-            (model(x) * w).sum().backward()
-            opt.step()
+        adamw_losses(model, _weighted_sum, lambda step: _inputs(seed=10 + step), 4, lr=1e-2)
     for (name, a), (_, b) in zip(ours.named_parameters(), stock.named_parameters()):
         if _key_bias(name):
             E = a.numel() // 3
             a, b = torch.cat([a[:E], a[2 * E:]]), torch.cat([b[:E], b[2 * E:]])
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11, msg=name)
-
-
-def test_open_clip_autocast_bfloat16_training_step():
-    stock64 = _make(OpenCLIPStyleVisionTransformer, ls_init_value=0.3)
-    ours = swap_attention(copy.deepcopy(stock64).float())
-    x, w = _inputs(torch.float32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = ours(x)
-        loss = (out.float() * w).sum()
-    loss.backward()
-    want = stock64(x.double())
-    assert ((out.double() - want).norm() / want.norm()).item() < 2e-2
-    for name, p in ours.named_parameters():
-        assert p.grad is not None and p.grad.dtype == torch.float32, name
 
 
 @pytest.mark.parametrize("kwargs,message", [
