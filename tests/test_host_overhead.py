@@ -1,4 +1,4 @@
-"""Host time of OUR part of a call (issue 12 item 2): api.validate_inputs plus
+"""Host time of OUR part of a call (issue 12 item 2): validation.check_backward_inputs plus
 graph.compiled_backward's own Python (batch bucket, CUDA-graph decision, the compile-cache
 lookup, mark_dynamic on the batched inputs) and the BlockGrads wrapping, with the compiled
 function replaced by a stub that returns precomputed gradients: dynamo's guards,
