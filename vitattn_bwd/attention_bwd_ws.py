@@ -22,16 +22,25 @@ from .precision import HALF_DTYPES
 class WsTiles(NamedTuple):
     """One launch configuration: BLOCK_M queries per tile of the walk, BLOCK_N keys per
     program (one consumer warpgroup per 64: num_warps = BLOCK_N // 16), NUM_STAGES slots
-    of q and dO tiles in the ring, and the registers per thread the launch asks for
-    (maxnreg: the producer warp keeps WORKER_REGISTERS, the consumers get the rest)."""
+    of q and dO tiles in the ring, the registers per thread the launch asks for
+    (maxnreg), and those the producer and dQ-writer warps keep (setmaxnreg; the
+    consumers get the rest)."""
     block_m: int
     block_n: int
     num_stages: int
     maxnreg: int
+    worker_registers: int = 56
 
     @property
     def num_warps(self):
         return self.block_n // 16
+
+    @property
+    def grad_q_chunk_rows(self):
+        """Rows of a dQ tile the writer moves per step: 8 (eight loads of the last
+        block's accumulator in flight) at 56 registers; 2 at 24, where 4 spilled
+        (compiled for sm_90: 724 bytes)."""
+        return 8 if self.worker_registers >= 56 else 2
 
 
 # Two consumer warpgroups (128 keys; registers for one program per SM) or one (64 keys,
@@ -40,9 +49,10 @@ class WsTiles(NamedTuple):
 TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168), WsTiles(64, 64, 2, 152),
          WsTiles(64, 64, 3, 152))
 # Timed beside TILES (scripts/time_core_ws.py): one warpgroup at 128 registers, two
-# programs per SM by registers, where ptxas spills 28-36 bytes of the consumers'.
-CANDIDATE_TILES = (WsTiles(64, 64, 2, 128), WsTiles(64, 64, 3, 128))
-WORKER_REGISTERS = 24
+# programs per SM by registers. Its consumers need 232 registers (at 200 ptxas
+# serializes the wgmmas for want of registers), so the workers keep 24, and ptxas
+# spills 28-36 bytes of the consumers'.
+CANDIDATE_TILES = (WsTiles(64, 64, 2, 128, 24), WsTiles(64, 64, 3, 128, 24))
 
 
 def _shared_layout(block_shape, dtype):
@@ -147,7 +157,8 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0]):
 def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
     return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
-                HEADS_IN_ROWS=heads_in_rows, WORKER_REGISTERS=WORKER_REGISTERS,
+                HEADS_IN_ROWS=heads_in_rows, WORKER_REGISTERS=tiles.worker_registers,
+                GRAD_Q_CHUNK_ROWS=tiles.grad_q_chunk_rows,
                 num_warps=tiles.num_warps)
 
 

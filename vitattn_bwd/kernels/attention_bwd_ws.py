@@ -49,10 +49,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .gluon_compat import cta_barrier, tma_load
 from .softmax_bwd_gluon import LOG2E, wgmma_layout
 
-# rows of a dQ tile the writer moves per step: at 2 (4 floats per lane) it fits the
-# workers' 24 registers per thread without spilling; at 4 ptxas spilled 600 bytes
-GRAD_Q_CHUNK_ROWS = gl.constexpr(2)
-
 
 @gluon.constexpr_function
 def split_columns_layout(num_warps, columns):
@@ -127,21 +123,34 @@ def grad_q_partition(grad_q_ring, grad_q_full, grad_q_empty, DQ_ACCUM, SEMAPHORE
             added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
             while added != block:
                 added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
-        for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
-            rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
-            in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
-            tile = grad_q_ring.index(buffer).slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
-            accum = accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :]
-            if block == last:
+        # one branch per tile, each an unrolled walk over the chunks, so that ptxas may
+        # issue several chunks' loads of the accumulator before their first use
+        tile_ring = grad_q_ring.index(buffer)
+        if block == last:
+            for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
+                rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
+                in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
+                tile = tile_ring.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
                 if block > 0:
-                    tile += gl.load(accum, mask=in_rows, other=0.0, cache_modifier=".cg")
+                    tile += gl.load(accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :],
+                                    mask=in_rows, other=0.0, cache_modifier=".cg")
                 out = (GRAD_Q + ((batch * SEQ_LEN + rows).to(gl.int64) * NUM_HEADS
                                  * HEAD_DIM)[:, None] + head * HEAD_DIM + cols[None, :])
                 gl.store(out, (tile * scale).to(GRAD_Q.dtype.element_ty), mask=in_rows)
-            elif block == 0:
-                gl.store(accum, tile, mask=in_rows)
-            else:
-                gl.atomic_add(accum, tile, mask=in_rows, sem="relaxed", scope="gpu")
+        elif block == 0:
+            for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
+                rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
+                in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
+                tile = tile_ring.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
+                gl.store(accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :], tile,
+                         mask=in_rows)
+        else:
+            for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
+                rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
+                in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
+                tile = tile_ring.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
+                gl.atomic_add(accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :], tile,
+                              mask=in_rows, sem="relaxed", scope="gpu")
         mbarrier.arrive(grad_q_empty.index(buffer), count=1)
         if block != last:
             cta_barrier()              # every lane's part is written
@@ -256,7 +265,8 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA, 
                             SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                             NUM_STAGES: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
-                            WORKER_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+                            WORKER_REGISTERS: gl.constexpr, GRAD_Q_CHUNK_ROWS: gl.constexpr,
+                            num_warps: gl.constexpr):
     """dQ [B,S,E], dK and dV [B,S,2E] (the operands' dtype) of one (batch, head)'s keys
     [n_start, n_start + BLOCK_N): program ids (key block, batch * NUM_HEADS + head).
     q_desc, grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D]
@@ -264,7 +274,8 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA, 
     (natural-log log-sum-exp of the logits * scale, rowsum(dO * O)); DQ_ACCUM [B*H,S,D]
     float32 scratch; SEMAPHORES [B*H, ceil(S / BM)] int32 zeros (attention_delta_kernel
     clears them). BLOCK_N = 16 * num_warps (one consumer warpgroup per 64 keys); the producer and the dQ writer, one
-    warp each, keep WORKER_REGISTERS registers per thread."""
+    warp each, keep WORKER_REGISTERS registers per thread; the writer moves
+    GRAD_Q_CHUNK_ROWS rows of a dQ tile per step."""
     gl.static_assert(BLOCK_N == 16 * num_warps, "one consumer warpgroup per 64 keys")
     dtype: gl.constexpr = q_desc.dtype
     k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
