@@ -12,7 +12,7 @@ compiled steps of 19-25 s per 12-layer model, docs/runs/towers/):
                  largest batch torch.compile(swapped, mode="reduce-overhead")
                  (~4 min at 12 layers, ~7 at 24)
   float32        the same models in float32 at each --float32-precisions, batch 8 32
-                 (~6 min at 12 layers; at 24 give one precision per call)
+                 (one precision per call: ~4 min at 12 layers, ~6 at 24)
   integrations   timm vit_large_patch14_clip_336 and OpenCLIP ViT-L/14-336 (4 blocks,
                  batch 32) and a SigLIP so400m-shaped HF tower (hidden 1152, 16 heads of
                  72, 729 tokens, 6 layers, batch 16), float32 and autocast, eager and
@@ -30,7 +30,7 @@ compiled steps of 19-25 s per 12-layer model, docs/runs/towers/):
                  saved (~5 min)
   host           the host time of one block's eager fwd+bwd (VisionAttentionBlock against
                  the stock block, and under autocast at precision "medium" too), batch 1 8
-                 32, autocast and float32 "high" (~3 min; keep max-autotune: a Gluon
+                 32, autocast and float32 "high" (~4 min; keep max-autotune: a Gluon
                  choice launches through an operator, a Triton template does not)
 
 Per model the tables give the median ms of a training step (forward, backward of a fixed
@@ -42,8 +42,9 @@ the kernels' intervals in a torch.profiler trace of 3 steps) and wall / GPU-busy
 above 1: a host-bound step), the graph breaks torch._dynamo.explain finds, and for
 reduce-overhead models the cudagraph skips Inductor logged. Ratios are stock's time over
 the swapped one's (above 1: the swap is faster). Everything goes to DIR/SUITE.json (DIR:
---out, else $OUT, else results/) and a markdown table printed last. On a CPU the suites
-run at a tiny size (a 65-token, 128-wide tower) to check the script itself.
+--out, else $OUT, else results/; rewritten after each batch or setting, so a call cut
+off at its time limit keeps what it measured) and a markdown table printed last. On a
+CPU the suites run at a tiny size (a 65-token, 128-wide tower) to check the script.
 """
 import argparse
 import contextlib
@@ -298,62 +299,56 @@ def pixels_for(model, batch, device):
     return torch.randn(batch, 3, size, size, device=device)
 
 
-def run_towers(tower, setting, batch_sizes, args, device, reduce_overhead_batch=None,
-               extra=None):
-    """Every model of tower_models at each batch size: [{setting, batch, rows, ratios}]."""
-    results = []
+def run_towers(record, tower, setting, batch_sizes, args, device,
+               reduce_overhead_batch=None, fields=None):
+    """Every model of tower_models at each batch size, each batch's {**fields, setting,
+    batch, rows, ratios} added to `record`."""
     for batch in batch_sizes:
-        models = tower_models(tower, reduce_overhead=batch == reduce_overhead_batch,
-                              extra=extra)
+        models = tower_models(tower, reduce_overhead=batch == reduce_overhead_batch)
         pixels = pixels_for(tower, batch, device)
         rows = measure(models, pixels, autocast_region(device, setting == "autocast"),
                        device, args.rounds, args.repeats)
-        results.append({"setting": setting, "batch": batch, "rows": rows,
-                        "ratios": ratios(rows)})
+        record.add({**(fields or {}), "setting": setting, "batch": batch, "rows": rows,
+                    "ratios": ratios(rows)})
         print_rows(f"{setting}, batch {batch}", rows)
-    return results
 
 
 # ------------------------------------------------------------------------- suites
 
-def suite_autocast(args, device):
+def suite_autocast(args, device, record):
     tower = hf_clip(device, args.layers)
     sizes = args.batch_sizes or ([1, 8, 32] if device == "cuda" else [1, 2])
-    return run_towers(tower, "autocast", sizes, args, device,
-                      reduce_overhead_batch=max(sizes) if device == "cuda" else None)
+    run_towers(record, tower, "autocast", sizes, args, device,
+               reduce_overhead_batch=max(sizes) if device == "cuda" else None)
 
 
-def suite_float32(args, device):
+def suite_float32(args, device, record):
     tower = hf_clip(device, args.layers)
     sizes = args.batch_sizes or ([8, 32] if device == "cuda" else [2])
-    results = []
     for precision in args.float32_precisions:
         torch.set_float32_matmul_precision(precision)
-        results += run_towers(tower, f"float32 {precision}", sizes, args, device,
-                              reduce_overhead_batch=max(sizes) if device == "cuda" else None)
-    return results
+        run_towers(record, tower, f"float32 {precision}", sizes, args, device,
+                   reduce_overhead_batch=max(sizes) if device == "cuda" else None)
 
 
-def suite_integrations(args, device):
+def suite_integrations(args, device, record):
     """timm and OpenCLIP (4 blocks, batch 32) and SigLIP so400m shapes (6 layers, batch
     16), float32 at the first --float32-precisions and autocast."""
     cuda = device == "cuda"
     towers = (("timm", timm_vit, 4, 32), ("open_clip", open_clip_vit, 4, 32),
               ("siglip so400m", hf_siglip, 6, 16))
     torch.set_float32_matmul_precision(args.float32_precisions[0])
-    results = []
     for library, build, layers, batch in towers:
         try:
             tower = build(device, layers if cuda else 2)
         except ImportError as error:
             print(f"\n{library}: not importable here ({error})", flush=True)
-            results.append({"tower": library, "missing": str(error)})
+            record.add({"tower": library, "missing": str(error)})
             continue
         for setting in (f"float32 {args.float32_precisions[0]}", "autocast"):
-            for result in run_towers(tower, setting, [batch if cuda else 2], args, device):
-                results.append({"tower": library, **result})
+            run_towers(record, tower, setting, [batch if cuda else 2], args, device,
+                       fields={"tower": library})
         del tower
-    return results
 
 
 def bitwise_repeat(model, step):
@@ -382,7 +377,7 @@ def deterministic(on, fill=True):
         torch.utils.deterministic.fill_uninitialized_memory = was_fill
 
 
-def suite_deterministic(args, device):
+def suite_deterministic(args, device, record):
     """Eager stock and swapped towers (and precision "medium", our deterministic
     one-product path, under autocast), without and with the flag.
 
@@ -403,7 +398,6 @@ def suite_deterministic(args, device):
     batch = (args.batch_sizes or ([32] if device == "cuda" else [2]))[0]
     pixels = pixels_for(tower, batch, device)
     torch.set_float32_matmul_precision("high")
-    results = []
     for setting in ("autocast", "float32 high"):
         amp = autocast_region(device, setting == "autocast")
         extra = {"swapped medium": "medium"} if setting == "autocast" else {}
@@ -424,12 +418,10 @@ def suite_deterministic(args, device):
                     kernels[mode] = kernel_ms(train_step(models[fused], pixels, amp))
             by_mode[mode] = rows
             print_rows(f"{setting}, batch {batch}, {mode}", rows)
-        results.append({"setting": setting, "batch": batch, "modes": by_mode,
-                        "fused_model": fused,
-                        "kernel_changes": kernel_changes(kernels["flag off"],
-                                                         kernels["flag on"])})
-        print_kernel_changes(f"{setting}: {fused}", results[-1]["kernel_changes"])
-    return results
+        changes = kernel_changes(kernels["flag off"], kernels["flag on"])
+        record.add({"setting": setting, "batch": batch, "modes": by_mode,
+                    "fused_model": fused, "kernel_changes": changes})
+        print_kernel_changes(f"{setting}: {fused}", changes)
 
 
 def kernel_changes(off, on, top=10):
@@ -469,11 +461,10 @@ def restart_child(args, device):
                       "fxgraph_cache_hit": counters["fxgraph_cache_hit"]}))
 
 
-def suite_restart(args, device):
+def suite_restart(args, device, record):
     """Each (setting, model) in fresh processes: cold on empty caches (saving the cache
     artifacts), warm on the caches it left, and on empty caches after loading the
     artifacts."""
-    results = []
     with tempfile.TemporaryDirectory() as scratch:
         for setting in RESTART_SETTINGS:
             for model_name in RESTART_MODELS:
@@ -489,9 +480,8 @@ def suite_restart(args, device):
                         row[phase] = {"error": "save_cache_artifacts returned nothing"}
                         continue
                     row[phase] = restart_process(args, setting, model_name, cache_dir, extra)
-                results.append(row)
+                record.add(row)
                 print(f"\n{setting}, {model_name}: " + json.dumps(row), flush=True)
-    return results
 
 
 def restart_process(args, setting, model_name, cache_dir, extra):
@@ -525,13 +515,12 @@ def host_time_us(step, calls, cuda):
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def suite_host(args, device):
+def suite_host(args, device, record):
     """Host µs per eager fwd+bwd of one block, ours against the stock block (the GPU kept
     busy ahead of the calls, so no call waits for it; profile_host.host_us)."""
     cuda = device == "cuda"
     seq_len, embed_dim, heads = (577, 1024, 16) if cuda else (65, 128, 4)
     torch.set_float32_matmul_precision("high")
-    results = []
     for setting in ("autocast", "float32 high"):
         amp = autocast_region(device, setting == "autocast")
         for batch in args.batch_sizes or ([1, 8, 32] if cuda else [1, 2]):
@@ -552,12 +541,12 @@ def suite_host(args, device):
                     y.backward(grad.to(y.dtype))
                 host[name] = statistics.median(host_time_us(step, args.repeats * 5, cuda)
                                                for _ in range(args.rounds))
-            results.append({"setting": setting, "batch": batch, "host_us": host,
-                            "stock_over_swapped": host["stock"] / host["swapped"]})
+            result = {"setting": setting, "batch": batch, "host_us": host,
+                      "stock_over_swapped": host["stock"] / host["swapped"]}
             if "swapped medium" in host:
-                results[-1]["stock_over_medium"] = host["stock"] / host["swapped medium"]
+                result["stock_over_medium"] = host["stock"] / host["swapped medium"]
+            record.add(result)
             print(f"{setting}, batch {batch}: host us {host}", flush=True)
-    return results
 
 
 SUITE_FUNCTIONS = {"autocast": suite_autocast, "float32": suite_float32,
@@ -657,6 +646,21 @@ def reduce_overhead_cell(rows):
     return f"{cell(row['median_ms'])} ({row['cudagraph_skips']})"
 
 
+class Record:
+    """A suite's results, written to `path` as JSON ({**header, "results": [...]}) at
+    every add, so that a device call cut off at its time limit still leaves what it
+    measured."""
+
+    def __init__(self, path, header):
+        self.path, self.header, self.results = Path(path), header, []
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def add(self, result):
+        self.results.append(result)
+        self.path.write_text(json.dumps({**self.header, "results": self.results}, indent=1,
+                                        default=str))
+
+
 def environment():
     import triton
     return {"torch": torch.__version__, "triton": triton.__version__,
@@ -693,14 +697,12 @@ def main(argv=None):
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS
     if args.restart_child:
         return restart_child(args, device)
-    results = SUITE_FUNCTIONS[args.suite](args, device)
     out = args.out or Path(os.environ.get("OUT") or "results")
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"suite": args.suite, "layers": args.layers, "environment": environment(),
-              "results": results}
-    (out / f"{args.suite}.json").write_text(json.dumps(record, indent=1, default=str))
-    print(f"\n{args.suite}: {json.dumps(environment())}; {out / (args.suite + '.json')}")
-    print(summary(args.suite, results))
+    record = Record(out / f"{args.suite}.json", {"suite": args.suite, "layers": args.layers,
+                                                 "environment": environment()})
+    SUITE_FUNCTIONS[args.suite](args, device, record)
+    print(f"\n{args.suite}: {json.dumps(environment())}; {record.path}")
+    print(summary(args.suite, record.results))
 
 
 if __name__ == "__main__":
