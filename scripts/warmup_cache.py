@@ -11,6 +11,12 @@ Inductor compiles every graph to C++, far longer: give a few --batch-sizes there
 cache and reports its warm first calls, whether anything was compiled again, and where the
 warm first calls' time went (dynamo's per-phase timers, summed over the graphs).
 
+--deterministic fills the cache for a training process that runs under
+torch.use_deterministic_algorithms(True): Inductor's cache key holds that flag (and
+torch.utils.deterministic.fill_uninitialized_memory), and dynamo guards on it, so a cache
+filled without the flag serves no graph of such a process, which then compiles and
+autotunes every graph again.
+
 --compile-threads-1-check also times a second fresh process with
 TORCHINDUCTOR_COMPILE_THREADS=1 in its environment (that process only): whether Inductor's
 compile worker pool, which a warm load starts for its Triton kernels, costs the first calls
@@ -155,9 +161,18 @@ def main():
                         help="skip VisionAttentionBlock's forward and backward")
     parser.add_argument("--compile-threads-1-check", action="store_true",
                         help="also time a fresh process with TORCHINDUCTOR_COMPILE_THREADS=1")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="compile under torch.use_deterministic_algorithms(True), as a "
+                        "training process with that flag needs (CUBLAS_WORKSPACE_CONFIG "
+                        "defaults to :4096:8)")
     parser.add_argument("--verify", action="store_true",
                         help="(internal) load the cache, time the warm first calls, print JSON")
     args = parser.parse_args()
+    if args.deterministic:
+        import torch
+        # cuBLAS reads it when its first handle is made: before any CUDA work
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
 
     if args.verify:
         start = time.perf_counter()

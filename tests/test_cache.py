@@ -86,6 +86,32 @@ def test_fresh_process_on_the_cache_compiles_nothing_and_starts_faster(warmed_ca
     assert warm["seconds"] < cold_seconds, (warm, cold_seconds)
 
 
+def _first_call_under_the_flag(cache_dir):
+    """A fresh process's first calls under torch.use_deterministic_algorithms(True) on
+    the cache in `cache_dir`: {seconds, miss, hit}."""
+    script = "import torch\ntorch.use_deterministic_algorithms(True)\n" + FIRST_CALL
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=_env(VITATTN_BWD_CACHE=str(cache_dir)), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_process_under_the_deterministic_flag_needs_a_cache_warmed_under_it(
+        warmed_cache, tmp_path):
+    """Inductor's cache key holds torch.use_deterministic_algorithms: the cache warmed
+    without the flag serves a process with it no graph; one warmed with --deterministic
+    serves it every graph."""
+    path, _, _ = warmed_cache
+    assert _first_call_under_the_flag(path)["miss"] >= 1
+    warmed = tmp_path / "deterministic"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "warmup_cache.py"),
+                          "--cache-dir", str(warmed), "--no-module", "--deterministic",
+                          *TINY], capture_output=True, text=True, env=_env(), timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    warm = _first_call_under_the_flag(warmed)
+    assert warm["miss"] == 0 and warm["hit"] >= 1, warm
+
+
 def test_cache_from_another_stack_is_refused(warmed_cache, tmp_path):
     path, _, _ = warmed_cache
     stamp = json.loads((path / cache.FINGERPRINT_FILE).read_text())
