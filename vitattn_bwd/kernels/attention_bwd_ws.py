@@ -98,6 +98,19 @@ def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_rin
 
 
 @gluon.jit
+def grad_q_chunk(tile_ring, chunk: gl.constexpr, m_tile, accum_head, chunk_rows, cols,
+                 SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 CHUNK_ROWS: gl.constexpr, layout: gl.constexpr):
+    """Rows [chunk * CHUNK_ROWS, +CHUNK_ROWS) of query tile m_tile's dQ in the writer's
+    buffer: (that part [CHUNK_ROWS,D] in registers, its pointers into the head's float32
+    accumulator, its query rows, which of them lie before the sequence end)."""
+    rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
+    in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
+    tile = tile_ring.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
+    return tile, accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :], rows, in_rows
+
+
+@gluon.jit
 def grad_q_partition(grad_q_ring, grad_q_full, grad_q_empty, DQ_ACCUM, SEMAPHORES, GRAD_Q,
                      scale, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -128,29 +141,26 @@ def grad_q_partition(grad_q_ring, grad_q_full, grad_q_empty, DQ_ACCUM, SEMAPHORE
         tile_ring = grad_q_ring.index(buffer)
         if block == last:
             for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
-                rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
-                in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
-                tile = tile_ring.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
+                tile, accum, rows, in_rows = grad_q_chunk(tile_ring, chunk, m_tile, accum_head,
+                                                          chunk_rows, cols, SEQ_LEN, HEAD_DIM,
+                                                          BLOCK_M, CHUNK_ROWS, layout)
                 if block > 0:
-                    tile += gl.load(accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :],
-                                    mask=in_rows, other=0.0, cache_modifier=".cg")
+                    tile += gl.load(accum, mask=in_rows, other=0.0, cache_modifier=".cg")
                 out = (GRAD_Q + ((batch * SEQ_LEN + rows).to(gl.int64) * NUM_HEADS
                                  * HEAD_DIM)[:, None] + head * HEAD_DIM + cols[None, :])
                 gl.store(out, (tile * scale).to(GRAD_Q.dtype.element_ty), mask=in_rows)
         elif block == 0:
             for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
-                rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
-                in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
-                tile = tile_ring.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
-                gl.store(accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :], tile,
-                         mask=in_rows)
+                tile, accum, rows, in_rows = grad_q_chunk(tile_ring, chunk, m_tile, accum_head,
+                                                          chunk_rows, cols, SEQ_LEN, HEAD_DIM,
+                                                          BLOCK_M, CHUNK_ROWS, layout)
+                gl.store(accum, tile, mask=in_rows)
         else:
             for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
-                rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
-                in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
-                tile = tile_ring.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
-                gl.atomic_add(accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :], tile,
-                              mask=in_rows, sem="relaxed", scope="gpu")
+                tile, accum, rows, in_rows = grad_q_chunk(tile_ring, chunk, m_tile, accum_head,
+                                                          chunk_rows, cols, SEQ_LEN, HEAD_DIM,
+                                                          BLOCK_M, CHUNK_ROWS, layout)
+                gl.atomic_add(accum, tile, mask=in_rows, sem="relaxed", scope="gpu")
         mbarrier.arrive(grad_q_empty.index(buffer), count=1)
         if block != last:
             cta_barrier()              # every lane's part is written
