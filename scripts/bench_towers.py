@@ -20,7 +20,8 @@ compiled steps of 19-25 s per 12-layer model, docs/runs/towers/):
   deterministic  HF CLIP 12 layers, batch 32, autocast and float32 "high", eager, each
                  model without and with torch.use_deterministic_algorithms(True)
                  (CUBLAS_WORKSPACE_CONFIG=:4096:8 for the whole process): the step times,
-                 a bitwise repeat check of every model, the flag's cost with
+                 a bitwise repeat check of every model (--compiled: the compiled towers
+                 too, ~+3 min), the flag's cost with
                  torch.utils.deterministic.fill_uninitialized_memory off, and the kernels
                  whose GPU time the flag changes most (~5 min)
   restart        first step of torch.compile(stock) and torch.compile(swapped) (HF CLIP,
@@ -401,7 +402,7 @@ def suite_deterministic(args, device, record):
     for setting in ("autocast", "float32 high"):
         amp = autocast_region(device, setting == "autocast")
         extra = {"swapped medium": "medium"} if setting == "autocast" else {}
-        models = tower_models(tower, compiled=False, extra=extra)
+        models = tower_models(tower, compiled=args.compiled, extra=extra)
         fused = "swapped medium" if setting == "autocast" else "swapped"
         modes = {"flag off": dict(on=False), "flag on": dict(on=True),
                  "flag on, no NaN fill": dict(on=True, fill=False)}
@@ -680,6 +681,8 @@ def main(argv=None):
     parser.add_argument("--float32-precisions", nargs="+", default=["high", "highest"],
                         choices=("highest", "high"), help="default: %(default)s "
                         "(integrations: the first only)")
+    parser.add_argument("--compiled", action="store_true", help="deterministic suite: "
+                        "torch.compile(stock) and torch.compile(swapped) too (+~3 min)")
     parser.add_argument("--rounds", type=int, default=3, help="default: %(default)s")
     parser.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     parser.add_argument("--out", type=Path, help="default: $OUT, else results/")
