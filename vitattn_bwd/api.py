@@ -4,7 +4,7 @@ from typing import NamedTuple
 
 import torch
 
-from .graph import check_faithful_batch, compiled_backward
+from .graph import compiled_backward
 from .validation import check_backward_inputs
 
 
@@ -34,15 +34,13 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
     rejects them with a ValueError instead (one extra pass over every input).
     precision: "high" (the default, whatever torch's float32 matmul precision: the
     fastest products the benchmark's tolerance allows) or "highest" (float32-faithful:
-    every product fp16x3, the GEMMs with two-level accumulation, split_gemm.py; batch *
-    tokens * 2 * embed_dim below 2^31); on the CPU the products are plain matmuls either
-    way.
+    every product fp16x3, the GEMMs with two-level accumulation, split_gemm.py); on the
+    CPU the products are plain matmuls either way.
     """
     tensors = dict(grad_output=grad_output, x=x, x_mean=x_mean, x_var=x_var, x_norm=x_norm,
                    ln_weight=ln_weight, qkv_weight=qkv_weight, q=q, k=k, v=v,
                    attn_weights=attn_weights, attn_output=attn_output, out_weight=out_weight)
     inputs, scale, norm_eps, _ = check_backward_inputs(tensors, scale, norm_eps, num_heads,
                                                        ln_grad, precision, check_finite)
-    check_faithful_batch(x, precision)
     return BlockGrads(*compiled_backward(inputs, scale=scale, norm_eps=norm_eps,
                                          ln_grad=ln_grad, precision=precision))

@@ -36,8 +36,7 @@ precision:
   halves of operands scaled into fp16's range, the GEMMs as the split GEMM with
   two-level accumulation (split_gemm.py), the attention core on the Gluon kernels (off
   Hopper it stays bf16x3); every gradient within 10x of float32's own error in a CLIP
-  tower (docs/performance.md, sessions 13 and 14). A call whose batch * tokens * 2 *
-  embed_dim reaches 2^31 is refused (the split GEMM's 32-bit offsets).
+  tower (docs/performance.md, sessions 13 and 14).
 - "high": the fused float32 path with the fastest map the benchmark's tolerance allows
   (truncated splits, one fp16 product for the QKV weight gradient; the contract entry
   point, vitattn_bwd.attention_block_backward, runs this by default).
@@ -125,8 +124,8 @@ class VisionAttentionFunction(torch.autograd.Function):
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
                 num_heads, eps, precision="high", half_dtype=None):
         params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
-        num_heads, eps = _check_fused_call(x, params, num_heads, eps, precision,
-                                           half_dtype)
+        num_heads, eps = check_fused_inputs(x, params, num_heads, eps, precision,
+                                            half_dtype)
         # The math runs as written, whatever autocast region the caller is in: an
         # autocast linear would hand bf16 q, k, v to the float32 backward.
         with autocast_off(x.device.type):
@@ -157,15 +156,6 @@ class VisionAttentionFunction(torch.autograd.Function):
                 norm_eps=ctx.eps, ln_grad="exact", precision=ctx.precision)
         return (grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
                 grad_out_weight, grad_out_bias, None, None, None, None)
-
-
-def _check_fused_call(x, params, num_heads, eps, precision, half_dtype):
-    """What the fused path takes (VisionAttentionFunction's docstring), checked before
-    any work; returns num_heads and eps as int and float."""
-    num_heads, eps = check_fused_inputs(x, params, num_heads, eps, precision, half_dtype)
-    if half_dtype is None:
-        graph.check_faithful_batch(x, precision)
-    return num_heads, eps
 
 
 def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
@@ -216,7 +206,7 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     with autocast_off(device.type):
         if decision.opaque_ops:
             # inside torch.compile: the torch.library operators, opaque to dynamo
-            _check_fused_call(args[0], args[1:], *fused[7:])
+            check_fused_inputs(args[0], args[1:], *fused[7:])
             y = block_ops.vision_attention(*fused)
         else:
             y = VisionAttentionFunction.apply(*fused)
