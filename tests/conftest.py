@@ -37,6 +37,14 @@ def triton_interpreter():
     patch_bf16_dot()
 
 
+@pytest.fixture
+def no_tf32(monkeypatch):
+    """float32 matmuls and convolutions in full float32 (TF32 off) for this test only: for
+    the GPU tests that compare torch's own float32 math with float64."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 

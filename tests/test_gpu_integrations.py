@@ -23,17 +23,11 @@ from vitattn_bwd.integrations import swap_attention, swapped_layers, unswap_atte
 
 from .helpers import adamw_losses, relative_errors, update_difference
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 DEVICE = "cuda"
 IMAGE, PATCH, EMBED, HEADS, LAYERS, BATCH = 336, 14, 1024, 16, 2, 2
 SEQ = (IMAGE // PATCH) ** 2 + 1                   # 577
-
-
-@pytest.fixture(autouse=True)
-def no_tf32(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
 def _perturb(model, scale=0.1):

@@ -23,20 +23,13 @@ from vitattn_bwd import VisionAttentionBlock, reference
 from .helpers import (adamw_losses, recorded_calls, recorded_half_dtypes, relative_errors,
                       update_difference)
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 DEVICE = "cuda"
 SEQ, EMBED, HEADS = 577, 1024, 16
 # The HF tower: 336 px / 14 px patches = 24 x 24 patches + the class token = 577 tokens.
 IMAGE, PATCH, LAYERS, MLP = 336, 14, 2, 4096
 BATCH = 2                       # the backward's batch-2..15 graph: one compile for all
-
-
-@pytest.fixture(autouse=True)
-def no_tf32(monkeypatch):
-    """float32 matmuls and convolutions in full float32 for this test only."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
 def _block(dtype=torch.float32, precision=None):
