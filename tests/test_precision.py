@@ -95,6 +95,15 @@ def test_power_of_two_scale_brings_the_largest_element_into_one_to_two(magnitude
     assert torch.equal(scaled / power_of_two_scale(t), t)         # exact both ways
 
 
+@pytest.mark.parametrize("shape", [(7, 33), (2, 5, 17)])
+def test_power_of_two_scale_of_a_matrix_reads_its_largest_element(shape):
+    """The row-then-column maximum finds the largest element wherever it lies."""
+    for flat_index in (0, 12, -1):
+        t = _randn(*shape) * 1e-3
+        t.view(-1)[flat_index] = -3.5
+        assert power_of_two_scale(t) == 0.5 and power_of_two_scale(t, 14) == 2.0 ** 13
+
+
 def test_power_of_two_scale_of_zeros_is_finite():
     scale = power_of_two_scale(torch.zeros(5))
     assert scale == 2.0 ** 127 and torch.equal(torch.zeros(5) * scale, torch.zeros(5))
