@@ -28,15 +28,16 @@ precision:
   there (a 24-layer Hugging Face CLIP tower 0.76-1.06x stock eager, 0.57-0.85x compiled).
   So does a block whose input and parameters are all bfloat16 or all float16 (a
   `.bfloat16()` model, FSDP's bf16 parameters), and, on a GPU, a block whose head dim
-  the attention core has no kernels for (72, 80, ...: a head-dim-72 tower ran 0.44x
-  stock on the fused path). Otherwise the block runs the fused path at
+  the attention kernels do not take (they take every multiple of 8 up to 128; without
+  them the core runs as PyTorch math with P in memory, as a head-dim-72 tower did at
+  0.44x stock before its kernels existed). Otherwise the block runs the fused path at
   torch.get_float32_matmul_precision(), read at each call (under torch.compile, when
   the graph is traced): "highest" (PyTorch's default), "high" or "medium", as below.
 - "highest": the fused float32 path, float32-faithful: every product fp16x3 from fp16
   halves of operands scaled into fp16's range, the GEMMs as the split GEMM with
   two-level accumulation (split_gemm.py), the attention core on the Gluon kernels (off
   Hopper it stays bf16x3); every gradient within 10x of float32's own error in a CLIP
-  tower (docs/performance.md, sessions 13 and 14).
+  tower (docs/performance.md, section History: precision "highest").
 - "high": the fused float32 path with the fastest map the benchmark's tolerance allows
   (truncated splits, one fp16 product for the QKV weight gradient; the contract entry
   point, vitattn_bwd.attention_block_backward, runs this by default).
