@@ -20,10 +20,11 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
   GPU only where its attention core has kernels (attention_core.triton_supports: head
   dims that are multiples of 8 up to 128), else the stock ops: without them the core
   runs as PyTorch math with P in memory, and a SigLIP so400m-shaped tower (head dim
-  72) ran 0.44x stock in float32 before its kernels existed. The kernels at head dims
-  that are not powers of two (72, 80, 104, ...: tiles of the next power of two,
-  zero-padded) are checked against float64 but not yet timed on the GPU: this rule
-  sends them to the fused path on the strength of the measured power-of-two dims.
+  72) ran 0.44x stock in float32 before its kernels existed. At head dims that are not
+  powers of two the kernels run zero-padded tiles of the next power of two; with them
+  the same SigLIP-shaped tower (6 layers, batch 16, float32 "high") ran 1.36x stock,
+  eager and compiled (docs/runs/towers/integrations_e47f939.log). Head dim 80 is timed
+  as raw kernels only (docs/runs/kernels/core_head_dims_e59ebca.log); 104 is not timed.
 
 Inside torch.compile the fused path runs as two torch.library operators (block_ops.py),
 opaque to dynamo, instead of the autograd.Function that eager calls use.
