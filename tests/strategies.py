@@ -109,7 +109,8 @@ def logit_scale(q, k, scale):
 # Shapes and layouts
 # ---------------------------------------------------------------------------------------
 
-HEAD_DIMS = (16, 32, 64, 128)                    # what the Triton kernels take
+HEAD_DIMS = (16, 32, 64, 128)   # the unpadded head tiles; the kernels take every multiple
+                                # of 8 up to 128 (padded dims: fixed cases in the tests)
 TILE_SIZES = (16, 32, 64, 128)
 TILE_EDGES = tuple(sorted({t + d for t in TILE_SIZES for d in (-1, 0, 1)}))
 # contiguous; "offset": a view into a larger flat buffer at an odd element offset (4-byte,
