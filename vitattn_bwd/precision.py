@@ -29,8 +29,9 @@ normal hi, and the products are scaled back exactly. On the H200 what bounds suc
 products is then the tensor cores' float32 accumulation, which truncates: the core's
 gradients at ~2e-6 against float64 at S = 577, against ~1e-5 for bf16x3; cuBLAS fp16x3
 GEMMs, one accumulator over all of K, left a 4-layer CLIP tower's gradients at 10-20x
-float32's own error (docs/performance.md, sessions 13 and 14). So "highest" runs its
-GEMMs as split_gemm.py's, which adds the partials of K slices in float32 registers.
+float32's own error (docs/performance.md, History: precision "highest"). So "highest"
+runs its GEMMs as split_gemm.py's, which adds the partials of K slices in float32
+registers.
 
 Splits are written with integer rounding and masking, not with casts: Inductor folds a
 float32 -> bf16 -> float32 round trip inside a fused kernel, which would make lo == 0

@@ -40,8 +40,8 @@ error against float64 and a 15% slower cols pass on the H200: docs/performance.m
 Waits name the register operands of the products still in flight
 (`deps`), so the compiler keeps them until those products have read them.
 
-Measured on the H200 (docs/performance.md, sessions 8 and 9), batch 32: rows 0.55-0.60
-and cols 0.66-0.68 ms (the Triton templates 0.622 and 0.734); ncu puts the bound in
+Measured on the H200 (docs/performance.md, "The attention core in Gluon"), batch 32:
+rows 0.55-0.60 and cols 0.66-0.68 ms (the Triton templates 0.622 and 0.734); ncu puts the bound in
 load latency at 2-3 blocks of 4 warps per SM, not in the waits. The L2 prefetch took
 the cols pass from 0.775 ms (32 x 64 tiles) and left the rows pass within its spread.
 
