@@ -54,12 +54,16 @@ COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 3))
 # bf16x3 with P given (the contract's mode, whose head dim is 64). At head dim 128
 # (no masks) the register allocation differs: the float32 cols pass spills 124 bytes
 # with P given, 112 with P recomputed (bf16, fp16 and fp16-halves variants none); the
-# Triton templates' cols tiles it is timed against spill 100-504 bytes there. Not yet
-# timed on the GPU.
+# Triton templates' cols tiles it is timed against spill 100-504 bytes there. On the
+# H200 at head dims 72 and 80 these tiles ran 3.08 and 0.59 ms (float32 "high", P
+# given, batch 32) against the Triton kernels' 8.86 and 2.39, and a SigLIP-shaped
+# tower's autotuning chose them (docs/performance.md, "Latest runs"); 104 and 128 are
+# not timed.
 WIDE_ROWS_TILES = (TileConfig(64, 32, 4, 2),)
 WIDE_COLS_TILES = (TileConfig(16, 64, 4, 3),)
 # Every multiple of 8 up to 128 (attention_core.kernel_head_dim): the kernels pad their
-# tiles to head_tile(head_dim) columns. Only 64 is measured on the GPU.
+# tiles to head_tile(head_dim) columns. Checked against float64 on the H200 at 64, 72
+# and 80.
 HEAD_DIMS = tuple(d for d in range(1, 129) if kernel_head_dim(d))
 
 
