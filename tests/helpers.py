@@ -140,6 +140,31 @@ def triton_version_in(environment):
                           check=True).stdout.strip()
 
 
+H200_SHARED_MEMORY = 227 * 1024          # bytes a block may use on sm_90
+
+
+def sm90_compile_report(script_args, environment, timeout):
+    """What a script prints as JSON on its last line after compiling kernels for sm_90
+    (scripts/kernel_resources.py --json, scripts/time_core_ws.py --sm90), run from the
+    repository root in a subprocess with `environment` (triton_environments): in this
+    process the interpreter (set by conftest) would replace the compiler. Skips where
+    that triton has no CUDA backend."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+    pytest.importorskip("triton")
+    result = subprocess.run([sys.executable, *script_args],
+                            cwd=Path(__file__).resolve().parent.parent, env=environment,
+                            capture_output=True, text=True, timeout=timeout)
+    if result.returncode and "No module named 'triton.backends.nvidia" in result.stderr:
+        pytest.skip("this triton has no CUDA backend")
+    assert result.returncode == 0, (triton_version_in(environment), result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def graph_breaks_and_ops(model, *args, **kwargs):
     """torch._dynamo.explain's graph-break count for model(*args, **kwargs), and the
     vitattn_bwd operators in its graphs."""

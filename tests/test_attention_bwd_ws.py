@@ -2,36 +2,22 @@
 for the H100/H200 (sm_90) here on the CPU, with the installed triton and with the newest
 one (.ci/run): what makes it a warp-specialized kernel shows in its machine code. And
 its launcher's argument checks, which run before any device work."""
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from vitattn_bwd import attention_bwd_ws
 
-from .helpers import triton_environments, triton_version_in
+from .helpers import H200_SHARED_MEMORY, sm90_compile_report, triton_environments
 
-H200_SHARED_MEMORY = 227 * 1024          # bytes a block may use on sm_90
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", params=list(triton_environments()))
 def resources(request):
-    """{tiles: resources} from scripts/time_core_ws.py --sm90 with each triton, in a
-    subprocess: the interpreter (set by conftest) would replace the compiler."""
-    pytest.importorskip("triton")
-    environment = triton_environments()[request.param]
-    result = subprocess.run([sys.executable, "scripts/time_core_ws.py", "--sm90"],
-                            cwd=ROOT, env=environment, capture_output=True, text=True,
-                            timeout=900)
-    if result.returncode and "No module named 'triton.backends.nvidia" in result.stderr:
-        pytest.skip("this triton has no CUDA backend")
-    assert result.returncode == 0, (triton_version_in(environment), result.stderr[-3000:])
-    return {attention_bwd_ws.WsTiles(*tiles): r
-            for tiles, r in json.loads(result.stdout.strip().splitlines()[-1])}
+    """{tiles: resources} from scripts/time_core_ws.py --sm90 with each triton."""
+    report = sm90_compile_report(["scripts/time_core_ws.py", "--sm90"],
+                                 triton_environments()[request.param], timeout=900)
+    return {attention_bwd_ws.WsTiles(*tiles): r for tiles, r in report}
 
 
 def test_every_configuration_is_compiled(resources):

@@ -5,32 +5,18 @@ end and the ptxas it runs; no GPU), with the installed triton and with the newes
 (.ci/run): it fits the 227 KB of shared memory a block may use and spills no
 registers. A spilling tile runs at a fraction of the tensor cores' rate
 (docs/performance.md), and nothing else would notice."""
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from .helpers import triton_environments, triton_version_in
+from .helpers import H200_SHARED_MEMORY, sm90_compile_report, triton_environments
 
-H200_SHARED_MEMORY = 227 * 1024          # bytes a block may use on sm_90
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module", params=list(triton_environments()))
 def resources(request):
-    """scripts/kernel_resources.py --json with each triton (helpers.triton_environments),
-    in a subprocess: the interpreter (set by conftest) would replace the compiler."""
-    pytest.importorskip("triton")
-    environment = triton_environments()[request.param]
-    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--json"],
-                            cwd=ROOT, env=environment, capture_output=True, text=True,
-                            timeout=600)
-    if result.returncode and "No module named 'triton.backends.nvidia" in result.stderr:
-        pytest.skip("this triton has no CUDA backend")
-    assert result.returncode == 0, (triton_version_in(environment), result.stderr[-3000:])
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    """scripts/kernel_resources.py --json with each triton (helpers.triton_environments)."""
+    return sm90_compile_report(["scripts/kernel_resources.py", "--json"],
+                               triton_environments()[request.param], timeout=600)
 
 
 def test_every_configured_tile_is_compiled(resources):
@@ -98,15 +84,8 @@ def test_kernels_compute_in_float32(resources):
 def padded_resources():
     """scripts/kernel_resources.py --json --head-dim 72 (SigLIP so400m's) with the
     installed triton: the attention kernels in 128-wide zero-padded head tiles."""
-    pytest.importorskip("triton")
-    result = subprocess.run([sys.executable, "scripts/kernel_resources.py", "--json",
-                             "--head-dim", "72"], cwd=ROOT,
-                            env=triton_environments()["installed triton"],
-                            capture_output=True, text=True, timeout=900)
-    if result.returncode and "No module named 'triton.backends.nvidia" in result.stderr:
-        pytest.skip("this triton has no CUDA backend")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return sm90_compile_report(["scripts/kernel_resources.py", "--json", "--head-dim", "72"],
+                               triton_environments()["installed triton"], timeout=900)
 
 
 def test_gluon_kernels_at_a_padded_head_dim(padded_resources):
