@@ -4,14 +4,10 @@ Small batches are launch-bound: their GPU work (0.1-1.5 ms) is shorter than laun
 their 25-45 kernels one by one from Python. `GraphedCall` wraps a compiled function:
 the first call with a new input signature (shapes, strides, dtypes, device) runs it
 normally (compiling and autotuning if need be) and then captures one CUDA graph of it on
-static copies of those inputs; every call, the first included, then copies its inputs
-into the static buffers (one multi-tensor copy), replays the graph and copies its outputs
-out (another). Nothing is compiled or allocated by the graph after capture, so every
-call of a signature launches the same kernels and returns the same bits for the same
-inputs. (The first call returns the graph's outputs, not those of its own direct run:
-on the H200 a VisionAttentionBlock's first call at batch 1 differed in some bits from
-the replays after it, tests/test_gpu_module.py; docs/performance.md, "The final device
-call".) A call made while the caller itself captures a CUDA graph (torch.compile's
+static copies of those inputs; later calls copy their inputs into the static buffers
+(one multi-tensor copy), replay the graph and copy its outputs out (another). Nothing is
+compiled or allocated by the graph after capture, so every replay launches the same
+kernels. A call made while the caller itself captures a CUDA graph (torch.compile's
 "reduce-overhead" CUDA graphs around our operators, a torch.cuda.graph block) runs the
 compiled function directly, so that its kernels become part of the caller's graph: a
 capture cannot begin, nor a graph be replayed, inside another capture.
@@ -103,8 +99,7 @@ class GraphedCall:
     graphs are) and must not keep references to its inputs or outputs; all inputs on one
     GPU.
 
-    The first call of a signature runs fn directly, then captures and returns the
-    graph's first replay. A call made while
+    The first call of a signature runs fn directly, then captures. A call made while
     the current stream is capturing (the caller's CUDA graph) runs fn directly. One lock per instance
     serializes calls, the first (compiling, autotuning) one included. If a capture fails,
     that signature runs fn directly from then on, with a warning: correct, only slower.
@@ -133,11 +128,9 @@ class GraphedCall:
                 return captured.replay(inputs) if captured else tuple(self.fn(**inputs))
             outputs = tuple(self.fn(**inputs))         # compiles, autotunes
             try:
-                captured = _Captured(self.fn, inputs)
+                self._graphs[key] = _Captured(self.fn, inputs)
             except Exception as error:                 # e.g. an op that cannot be captured
                 warnings.warn(f"vitattn_bwd: CUDA graph capture failed ({error!r}); these "
                               "input shapes run without a CUDA graph", RuntimeWarning)
                 self._graphs[key] = None
-                return outputs
-            self._graphs[key] = captured
-            return captured.replay(inputs)
+            return outputs
