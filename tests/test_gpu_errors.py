@@ -31,3 +31,16 @@ def test_contract_out_of_memory_is_torch_out_of_memory_and_the_next_call_is_righ
         for name, out, ref in zip(OUTPUT_NAMES, contract.run(*inputs.values()), refs):
             ok, matched = within_tolerance(out, ref)
             assert ok, (batch, name, matched)
+
+
+def test_batch_times_heads_past_the_grid_is_refused_by_the_backward_and_the_block():
+    """batch 4,096 x 16 heads (one token, so the tensors are small) is one past the
+    attention kernels' grid: the contract's backward and VisionAttentionBlock refuse it
+    at the call, naming x, before any kernel runs."""
+    from vitattn_bwd import VisionAttentionBlock
+    inputs = make_inputs(4096, seq_len=1, device="cuda")
+    with pytest.raises(ValueError, match="x: batch 4096 x num_heads 16"):
+        contract.run(*inputs.values())
+    block = VisionAttentionBlock(1024, 16, precision="high").cuda()
+    with pytest.raises(ValueError, match="x: batch 4096 x num_heads 16"):
+        block(torch.randn(4096, 1, 1024, device="cuda"))
