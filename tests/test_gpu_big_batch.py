@@ -17,7 +17,7 @@ from vitattn_bwd import VisionAttentionBlock, reference
 
 from .helpers import relative_error
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
 SEQ, EMBED, HEADS = 577, 1024, 16
 BATCH = 1850                    # B*S*2E = 2.19e9 >= 2^31
@@ -26,12 +26,6 @@ BATCH = 1850                    # B*S*2E = 2.19e9 >= 2^31
 # 2^31 / 2E = 1,048,576 is in sample 1,817), the last
 SAMPLES = [0, 1211, 1817, BATCH - 1]
 CHUNK = 50                      # float64 reference: P of 50 samples is 2.1 GB
-
-
-@pytest.fixture(autouse=True)
-def no_tf32(monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
 def _block():

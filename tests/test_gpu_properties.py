@@ -266,13 +266,6 @@ MODULE_EXAMPLE = S.ModuleCase(batch=3, seq_len=65, heads=4, head_dim=64, eps=1e-
                               qkv_gain=1.0, layouts=("transposed", "offset"), offset=3)
 
 
-@pytest.fixture
-def no_tf32(monkeypatch):
-    """float32 matmuls in full float32 for torch's own Linears of the forward."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-
-
 def _check_module(case):
     with plants.planted(plants.from_env()):
         return S.check_module(case, DEVICE, S.module_bounds_gpu)

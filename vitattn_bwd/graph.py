@@ -133,13 +133,6 @@ def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
             grad_out_weight.new_ones(()))
 
 
-def check_faithful_batch(x, precision):
-    """Nothing left to refuse: the split GEMM of precision "highest" takes 64-bit
-    offsets where an operand reaches 2^31 elements (split_gemm.py), so any batch that
-    fits in memory runs. To be removed with its calls in module.py and api.py."""
-    del x, precision
-
-
 def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
                      attn_weights, forward_output, q, k, v, scale):
     """The products at one product per matmul in the dtype of the module's saved
