@@ -65,7 +65,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_module import compare_times, step_times  # noqa: E402
+from bench_integrations import open_clip_tower, timm_tower  # noqa: E402
+from bench_module import compare_times, hf_tower, step_times  # noqa: E402
 from profile_host import host_us  # noqa: E402
 
 from vitattn_bwd import VisionAttentionBlock, reference  # noqa: E402
@@ -76,18 +77,6 @@ DETERMINISTIC_CUBLAS = ":4096:8"
 
 
 # ----------------------------------------------------------------------------- towers
-
-def hf_clip(device, layers):
-    """A random-init HF CLIPVisionModel: ViT-L/14-336 on CUDA, 65 tokens on the CPU."""
-    from transformers import CLIPVisionConfig, CLIPVisionModel
-    size = (dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
-                 image_size=336, patch_size=14) if device == "cuda" else
-            dict(hidden_size=128, intermediate_size=512, num_attention_heads=4,
-                 image_size=64, patch_size=8))
-    torch.manual_seed(0)
-    config = CLIPVisionConfig(num_hidden_layers=layers, hidden_act="quick_gelu", **size)
-    return CLIPVisionModel(config).to(device).train()
-
 
 def hf_siglip(device, layers):
     """A random-init HF SiglipVisionModel of so400m's shapes (1152 wide, 16 heads of 72,
@@ -103,17 +92,13 @@ def hf_siglip(device, layers):
 
 
 def timm_vit(device, layers):
-    import timm
     torch.manual_seed(0)
-    return timm.create_model("vit_large_patch14_clip_336", pretrained=False, depth=layers,
-                             num_classes=0).to(device).train()
+    return timm_tower(layers).to(device).train()
 
 
 def open_clip_vit(device, layers):
-    from open_clip.transformer import VisionTransformer
     torch.manual_seed(0)
-    return VisionTransformer(image_size=336, patch_size=14, width=1024, layers=layers,
-                             heads=16, mlp_ratio=4.0, output_dim=768).to(device).train()
+    return open_clip_tower(layers).to(device).train()
 
 
 def image_size(model):
@@ -317,14 +302,14 @@ def run_towers(record, tower, setting, batch_sizes, args, device,
 # ------------------------------------------------------------------------- suites
 
 def suite_autocast(args, device, record):
-    tower = hf_clip(device, args.layers)
+    tower = hf_tower(device, args.layers)
     sizes = args.batch_sizes or ([1, 8, 32] if device == "cuda" else [1, 2])
     run_towers(record, tower, "autocast", sizes, args, device,
                reduce_overhead_batch=max(sizes) if device == "cuda" else None)
 
 
 def suite_float32(args, device, record):
-    tower = hf_clip(device, args.layers)
+    tower = hf_tower(device, args.layers)
     sizes = args.batch_sizes or ([8, 32] if device == "cuda" else [2])
     for precision in args.float32_precisions:
         torch.set_float32_matmul_precision(precision)
@@ -395,7 +380,7 @@ def suite_deterministic(args, device, record):
     materializes some broadcasts. CUBLAS_WORKSPACE_CONFIG=:4096:8 is cuBLAS's default
     on sm90 (32 MiB). The "no NaN fill" row measures the fill's share; the kernel table
     the kernels whose time the flag changed."""
-    tower = hf_clip(device, args.layers)
+    tower = hf_tower(device, args.layers)
     batch = (args.batch_sizes or ([32] if device == "cuda" else [2]))[0]
     pixels = pixels_for(tower, batch, device)
     torch.set_float32_matmul_precision("high")
@@ -443,7 +428,7 @@ def restart_child(args, device):
         torch.compiler.load_cache_artifacts(Path(args.load_artifacts).read_bytes())
     setting, model_name = args.restart_setting, args.restart_model
     torch.set_float32_matmul_precision("high")
-    tower = hf_clip(device, args.layers)
+    tower = hf_tower(device, args.layers)
     if model_name == "compiled swapped":
         tower = swap_attention(tower)
     model = torch.compile(tower, dynamic=False)
@@ -485,6 +470,9 @@ def suite_restart(args, device, record):
                 print(f"\n{setting}, {model_name}: " + json.dumps(row), flush=True)
 
 
+RESTART_TIMEOUT_S = 240
+
+
 def restart_process(args, setting, model_name, cache_dir, extra):
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
     env.pop("TRITON_CACHE_DIR", None)
@@ -495,7 +483,12 @@ def restart_process(args, setting, model_name, cache_dir, extra):
     if args.batch_sizes:
         command += ["--batch-sizes", *map(str, args.batch_sizes)]
     start = time.perf_counter()
-    run = subprocess.run(command, capture_output=True, text=True, env=env)
+    try:
+        # a cold max-autotune first step of a 12-layer tower took 19-38 s on the H200
+        run = subprocess.run(command, capture_output=True, text=True, env=env,
+                             timeout=RESTART_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no first step within {RESTART_TIMEOUT_S} s"}
     if run.returncode:
         return {"error": run.stderr[-2000:]}
     return {**json.loads(run.stdout.strip().splitlines()[-1]),

@@ -36,23 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from vitattn_bwd import attention_core, gluon_core  # noqa: E402
 from vitattn_bwd.layout import merge_heads, split_heads  # noqa: E402
-from vitattn_bwd.precision import split_bf16_rounded  # noqa: E402
+
+from time_core_gluon import bench, halves_of, rel  # noqa: E402  (beside this script)
 
 SHAPES = [("ViT-L/14-336", 577, 16, 64), ("SigLIP so400m", 729, 16, 72),
           ("ViT-H/14", 257, 16, 80)]
 SDPA_BACKENDS = {"sdpa cudnn": SDPBackend.CUDNN_ATTENTION,
                  "sdpa flash": SDPBackend.FLASH_ATTENTION,
                  "sdpa efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-def bench(fn):
-    import triton
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def rel(got, want):
-    got, want = got.double(), want.double()
-    return ((got - want).norm() / want.norm()).item()
 
 
 def make_inputs(batch, S, H, D, seed):
@@ -105,10 +96,6 @@ def gluon_passes(probs, operands, attn_output, scale, head_dim, products):
     return rows, cols, grads
 
 
-def split_operands(grad_attn, q, k, v):
-    return [part for t in (grad_attn, q, k, v) for part in split_bf16_rounded(t.contiguous())]
-
-
 def sdpa_backward(backend, q, k, v, grad_attn, scale):
     """(backward closure, its dQ, dK, dV [B,S,E]) of F.scaled_dot_product_attention with
     one backend."""
@@ -135,7 +122,7 @@ def float64_check(S, H, D):
         *(t.double() for t in (probs, grad_attn, q, k, v)), scale)
     result = {}
     for mode, p_or_lse, out in (("P given", probs, None), ("recompute", lse, attn_output)):
-        rows, cols, grads = gluon_passes(p_or_lse, split_operands(grad_attn, q, k, v), out,
+        rows, cols, grads = gluon_passes(p_or_lse, halves_of(grad_attn, q, k, v), out,
                                          scale, D, products=3)
         rows()
         cols()
@@ -177,7 +164,7 @@ def timings(batch, S, H, D):
     q, k, v, grad_attn, probs, lse, attn_output = make_inputs(batch, S, H, D, seed=0)
     scale = 1 / math.sqrt(D)
     table = []
-    operands = split_operands(grad_attn, q, k, v)
+    operands = halves_of(grad_attn, q, k, v)
     for mode, p_or_lse, out in (("P given", probs, None), ("recompute", lse, attn_output)):
         rows, cols, _ = gluon_passes(p_or_lse, operands, out, scale, D, products=3)
         rows()
