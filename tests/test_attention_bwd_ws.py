@@ -11,7 +11,6 @@ from vitattn_bwd import attention_bwd_ws
 from .helpers import H200_SHARED_MEMORY, sm90_compile_report, triton_environments
 
 
-
 @pytest.fixture(scope="module", params=list(triton_environments()))
 def resources(request):
     """{tiles: resources} from scripts/time_core_ws.py --sm90 with each triton."""

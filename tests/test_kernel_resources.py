@@ -11,7 +11,6 @@ import pytest
 from .helpers import H200_SHARED_MEMORY, sm90_compile_report, triton_environments
 
 
-
 @pytest.fixture(scope="module", params=list(triton_environments()))
 def resources(request):
     """scripts/kernel_resources.py --json with each triton (helpers.triton_environments)."""

@@ -190,8 +190,8 @@ MAX_BATCH_HEADS = 65535
 
 
 def check_batch_heads(batch, num_heads, device_type):
-    """On CUDA, batch * num_heads at most MAX_BATCH_HEADS (x's batch: at most 4,095 at 16 heads);
-    past it the kernels' launch would fail with CUDA's own error."""
+    """On CUDA, batch * num_heads at most MAX_BATCH_HEADS (x's batch: at most 4,095 at
+    16 heads); past it the kernels' launch would fail with CUDA's own error."""
     if device_type == "cuda" and batch * num_heads > MAX_BATCH_HEADS:
         raise ValueError(f"x: batch {batch} x num_heads {num_heads} is over the attention "
                          f"kernels' limit of {MAX_BATCH_HEADS} (batch * heads on CUDA's "
