@@ -47,8 +47,10 @@ class WsTiles(NamedTuple):
 
 # Two consumer warpgroups (128 keys; registers for one program per SM) or one (64 keys,
 # at 152 registers one program per SM too), 2 or 3 stages: each compiles for sm_90
-# without spills, its wgmmas unserialized (tests/test_attention_bwd_ws.py).
-TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168), WsTiles(64, 64, 2, 152),
+# without spills, its wgmmas unserialized (tests/test_attention_bwd_ws.py), under
+# triton 3.6.0, 3.8.0 and 3.9.0. Two warpgroups take 184 registers: at 168, 3.8.0's
+# compiler spilled 24-28 bytes.
+TILES = (WsTiles(64, 128, 2, 184), WsTiles(64, 128, 3, 184), WsTiles(64, 64, 2, 152),
          WsTiles(64, 64, 3, 152))
 # Timed beside TILES (scripts/time_core_ws.py): one warpgroup at 128 registers, two
 # programs per SM by registers. Its consumers need 232 registers (at 200 ptxas
