@@ -1,9 +1,9 @@
 """cuda_graphs.GraphedCall on a CUDA GPU (gpu marker): replays equal direct calls for
-inputs at fresh addresses, outputs are the caller's own (a later replay leaves them
-alone), one graph per input signature, replays from worker threads and other streams
-are ordered after each other, a graph captured in inference mode serves later calls, a
-failed capture falls back to direct calls, and inputs on a GPU other than the current
-one (two GPUs) are computed there."""
+inputs at fresh addresses, the first call returns the graph's bits, outputs are the
+caller's own (a later replay leaves them alone), one graph per input signature, replays
+from worker threads and other streams are ordered after each other, a graph captured in
+inference mode serves later calls, a failed capture falls back to direct calls, and
+inputs on a GPU other than the current one (two GPUs) are computed there."""
 import threading
 
 import pytest
@@ -31,6 +31,22 @@ def test_replays_equal_direct_calls_and_outputs_are_not_overwritten():
         want = _product_and_sum(**_inputs(seed))
         assert all(torch.equal(g, w) for g, w in zip(got, want)), seed
     assert len(graphed._graphs) == 1
+
+
+def test_the_first_call_returns_the_graphs_bits():
+    """fn's direct runs and its graph may differ in bits (here: a Python counter that
+    each run bakes into its kernels, as a recompile with other autotune choices would);
+    the first call of a signature returns what its replays return."""
+    runs = []
+
+    def counted(a):
+        runs.append(None)
+        return (a + len(runs),)                 # 1: the direct run; 3: the captured one
+    graphed = GraphedCall(counted)
+    a = _inputs(0)["a"]
+    results = [graphed(a=a)[0] for _ in range(3)]
+    assert len(runs) == 3                       # direct, warm-up on the static copies, capture
+    assert all(torch.equal(r, a + 3) for r in results)
 
 
 def test_inside_a_callers_capture_its_kernels_go_into_the_callers_graph():

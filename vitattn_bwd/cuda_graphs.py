@@ -3,9 +3,10 @@
 Small batches are launch-bound: their GPU work (0.1-1.5 ms) is shorter than launching
 their 25-45 kernels one by one from Python. `GraphedCall` wraps a compiled function:
 the first call with a new input signature (shapes, strides, dtypes, device) runs it
-normally (compiling and autotuning if need be) and then captures one CUDA graph of it on
-static copies of those inputs; later calls copy their inputs into the static buffers
-(one multi-tensor copy), replay the graph and copy its outputs out (another). Nothing is
+normally (compiling and autotuning if need be), then captures one CUDA graph of it on
+static copies of those inputs and replays it; every call copies its inputs into the
+static buffers (one multi-tensor copy), replays the graph and copies its outputs out
+(another). Nothing is
 compiled or allocated by the graph after capture, so every replay launches the same
 kernels. A call made while the caller itself captures a CUDA graph (torch.compile's
 "reduce-overhead" CUDA graphs around our operators, a torch.cuda.graph block) runs the
@@ -99,9 +100,11 @@ class GraphedCall:
     graphs are) and must not keep references to its inputs or outputs; all inputs on one
     GPU.
 
-    The first call of a signature runs fn directly, then captures. A call made while
-    the current stream is capturing (the caller's CUDA graph) runs fn directly. One lock per instance
-    serializes calls, the first (compiling, autotuning) one included. If a capture fails,
+    The first call of a signature runs fn directly (compiling, autotuning; an error
+    there reaches the caller), then captures, and returns the first replay's outputs:
+    every call of a signature returns the graph's bits. A call made while the current
+    stream is capturing (the caller's CUDA graph) runs fn directly. One lock per
+    instance serializes calls, the first (compiling, autotuning) one included. If a capture fails,
     that signature runs fn directly from then on, with a warning: correct, only slower.
     Each captured signature keeps its static inputs and its graph's memory pool (about
     the call's inputs and intermediates) for the life of the instance."""
@@ -128,9 +131,13 @@ class GraphedCall:
                 return captured.replay(inputs) if captured else tuple(self.fn(**inputs))
             outputs = tuple(self.fn(**inputs))         # compiles, autotunes
             try:
-                self._graphs[key] = _Captured(self.fn, inputs)
+                captured = _Captured(self.fn, inputs)
             except Exception as error:                 # e.g. an op that cannot be captured
                 warnings.warn(f"vitattn_bwd: CUDA graph capture failed ({error!r}); these "
                               "input shapes run without a CUDA graph", RuntimeWarning)
                 self._graphs[key] = None
-            return outputs
+                return outputs
+            self._graphs[key] = captured
+            # the first call returns the graph's outputs too, so that every call of a
+            # signature gives the same bits as its later replays
+            return captured.replay(inputs)
