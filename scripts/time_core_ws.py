@@ -21,8 +21,8 @@ atomics), with TFLOP/s of 5 products of 2*B*H*S^2*D each. Prints a table last;
 details in DIR/core_ws.json.
 
 --sm90 compiles each configuration (both lists) for sm_90 (no launch) and prints, per
-configuration: shared memory, spill bytes, HGMMA and wgmma-wait counts in the SASS,
-the setmaxnreg register counts, and any ptxas note that it serialized the wgmmas.
+configuration: shared memory, threads, spill bytes, HGMMA and wgmma-wait counts in the
+SASS, the setmaxnreg register counts, and any ptxas note that it serialized the wgmmas.
 """
 import argparse
 import contextlib
@@ -42,7 +42,8 @@ from vitattn_bwd import attention_bwd_ws  # noqa: E402
 
 
 def sm90_report():
-    """[(tiles, {shared_bytes, spill_stores, hgmma, waits, setmaxnreg, serialized})]
+    """[(tiles, {shared_bytes, threads, spill_stores, hgmma, waits, setmaxnreg,
+    serialized})]
     of each configuration compiled for sm_90."""
     from kernel_resources import _cuda_tools
     ptxas, cuobjdump = _cuda_tools()
@@ -60,6 +61,7 @@ def sm90_report():
                                   text=True, check=True).stdout
         report.append((list(tiles), dict(
             shared_bytes=compiled.metadata.shared,
+            threads=int(re.search(r"\.reqntid (\d+)", compiled.asm["ptx"])[1]),
             spill_stores=int(re.search(r"(\d+) bytes spill stores", notes)[1]),
             hgmma=len(re.findall(r"\bHGMMA\b", sass)),
             waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),

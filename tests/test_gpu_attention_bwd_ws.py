@@ -63,7 +63,7 @@ def test_gradients_against_float64(tiles, seq_len, dtype):
         assert _rel(g, r) <= 2 * _rel(f, r) + 1e-4, (name, _rel(g, r), _rel(f, r))
 
 
-@pytest.mark.parametrize("tiles", attention_bwd_ws.TILES[:1] + attention_bwd_ws.TILES[2:3])
+@pytest.mark.parametrize("tiles", attention_bwd_ws.TILES[:1] + attention_bwd_ws.CANDIDATE_TILES[:1])
 def test_bitwise_reproducible(tiles):
     """Three calls, and the QKV views against contiguous copies: the same bits (dQ is
     added in key-block order, never by racing atomics)."""

@@ -45,18 +45,19 @@ class WsTiles(NamedTuple):
         return 8 if self.worker_registers >= 56 else 2
 
 
-# Two consumer warpgroups (128 keys; registers for one program per SM) or one (64 keys,
-# at 152 registers one program per SM too), 2 or 3 stages: each compiles for sm_90
-# without spills, its wgmmas unserialized (tests/test_attention_bwd_ws.py), under
-# triton 3.6.0, 3.8.0 and 3.9.0. Two warpgroups take 184 registers: at 168, 3.8.0's
-# compiler spilled 24-28 bytes.
-TILES = (WsTiles(64, 128, 2, 184), WsTiles(64, 128, 3, 184), WsTiles(64, 64, 2, 152),
-         WsTiles(64, 64, 3, 152))
-# Timed beside TILES (scripts/time_core_ws.py): one warpgroup at 128 registers, two
-# programs per SM by registers. Its consumers need 232 registers (at 200 ptxas
-# serializes the wgmmas for want of registers), so the workers keep 24, and ptxas
+# One consumer warpgroup (64 keys) at 152 registers, 2 or 3 stages: one program per SM,
+# compiled for sm_90 without spills and with its wgmmas unserialized under triton 3.6.0,
+# 3.8.0 and 3.9.0 (tests/test_attention_bwd_ws.py).
+TILES = (WsTiles(64, 64, 2, 152), WsTiles(64, 64, 3, 152))
+# Timed beside TILES (scripts/time_core_ws.py), each spilling a few words under some
+# triton. Two consumer warpgroups (128 keys), the fastest on the H200 (docs/
+# performance.md): 384 threads leave at most 170 registers each, and at 168 triton
+# 3.8.0's compiler spills 24-28 bytes (none under 3.6.0 and 3.9.0). One warpgroup at 128
+# registers, two programs per SM by registers: its consumers need 232 registers (at 200
+# ptxas serializes the wgmmas for want of registers), so the workers keep 24, and ptxas
 # spills 28-36 bytes of the consumers'.
-CANDIDATE_TILES = (WsTiles(64, 64, 2, 128, 24), WsTiles(64, 64, 3, 128, 24))
+CANDIDATE_TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168),
+                   WsTiles(64, 64, 2, 128, 24), WsTiles(64, 64, 3, 128, 24))
 
 
 def _shared_layout(block_shape, dtype):
