@@ -26,6 +26,21 @@ def test_static_buffers_match_shape_strides_dtype_and_requires_grad():
         assert s.data_ptr() != t.data_ptr(), name
 
 
+def test_static_buffers_of_a_modules_weights_compile_no_second_graph():
+    """A module's weights (nn.Parameter) get Parameter buffers: a compiled function
+    called on the caller's tensors, then on the static buffers, compiles once."""
+    compiled = torch.compile(lambda x, weight: (x @ weight).relu(), backend="eager")
+    inputs = dict(x=torch.randn(4, 8), weight=torch.nn.Parameter(torch.randn(8, 8)))
+    static = static_buffers(inputs)
+    assert isinstance(static["weight"], torch.nn.Parameter)
+    assert not isinstance(static["x"], torch.nn.Parameter)
+    counters = torch._dynamo.utils.counters
+    before = counters["stats"]["unique_graphs"]
+    compiled(**inputs)
+    compiled(**static)
+    assert counters["stats"]["unique_graphs"] - before == 1
+
+
 def test_static_buffers_made_in_inference_mode_take_later_copies():
     with torch.inference_mode():
         inputs = _module_style_inputs()

@@ -31,15 +31,19 @@ import torch
 
 
 def static_buffers(inputs):
-    """Tensors to capture a graph on: like `inputs` in shape, strides, dtype, device and
-    requires_grad (what dynamo's guards check, so fn runs the graph it compiled for the
-    caller's tensors), holding copies of their values. Always ordinary tensors, even when
-    made inside torch.inference_mode (an inference tensor could not be copied into by a
-    later call outside it)."""
+    """Tensors to capture a graph on: like `inputs` in type (nn.Parameter or not), shape,
+    strides, dtype, device and requires_grad (what dynamo's guards check, so fn runs the
+    graph it compiled for the caller's tensors: a plain copy of a module's weight made
+    dynamo compile a second graph, with autotuning of its own), holding copies of their
+    values. Never inference tensors, even when made inside torch.inference_mode (an
+    inference tensor could not be copied into by a later call outside it)."""
     with torch.inference_mode(False), torch.no_grad():
         static = {}
         for name, t in inputs.items():
-            static[name] = _empty_like_strided(t).copy_(t).requires_grad_(t.requires_grad)
+            copy = _empty_like_strided(t).copy_(t)
+            static[name] = (torch.nn.Parameter(copy, requires_grad=t.requires_grad)
+                            if isinstance(t, torch.nn.Parameter)
+                            else copy.requires_grad_(t.requires_grad))
         return static
 
 
