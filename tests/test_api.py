@@ -263,3 +263,17 @@ def test_argument_checks_cost_microseconds_not_a_pass_over_the_data():
     assert scale == 0.125 and num_heads == 4
     assert all(checked[k].data_ptr() == t.data_ptr() for k, t in tensors.items())  # no copy
     assert best < 300e-6, f"{best * 1e6:.0f} us per call"
+
+
+def test_contract_precision_high_past_its_rows_runs_highest():
+    """With P given, "high" runs "highest" past HIGH_PRECISION_MAX_ROWS rows (the
+    contract's margins at big batches, tests/test_gpu_properties.py); the module's
+    log-sum-exp path and an explicit "highest" are unchanged, and the CPU runs plain
+    products."""
+    from vitattn_bwd.graph import HIGH_PRECISION_MAX_ROWS, split_precision_of
+    rows = HIGH_PRECISION_MAX_ROWS
+    assert split_precision_of("cuda", "high", rows, True) == "high"
+    assert split_precision_of("cuda", "high", rows + 1, True) == "highest"
+    assert split_precision_of("cuda", "high", rows + 1, False) == "high"
+    assert split_precision_of("cuda", "highest", 1, True) == "highest"
+    assert split_precision_of("cpu", "high", rows + 1, True) is None
