@@ -174,11 +174,35 @@ def _templates():
                            source=_COLS_ENTRY + source))
 
 
+# Autotuning times each choice on inputs of its own (select_algorithm's example values),
+# allocated beside the caller's tensors. Where a lowering's inputs take more than this
+# fraction of the device's memory, its first choice is taken untimed: at batch 1,850 the
+# contract's P alone is 36.7 GiB, and its copy for timing ran out of memory there.
+AUTOTUNE_MAX_INPUT_FRACTION = 1 / 8
+
+
+def _fits_autotuning(inputs):
+    """Whether copies of `inputs` (IR nodes, at their size hints) take at most
+    AUTOTUNE_MAX_INPUT_FRACTION of their CUDA device's memory."""
+    device = inputs[0].get_device()
+    if device.type != "cuda":
+        return True
+    hint = V.graph.sizevars.optimization_hint          # torch 2.11 to 2.14
+    input_bytes = sum(hint(node.get_numel(), fallback=0) * node.get_dtype().itemsize
+                      for node in inputs)
+    return input_bytes <= (AUTOTUNE_MAX_INPUT_FRACTION
+                           * torch.cuda.get_device_properties(device).total_memory)
+
+
 def _select(template, choices, inputs, layout):
-    """The tuned template's output node. Selected now, not deferred to the scheduler
-    (return_multi_template=False): a deferred choice is a MultiTemplateBuffer, which
-    drops the mutated inputs, so the scheduler would not order the readers of our
-    halves and delta after the template (seen on the H200: they ran before it)."""
+    """The tuned template's output node (the first choice, untimed, where the inputs
+    are too large to copy for timing: _fits_autotuning). Selected now, not deferred to
+    the scheduler (return_multi_template=False): a deferred choice is a
+    MultiTemplateBuffer, which drops the mutated inputs, so the scheduler would not
+    order the readers of our halves and delta after the template (seen on the H200:
+    they ran before it)."""
+    if not _fits_autotuning(inputs):
+        choices = choices[:1]
     selected = autotune_select_algorithm(template.name, choices, inputs, layout,
                                          return_multi_template=False)
     return selected[0] if isinstance(selected, tuple) else selected
@@ -445,13 +469,13 @@ def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=No
         inputs.append(operand_scales)
     constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     rows_template, _ = _templates()
-    choices = []
+    # the Gluon kernels first: the choice taken untimed where autotuning cannot fit
+    choices = _gluon_tile_choices(_gluon_choices()[0], gluon_core.rows_tiles(head_dim), k,
+                                  head_dim, inputs, layout, scale)
     if _template_applies(k, head_dim) and not fp16_halves:
-        choices = _tile_choices(rows_template, TILE_CONFIGS, inputs, layout, constexprs,
-                                mutated_inputs=[delta, grad_q_halves, grad_q_sums],
-                                call_sizes=[batch, num_heads, seq_len])
-    choices += _gluon_tile_choices(_gluon_choices()[0], gluon_core.rows_tiles(head_dim), k,
-                                   head_dim, inputs, layout, scale)
+        choices += _tile_choices(rows_template, TILE_CONFIGS, inputs, layout, constexprs,
+                                 mutated_inputs=[delta, grad_q_halves, grad_q_sums],
+                                 call_sizes=[batch, num_heads, seq_len])
     return _selected_outputs(rows_template, choices, inputs, layout,
                              (grad_q_halves, delta, grad_q_sums), delta)
 
@@ -477,13 +501,13 @@ def _lower_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
         inputs.append(operand_scales)
     constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
     _, cols_template = _templates()
-    choices = []
+    # the Gluon kernels first: the choice taken untimed where autotuning cannot fit
+    choices = _gluon_tile_choices(_gluon_choices()[1], gluon_core.cols_tiles(head_dim), q,
+                                  head_dim, inputs, layout, scale)
     if _template_applies(q, head_dim) and not fp16_halves:
-        choices = _tile_choices(cols_template, TILE_CONFIGS, inputs, layout, constexprs,
-                                mutated_inputs=[grad_kv_halves, grad_kv_sums],
-                                call_sizes=[batch, num_heads, seq_len])
-    choices += _gluon_tile_choices(_gluon_choices()[1], gluon_core.cols_tiles(head_dim), q,
-                                   head_dim, inputs, layout, scale)
+        choices += _tile_choices(cols_template, TILE_CONFIGS, inputs, layout, constexprs,
+                                 mutated_inputs=[grad_kv_halves, grad_kv_sums],
+                                 call_sizes=[batch, num_heads, seq_len])
     return _selected_outputs(cols_template, choices, inputs, layout,
                              (grad_kv_halves, grad_kv_sums), grad_kv_halves)
 
