@@ -1,6 +1,8 @@
 """On a CUDA GPU: a contract call that runs out of device memory, in a batch size's first
 compile (autotuning included) or in its run, raises torch.OutOfMemoryError, and the next
 calls, at that size and another, are right."""
+import gc
+
 import pytest
 import torch
 
@@ -14,7 +16,10 @@ pytestmark = pytest.mark.gpu
 
 def test_contract_out_of_memory_is_torch_out_of_memory_and_the_next_call_is_right():
     """The caching allocator is capped (for this test only) at what the inputs of a new
-    batch size take plus 256 MB: far less than its compile and run need."""
+    batch size take plus 256 MB: far less than its compile and run need. (Garbage of
+    earlier tests is collected first: freed during the call, it had made room under the
+    cap.)"""
+    gc.collect()
     torch.cuda.empty_cache()
     inputs = make_inputs(44, device="cuda")                   # not a benchmark size
     cap = (torch.cuda.memory_allocated() + 2 ** 28) / torch.cuda.get_device_properties(
