@@ -1,15 +1,16 @@
-"""On a CUDA GPU: a contract call that runs out of device memory, in a batch size's first
-compile (autotuning included) or in its run, raises torch.OutOfMemoryError, and the next
-calls, at that size and another, are right."""
+"""On a CUDA GPU: a contract call, or VisionAttentionBlock's forward or backward, that runs
+out of device memory, in a batch size's first compile (autotuning included) or in its
+run, raises torch.OutOfMemoryError, and the next calls, at that size and another, are
+right."""
 import gc
 
 import pytest
 import torch
 
-from vitattn_bwd import contract
+from vitattn_bwd import VisionAttentionBlock, contract, reference
 from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs, within_tolerance
 
-from .helpers import reference_grads
+from .helpers import reference_grads, relative_errors
 
 pytestmark = pytest.mark.gpu
 
@@ -49,3 +50,57 @@ def test_batch_times_heads_past_the_grid_is_refused_by_the_backward_and_the_bloc
     block = VisionAttentionBlock(1024, 16, precision="high").cuda()
     with pytest.raises(ValueError, match="x: batch 4096 x num_heads 16"):
         block(torch.randn(4096, 1, 1024, device="cuda"))
+
+
+def _capped_allocator(slack_bytes):
+    """The caching allocator capped (until set back to 1.0) at what is allocated now,
+    after garbage collection, plus slack_bytes."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(
+        (torch.cuda.memory_allocated() + slack_bytes) / total)
+
+
+def _module_step_errors(block, x, grad_y):
+    """Relative errors of the block's y and gradients against float64 autograd."""
+    x = x.detach().requires_grad_()
+    y = block(x)
+    got = [y] + list(torch.autograd.grad(y, [x, *block.parameters()], grad_y))
+    params = [p.detach().double().requires_grad_() for p in block.parameters()]
+    x64 = x.detach().double().requires_grad_()
+    y64 = reference.block_forward(x64, *params, num_heads=block.num_heads, eps=block.eps)
+    want = [y64] + list(torch.autograd.grad(y64, [x64, *params], grad_y.double()))
+    return relative_errors(got, want)
+
+
+@pytest.mark.usefixtures("no_tf32")
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_module_out_of_memory_is_torch_out_of_memory_and_the_next_step_is_right(phase):
+    """VisionAttentionBlock (float32, "high") at batch 40 with the allocator capped at
+    what is allocated plus 64 MB (for the backward: after an uncapped forward): the
+    forward or the backward raises torch.OutOfMemoryError (its activations alone, or
+    grad_x, are larger), in a compile or in the run; uncapped, a step at that batch and at
+    batch 3 is within the float32-grade bounds (1e-5 for y, 1e-3 for qkv.weight's one
+    fp16 product, 1e-4 for the rest)."""
+    torch.manual_seed(0)
+    block = VisionAttentionBlock(1024, 16, precision="high").cuda()
+    x = torch.randn(40, 577, 1024, device="cuda", requires_grad=True)
+    grad_y = torch.randn_like(x)
+    y = None if phase == "forward" else block(x)
+    _capped_allocator(2 ** 26)
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            if phase == "forward":
+                block(x)
+            else:
+                y.backward(grad_y)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    del y
+    names = ["y", "x"] + [name for name, _ in block.named_parameters()]
+    for batch in (40, 3):
+        errors = _module_step_errors(block, x[:batch], grad_y[:batch])
+        for name, error in zip(names, errors):
+            limit = 1e-5 if name == "y" else 1e-3 if name == "qkv.weight" else 1e-4
+            assert error < limit, (phase, batch, name, error)
