@@ -86,3 +86,53 @@ def test_split_cache_tells_apart_views_of_one_buffer_at_different_offsets():
     assert len({inductor._split_key(view) for view in (q, k, v)}) == 3
     assert inductor._split_key(q) == inductor._split_key(ir.ReinterpretView(
         data=qkv, layout=ir.FixedLayout(cpu, torch.float32, [1, 1, 1, 32], [96, 32, 96, 1])))
+
+
+class _Node:
+    """An IR input node as _fits_autotuning reads it: device, element count, dtype."""
+
+    def __init__(self, numel, device="cuda"):
+        self.numel, self.device = numel, torch.device(device, 0)
+
+    def get_device(self):
+        return self.device
+
+    def get_numel(self):
+        return self.numel
+
+    def get_dtype(self):
+        return torch.float32
+
+
+class _Graph:
+    """V.graph as _fits_autotuning reads it: size hints of concrete numbers."""
+
+    class sizevars:
+        @staticmethod
+        def optimization_hint(expr, fallback=None):
+            return int(expr)
+
+
+def test_lowerings_take_their_first_choice_untimed_past_an_eighth_of_device_memory(
+        monkeypatch):
+    """Inputs of more than AUTOTUNE_MAX_INPUT_FRACTION of the device's memory (their
+    copies for timing would not fit beside the caller's tensors): _select hands the
+    autotuner the first choice only; at that fraction or below, or off CUDA, every
+    choice."""
+    from types import SimpleNamespace
+
+    from torch._inductor.virtualized import V
+    device_bytes = 32_000                             # an eighth: 4,000 bytes, 1,000 floats
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=device_bytes))
+    offered = []
+    monkeypatch.setattr(inductor, "autotune_select_algorithm",
+                        lambda name, choices, *args, **kwargs: offered.append(choices))
+    template = SimpleNamespace(name="template")
+    with V.set_graph_handler(_Graph()):
+        assert inductor._fits_autotuning([_Node(600), _Node(400)])
+        assert not inductor._fits_autotuning([_Node(600), _Node(401)])
+        assert inductor._fits_autotuning([_Node(10 ** 6, device="cpu")])
+        inductor._select(template, ["gluon", "triton"], [_Node(600), _Node(400)], None)
+        inductor._select(template, ["gluon", "triton"], [_Node(600), _Node(401)], None)
+    assert offered == [["gluon", "triton"], ["gluon"]]
