@@ -33,11 +33,10 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
     NaN/Inf inputs propagate to the outputs like in the eager math; check_finite=True
     rejects them with a ValueError instead (one extra pass over every input).
     precision: "high" (the default, whatever torch's float32 matmul precision: the
-    fastest products the benchmark's tolerance allows; past 64 x 577 rows B*S, where
-    the weight gradients' sums outgrow that tolerance's absolute term, it runs
-    "highest") or "highest" (float32-faithful:
-    every product fp16x3, the GEMMs with two-level accumulation, split_gemm.py); on the
-    CPU the products are plain matmuls either way.
+    fastest products the benchmark's tolerance allows; past 64 x 577 rows B*S, where the
+    weight gradients' sums outgrow that tolerance's absolute term, it runs "highest") or
+    "highest" (float32-faithful: every product fp16x3, the GEMMs with two-level
+    accumulation, split_gemm.py); on the CPU the products are plain matmuls either way.
     """
     tensors = dict(grad_output=grad_output, x=x, x_mean=x_mean, x_var=x_var, x_norm=x_norm,
                    ln_weight=ln_weight, qkv_weight=qkv_weight, q=q, k=k, v=v,

@@ -1,17 +1,16 @@
 """Our compiled graphs replayed as CUDA graphs, on any thread.
 
 Small batches are launch-bound: their GPU work (0.1-1.5 ms) is shorter than launching
-their 25-45 kernels one by one from Python. `GraphedCall` wraps a compiled function:
-the first call with a new input signature (shapes, strides, dtypes, device) runs it
-normally (compiling and autotuning if need be), then captures one CUDA graph of it on
-static copies of those inputs and replays it; every call copies its inputs into the
-static buffers (one multi-tensor copy), replays the graph and copies its outputs out
-(another). Nothing is
-compiled or allocated by the graph after capture, so every replay launches the same
-kernels. A call made while the caller itself captures a CUDA graph (torch.compile's
-"reduce-overhead" CUDA graphs around our operators, a torch.cuda.graph block) runs the
-compiled function directly, so that its kernels become part of the caller's graph: a
-capture cannot begin, nor a graph be replayed, inside another capture.
+their 25-45 kernels one by one from Python. `GraphedCall` wraps a compiled function: the
+first call with a new input signature (shapes, strides, dtypes, device) runs it normally
+(compiling and autotuning if need be), then captures one CUDA graph of it on static
+copies of those inputs and replays it; every call copies its inputs into the static
+buffers (one multi-tensor copy), replays the graph and copies its outputs out (another).
+Nothing is compiled or allocated by the graph after capture, so every replay launches
+the same kernels. A call made while the caller itself captures a CUDA graph
+(torch.compile's "reduce-overhead" CUDA graphs around our operators, a torch.cuda.graph
+block) runs the compiled function directly, so that its kernels become part of the
+caller's graph: a capture cannot begin, nor a graph be replayed, inside another capture.
 
 Why not Inductor's CUDA graph trees (the `triton.cudagraphs` option): their tree manager
 and memory pool are per device and shared by every thread, and before pytorch PR 184357
@@ -108,10 +107,11 @@ class GraphedCall:
     there reaches the caller), then captures, and returns the first replay's outputs:
     every call of a signature returns the graph's bits. A call made while the current
     stream is capturing (the caller's CUDA graph) runs fn directly. One lock per
-    instance serializes calls, the first (compiling, autotuning) one included. If a capture fails,
-    that signature runs fn directly from then on, with a warning: correct, only slower.
-    Each captured signature keeps its static inputs and its graph's memory pool (about
-    the call's inputs and intermediates) for the life of the instance."""
+    instance serializes calls, the first (compiling, autotuning) one included. If a
+    capture fails, that signature runs fn directly from then on, with a warning:
+    correct, only slower. Each captured signature keeps its static inputs and its
+    graph's memory pool (about the call's inputs and intermediates) for the life of the
+    instance."""
 
     def __init__(self, fn):
         self.fn = fn
