@@ -1,5 +1,5 @@
-"""Test helpers shared by every test file: the one input factory, the float64 reference,
-relative errors, the one table of relative-error bounds, the spies and the AdamW loop."""
+"""Test helpers shared by every test file: the one input factory, the float64 reference
+(of the backward and of a block's step), relative errors, the one table of relative-error bounds, the spies and the AdamW loop."""
 import torch
 
 from vitattn_bwd import reference
@@ -39,6 +39,33 @@ def reference_grads(inputs, num_heads, ln_grad, dtype=torch.float64, device="cpu
     args = {name: (t.to(device=device, dtype=dtype) if torch.is_tensor(t) else t)
             for name, t in inputs.items()}
     return reference.attention_block_backward(**args, num_heads=num_heads, ln_grad=ln_grad)
+
+
+def block_step(block, x, grad_y):
+    """[y, grad of x, grad of each parameter] of one forward and backward of `block` on x
+    (detached: a leaf of its own) with upstream gradient grad_y."""
+    x = x.detach().requires_grad_()
+    y = block(x)
+    return [y] + list(torch.autograd.grad(y, [x, *block.parameters()], grad_y))
+
+
+def block_step_float64(block, x, grad_y):
+    """block_step's outputs by float64 autograd through the stock block
+    (reference.block_forward) on the same values: x, the parameters and grad_y upcast
+    exactly."""
+    params = [p.detach().double().requires_grad_() for p in block.parameters()]
+    x64 = x.detach().double().requires_grad_()
+    y64 = reference.block_forward(x64, *params, num_heads=block.num_heads, eps=block.eps)
+    return [y64] + list(torch.autograd.grad(y64, [x64, *params], grad_y.double()))
+
+
+def float32_grade_bound(name):
+    """The relative-error bound against float64 of a float32 block's y (name "y") or a
+    gradient (x or a parameter's name) at precision "high" on CUDA: bf16x3 products,
+    the QKV weight's gradient one fp16 product."""
+    if name == "y":
+        return 1e-5            # bf16x3 projections (rounded splits): ~4e-6
+    return 1e-3 if name == "qkv.weight" else 1e-4
 
 
 def relative_error(output, ref):

@@ -20,7 +20,8 @@ import torch
 
 from vitattn_bwd import VisionAttentionBlock, reference
 
-from .helpers import (adamw_losses, recorded_calls, recorded_half_dtypes, relative_errors,
+from .helpers import (adamw_losses, block_step, block_step_float64, float32_grade_bound,
+                      recorded_calls, recorded_half_dtypes, relative_errors,
                       update_difference)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
@@ -42,26 +43,6 @@ def _block(dtype=torch.float32, precision=None):
     return block.to(dtype)
 
 
-def _truth(block, x, grad_y):
-    """float64 autograd through the stock block on the same values."""
-    params = [p.detach().double().requires_grad_() for p in block.parameters()]
-    x64 = x.detach().double().requires_grad_()
-    y64 = reference.block_forward(x64, *params, num_heads=block.num_heads, eps=block.eps)
-    return [y64] + list(torch.autograd.grad(y64, [x64, *params], grad_y.double()))
-
-
-def _ours(block, x, grad_y):
-    x = x.detach().requires_grad_()
-    y = block(x)
-    return [y] + list(torch.autograd.grad(y, [x, *block.parameters()], grad_y))
-
-
-def _float32_grade_bound(name):
-    if name == "y":
-        return 1e-5            # bf16x3 projections (rounded splits): ~4e-6
-    return 1e-3 if name == "qkv.weight" else 1e-4
-
-
 UNIT_ROUNDOFF = {torch.float32: 0.0, torch.bfloat16: 2 ** -8, torch.float16: 2 ** -11}
 
 
@@ -69,16 +50,16 @@ def _check(block, x, grad_y, autocast_dtype=None):
     """Our y and gradients against float64; a result in bf16/fp16 may add the rounding
     of that dtype (one rounding of the float32 result, <= its unit roundoff)."""
     if autocast_dtype is None:
-        got = _ours(block, x, grad_y)
+        got = block_step(block, x, grad_y)
     else:
         with torch.autocast(DEVICE, dtype=autocast_dtype):
-            got = _ours(block, x, grad_y)
-    want = _truth(block, x, grad_y)
+            got = block_step(block, x, grad_y)
+    want = block_step_float64(block, x, grad_y)
     names = ["y", "x"] + [n for n, _ in block.named_parameters()]
     sources = [x, x] + list(block.parameters())
     for name, g, src, err in zip(names, got, sources, relative_errors(got, want)):
         assert g.dtype == src.dtype, (name, g.dtype, src.dtype)
-        bound = _float32_grade_bound(name) + UNIT_ROUNDOFF[g.dtype]
+        bound = float32_grade_bound(name) + UNIT_ROUNDOFF[g.dtype]
         assert err < bound, (name, g.dtype, err, bound)
     return got[0]
 
@@ -94,7 +75,7 @@ def test_autocast_with_precision_high_runs_in_float32_math(autocast_dtype):
     # so this test tells float32 math from half-precision math
     with torch.autocast(DEVICE, dtype=autocast_dtype), torch.no_grad():
         stock = reference.ReferenceBlock(block)(x)
-    truth = _truth(block, x, grad_y)[0]
+    truth = block_step_float64(block, x, grad_y)[0]
     ours_err, stock_err = relative_errors([y, stock], [truth, truth])
     assert ours_err * 20 < stock_err, (ours_err, stock_err)
 
@@ -106,12 +87,12 @@ def _check_one_product_path(monkeypatch, block, x, half_dtype, grads_dtype, slac
     float64 than the stock block's (plus `slack`) and within 4 unit roundoffs of it."""
     calls = recorded_half_dtypes(monkeypatch)
     grad_y = torch.randn_like(x)
-    got = _ours(block, x, grad_y)
-    again = _ours(block, x, grad_y)
-    want = _ours(reference.ReferenceBlock(block), x, grad_y)
+    got = block_step(block, x, grad_y)
+    again = block_step(block, x, grad_y)
+    want = block_step(reference.ReferenceBlock(block), x, grad_y)
     assert calls == [half_dtype, half_dtype]
     assert all(torch.equal(a, b) for a, b in zip(got, again))
-    truth = _truth(block, x, grad_y)
+    truth = block_step_float64(block, x, grad_y)
     names = ["y", "x"] + [n for n, _ in block.named_parameters()]
     errors = zip(names, got, want, relative_errors(got, truth), relative_errors(want, truth))
     for name, g, w, ours, stock in errors:
@@ -132,8 +113,8 @@ def test_autocast_runs_the_stock_ops_by_default(monkeypatch, autocast_dtype):
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
     with torch.autocast(DEVICE, dtype=autocast_dtype):
-        got = _ours(block, x, grad_y)
-        want = _ours(reference.ReferenceBlock(block), x, grad_y)
+        got = block_step(block, x, grad_y)
+        want = block_step(reference.ReferenceBlock(block), x, grad_y)
     assert calls == []
     for g, w, err in zip(got, want, relative_errors(got, want)):
         assert g.dtype == w.dtype and err < UNIT_ROUNDOFF[autocast_dtype], (g.dtype, err)
@@ -165,9 +146,9 @@ def test_precision_medium_is_one_bf16_product_per_matmul(monkeypatch):
     block = _block(precision="medium")
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
-    got = _ours(block, x, grad_y)
+    got = block_step(block, x, grad_y)
     assert calls == [torch.bfloat16]
-    errors = relative_errors(got, _truth(block, x, grad_y))
+    errors = relative_errors(got, block_step_float64(block, x, grad_y))
     assert all(g.dtype == torch.float32 for g in got)
     assert max(errors) < 4 * UNIT_ROUNDOFF[torch.bfloat16] and errors[0] > 1e-4, errors
 
@@ -185,7 +166,7 @@ def test_autocast_keeps_no_more_memory_than_the_stock_block():
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            _ours(model, x, grad_y)
+            block_step(model, x, grad_y)
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - before)
     assert peaks[2] <= peaks[1], peaks
@@ -217,8 +198,8 @@ def test_half_precision_block_is_native_by_default(dtype):
     block = _block(dtype)
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE).to(dtype)
     grad_y = torch.randn_like(x)
-    got = _ours(block, x, grad_y)
-    want = _ours(reference.ReferenceBlock(block), x, grad_y)
+    got = block_step(block, x, grad_y)
+    want = block_step(reference.ReferenceBlock(block), x, grad_y)
     assert torch.equal(got[0], want[0])
     for g, w in zip(got[1:], want[1:]):
         assert g.dtype == w.dtype == dtype
@@ -291,16 +272,16 @@ def test_batch_one_on_autograd_thread_interleaved_with_main_thread_graphs(monkey
     x = torch.randn(1, SEQ, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
     contract_args = tuple(make_inputs(1, device=DEVICE).values())
-    first = _ours(block, x, grad_y)
+    first = block_step(block, x, grad_y)
     contract_first = contract.run(*contract_args)
     for _ in range(9):
-        got = _ours(block, x, grad_y)
+        got = block_step(block, x, grad_y)
         assert all(torch.equal(a, b) for a, b in zip(got, first))
         assert all(torch.equal(a, b) for a, b in zip(contract.run(*contract_args),
                                                      contract_first))
     names = ["y", "x"] + [n for n, _ in block.named_parameters()]
-    for name, err in zip(names, relative_errors(first, _truth(block, x, grad_y))):
-        assert err < _float32_grade_bound(name), (name, err)
+    for name, err in zip(names, relative_errors(first, block_step_float64(block, x, grad_y))):
+        assert err < float32_grade_bound(name), (name, err)
     # 10 calls each of the module's forward and contract.run (main thread) and of the
     # module's backward (autograd's thread), each a replay (a first call too)
     assert replays.count(True) == 20 and replays.count(False) == 10, replays

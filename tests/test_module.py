@@ -13,7 +13,7 @@ from vitattn_bwd import VisionAttentionBlock, reference
 from vitattn_bwd.module import (CLIP_KEYS, MOLMO_KEYS, VisionAttentionFunction,
                                 vision_attention)
 
-from .helpers import relative_errors
+from .helpers import block_step, block_step_float64, relative_errors
 
 
 def _grads(model, x, grad_y):
@@ -186,28 +186,17 @@ def test_double_backward_raises_a_clear_error():
     torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
 
 
-def _float64_truth(block, x, grad_y):
-    """y and the gradients of x and every parameter, by float64 autograd through the stock
-    block on the same values (x, parameters and grad_y upcast exactly)."""
-    params = [p.detach().double().requires_grad_() for p in block.parameters()]
-    x64 = x.detach().double().requires_grad_()
-    y64 = reference.block_forward(x64, *params, num_heads=block.num_heads, eps=block.eps)
-    return [y64] + list(torch.autograd.grad(y64, [x64, *params], grad_y.double()))
-
-
 def _check_against_truth(block, x, grad_y, bounds):
     """bounds: dtype of the tensor (y, x's gradient, a parameter's gradient) -> bound on
     its relative error against float64 autograd."""
-    x = x.detach().requires_grad_()
-    y = block(x)
-    got = [y] + list(torch.autograd.grad(y, [x, *block.parameters()], grad_y))
-    want = _float64_truth(block, x, grad_y)
+    got = block_step(block, x, grad_y)
+    want = block_step_float64(block, x, grad_y)
     names = ["y", "x"] + [n for n, _ in block.named_parameters()]
     sources = [x, x] + list(block.parameters())
     for name, g, src, err in zip(names, got, sources, relative_errors(got, want)):
         assert g.dtype == src.dtype, (name, g.dtype, src.dtype)
         assert err < bounds[g.dtype], (name, g.dtype, err)
-    return y
+    return got[0]
 
 
 # A float32 result is float32 math (1e-5, as in the test above); a bf16 / fp16 result is
@@ -228,7 +217,7 @@ def test_autocast_with_precision_high_runs_in_float32_math(x_dtype):
         # tells float32 math from bf16 math (with a bf16 y both are bf16 rounding-bound)
         stock = reference.ReferenceBlock(block)(x)
     if x_dtype == torch.float32:
-        truth = _float64_truth(block, x, grad_y)[0]
+        truth = block_step_float64(block, x, grad_y)[0]
         ours_err, stock_err = relative_errors([y, stock], [truth, truth])
         assert ours_err * 100 < stock_err, (ours_err, stock_err)
 
@@ -298,7 +287,7 @@ def test_autocast_with_precision_medium_runs_the_one_product_path(monkeypatch):
     assert calls == [["torch.bfloat16", "torch.bfloat16"]]
     assert y.dtype == want_y.dtype == torch.float32
     assert saved < want_saved, (saved, want_saved)
-    truth = _float64_truth(block, x, grad_y)
+    truth = block_step_float64(block, x, grad_y)
     ours_errors = relative_errors([y, *grads], truth)
     stock_errors = relative_errors([want_y, *want_grads], truth)
     names = ["y", "x"] + [n for n, _ in block.named_parameters()]
@@ -361,7 +350,7 @@ def test_precision_medium_is_one_bf16_product_per_matmul(monkeypatch):
     y = _check_against_truth(block, x, grad_y, {torch.float32: 2e-2})
     assert y.dtype == torch.float32
     assert calls == [["torch.bfloat16", "torch.bfloat16"]]
-    truth = _float64_truth(block, x, grad_y)[0]
+    truth = block_step_float64(block, x, grad_y)[0]
     assert relative_errors([y], [truth])[0] > 1e-3
 
 
@@ -496,7 +485,7 @@ def test_precision_medium_runs_a_half_precision_block_natively(monkeypatch, dtyp
         block, x, grad_y, autocast=False)
     assert calls == [[str(dtype), str(dtype)]]
     assert saved <= want_saved, (saved, want_saved)
-    truth = _float64_truth(block, x, grad_y)
+    truth = block_step_float64(block, x, grad_y)
     ours_errors = relative_errors([y, *grads], truth)
     stock_errors = relative_errors([want_y, *want_grads], truth)
     names = ["y", "x"] + [n for n, _ in block.named_parameters()]
