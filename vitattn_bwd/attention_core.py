@@ -42,9 +42,9 @@ The operand dtype sets the products (`products_of`):
 Eagerly they run the Triton kernels (kernels/softmax_bwd.py) on CUDA and under
 TRITON_INTERPRET=1, after splitting grad_attn, q, k and v into bf16 hi/lo pairs, which
 is what the kernels read (head dims: multiples of 8 up to 128, `kernel_head_dim`);
-elsewhere (or for head dims the kernels do not take) the same gradients come from PyTorch math in float64, rounded to
-the same formats. Under torch.compile on CUDA, vitattn_bwd.inductor lowers them to Triton
-templates that max-autotune tunes.
+elsewhere (or for head dims the kernels do not take) the same gradients come from
+PyTorch math in float64, rounded to the same formats. Under torch.compile on CUDA,
+vitattn_bwd.inductor lowers them to Triton templates that max-autotune tunes.
 
 `attention_backward_math` is the attention core in plain PyTorch (the graph's CPU path),
 and `attention_backward` runs the operators eagerly and returns float32 gradients (tests).

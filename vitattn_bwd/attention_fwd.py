@@ -9,15 +9,15 @@ merged (E = H*D, what the out projection reads); lse = logsumexp(scale * q k^T) 
 P = exp(scale * q k^T - lse) (`attention_probabilities`).
 
 On CUDA, for float32 and the head dims of the Triton kernels (multiples of 8 up to 128),
-it runs the FlashAttention-
-style kernel of kernels/attention_fwd.py after splitting q, k and v once into bf16 hi/lo
-pairs (what the kernel reads; float32-grade bf16x3 products, ~1e-5 relative error).
-`attention_fwd_split` takes that split made already, of a whole QKV projection [B,S,3E]
-(q | k | v columns, heads side by side): VisionAttentionBlock's compiled forward makes it
-in the kernel that makes qkv, where the op's own split would cost three strided passes
-(it calls it only where the kernel applies; elsewhere this op runs the math on hi + lo,
-about 1e-5 off float32). Elsewhere attention_fwd runs `attention_math`: the same outputs from PyTorch ops in the inputs'
-dtype, materializing S x S (float32 products as torch is set: no TF32 unless enabled).
+it runs the FlashAttention-style kernel of kernels/attention_fwd.py after splitting q, k
+and v once into bf16 hi/lo pairs (what the kernel reads; float32-grade bf16x3 products,
+~1e-5 relative error). `attention_fwd_split` takes that split made already, of a whole
+QKV projection [B,S,3E] (q | k | v columns, heads side by side): VisionAttentionBlock's
+compiled forward makes it in the kernel that makes qkv, where the op's own split would
+cost three strided passes (it calls it only where the kernel applies; elsewhere this op
+runs the math on hi + lo, about 1e-5 off float32). Elsewhere attention_fwd runs
+`attention_math`: the same outputs from PyTorch ops in the inputs' dtype, materializing
+S x S (float32 products as torch is set: no TF32 unless enabled).
 """
 import math
 
@@ -32,7 +32,8 @@ from .precision import split_bf16_truncated
 # run in the next power of two's tiles, zero-padded), sized for the 227 KB of shared
 # memory of an H100/H200: a program keeps its q hi/lo tiles (2 * BLOCK_M * D * 2 bytes)
 # and pipelines num_stages k and v hi/lo tiles (4 * BLOCK_N * D * 2 bytes each stage).
-# D=64: 32 KB + 3 * 32 KB; D=128: 32 KB + 2 * 64 KB. scripts/time_attention_fwd.py --sweep times alternatives.
+# D=64: 32 KB + 3 * 32 KB; D=128: 32 KB + 2 * 64 KB. scripts/time_attention_fwd.py
+# --sweep times alternatives.
 FWD_TILES = {16: TileConfig(128, 64, 4, 3), 32: TileConfig(128, 64, 4, 3),
              64: TileConfig(128, 64, 8, 3), 128: TileConfig(64, 64, 4, 2)}
 

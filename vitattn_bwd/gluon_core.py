@@ -35,8 +35,9 @@ import warnings
 
 import torch
 
-from .attention_core import (COLUMN_SUM_ROWS, TileConfig, gradient_dtype, halves_width,
-                             head_tile, kernel_head_dim, sum_groups)
+from .attention_core import (COLUMN_SUM_ROWS, MAX_KERNEL_HEAD_DIM, TileConfig,
+                             gradient_dtype, halves_width, head_tile, kernel_head_dim,
+                             sum_groups)
 from .precision import HALF_DTYPES
 
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
@@ -64,7 +65,7 @@ WIDE_COLS_TILES = (TileConfig(16, 64, 4, 3),)
 # Every multiple of 8 up to 128 (attention_core.kernel_head_dim): the kernels pad their
 # tiles to head_tile(head_dim) columns. Checked against float64 on the H200 at 64, 72
 # and 80.
-HEAD_DIMS = tuple(d for d in range(1, 129) if kernel_head_dim(d))
+HEAD_DIMS = tuple(d for d in range(1, MAX_KERNEL_HEAD_DIM + 1) if kernel_head_dim(d))
 
 
 def rows_tiles(head_dim):
@@ -86,10 +87,9 @@ COLS_PREFETCH = 2
 
 
 def available(device, dtype, head_dim):
-    """The Gluon kernels run on Hopper (compute capability 9.x) CUDA devices, for float32,
-    bfloat16 and float16 inputs and the head dims in HEAD_DIMS (multiples of 8 up to 128),
-    with a Triton whose
-    Gluon compiles them (compile_failure)."""
+    """The Gluon kernels run on Hopper (compute capability 9.x) CUDA devices, for
+    float32, bfloat16 and float16 inputs and the head dims in HEAD_DIMS (multiples of 8
+    up to 128), with a Triton whose Gluon compiles them (compile_failure)."""
     if (device.type != "cuda" or dtype not in (torch.float32, *HALF_DTYPES)
             or head_dim not in HEAD_DIMS):
         return False

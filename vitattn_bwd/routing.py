@@ -95,8 +95,8 @@ def float32_precision_now(compiling):
 def fused_kernels_for(device, head_dim):
     """Whether the fused float32 path's attention core runs kernels here: the Triton
     templates on CUDA at their head dims (multiples of 8 up to 128); the CPU's plain
-    math counts (the CPU path
-    exists for correctness, and is what the CPU tests check)."""
+    math counts (the CPU path exists for correctness, and is what the CPU tests
+    check)."""
     return device.type == "cpu" or attention_core.triton_supports(device.type,
                                                                    torch.float32, head_dim)
 
