@@ -2,17 +2,20 @@
 init, ViT-L/14-336 shapes, 4 layers) with its attention swapped for vitattn_bwd's block,
 against the stock tower from the same initial weights on the same data, N AdamW steps
 each, under bf16 autocast and in float32 (TF32 off). Beside them the stock tower from
-another seed (initial weights and data), whose distance from the first stock run is the
-run-to-run spread the swapped run's distance is measured against, and the swapped run
-once more, for bitwise reproducibility.
+--spread-seeds other seeds (initial weights and data), whose largest distance from the
+first stock run is the run-to-run spread the swapped run's distance is measured against;
+the stock tower once more from the first seed (its distance from the first stock run:
+how far the training's own rounding noise carries two runs of the same model apart,
+zero where stock repeats bit for bit); and the swapped run once more, for bitwise
+reproducibility.
 
     PYTHONPATH=. python3 scripts/soak.py --steps 500 --out $OUT/soak     # on the GPU
     PYTHONPATH=. python3 scripts/soak.py --tiny --steps 3 --out /tmp/soak  # CPU, tiny tower
 
 Recorded per run: the loss per step, the steps with a non-finite loss or gradient, the
 device memory allocated after each step (and its peak within the step), step times;
-per setting: the largest |swapped - stock| and |other seed - stock| over the smoothed
-loss curves, whether the swapped run repeated bit for bit (losses and final weights),
+per setting: the largest |swapped - stock|, |other seed - stock| (the largest over the
+other seeds) and |stock again - stock| over the smoothed loss curves, whether the swapped run repeated bit for bit (losses and final weights),
 and memory growth after the first steps. Writes soak.json and, where matplotlib
 imports, soak.png into --out; prints a summary table last.
 
@@ -165,8 +168,9 @@ def memory_growth_mb(record):
     return memory[-1] - memory[min(FLAT_AFTER, len(memory) - 1)] if memory else 0.0
 
 
-def soak_setting(setting, precision, *, tiny, layers, steps, batch, lr, seed, device):
-    """The four runs of one setting ("bf16" or "float32") and their comparison."""
+def soak_setting(setting, precision, *, tiny, layers, steps, batch, lr, seed, spread_seeds,
+                 device):
+    """The runs of one setting ("bf16" or "float32") and their comparison."""
     config = tower_config(tiny, layers)
     runs = {}
     stock = stock_tower(config, seed, device)
@@ -176,16 +180,21 @@ def soak_setting(setting, precision, *, tiny, layers, steps, batch, lr, seed, de
         stock.load_state_dict(initial)
         runs[name] = train(swapped_tower(stock, precision), config, setting,
                            data_seed=seed, **kwargs)
-    stock.load_state_dict(initial)
-    runs["stock"] = train(stock, config, setting, data_seed=seed, **kwargs)
-    runs["stock, other seed"] = train(stock_tower(config, seed + 1, device), config,
-                                      setting, data_seed=seed + 1, **kwargs)
-    first, again = runs["swapped"], runs["swapped again"]
+    for name in ("stock", "stock again"):
+        stock.load_state_dict(initial)
+        runs[name] = train(stock, config, setting, data_seed=seed, **kwargs)
+    other_seeds = [f"stock, seed {other}" for other in range(seed + 1, seed + 1 + spread_seeds)]
+    for name, other in zip(other_seeds, range(seed + 1, seed + 1 + spread_seeds)):
+        runs[name] = train(stock_tower(config, other, device), config, setting,
+                           data_seed=other, **kwargs)
+    first, again, stock_losses = runs["swapped"], runs["swapped again"], runs["stock"]["losses"]
+    spreads = {name: largest_gap(runs[name]["losses"], stock_losses) for name in other_seeds}
     summary = dict(
         precision=precision,
-        swapped_vs_stock=largest_gap(first["losses"], runs["stock"]["losses"]),
-        run_to_run_spread=largest_gap(runs["stock, other seed"]["losses"],
-                                      runs["stock"]["losses"]),
+        swapped_vs_stock=largest_gap(first["losses"], stock_losses),
+        run_to_run_spread=max(spreads.values()),
+        spread_per_seed=spreads,
+        stock_again_vs_stock=largest_gap(runs["stock again"]["losses"], stock_losses),
         bitwise_reproducible=(first["losses"] == again["losses"]
                               and first["weights_sha256"] == again["weights_sha256"]),
         non_finite_steps={name: run["non_finite_steps"] for name, run in runs.items()},
@@ -212,7 +221,8 @@ def plot(results, path):
         axes[0][column].set_title(f"{setting}: loss ({SMOOTHING}-step average)")
         axes[0][column].legend()
         stock = smoothed(runs["stock"]["losses"])
-        for name in ("swapped", "stock, other seed"):
+        others = [name for name in runs if name.startswith("stock, seed")]
+        for name in ["swapped", "stock again", *others]:
             gaps = [abs(a - b) for a, b in zip(smoothed(runs[name]["losses"]), stock)]
             axes[1][column].semilogy([max(g, 1e-12) for g in gaps], label=f"|{name} - stock|")
         axes[1][column].set_xlabel("AdamW step")
@@ -234,6 +244,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--spread-seeds", type=int, default=3,
+                        help="stock runs from other seeds; the spread is the largest gap")
     parser.add_argument("--settings", default="bf16,float32",
                         help="comma-separated: bf16 (autocast), float32")
     parser.add_argument("--autocast-precision", type=parse_precision, default="medium",
@@ -251,21 +263,22 @@ def main(argv=None):
         results[setting] = soak_setting(setting, precision, tiny=args.tiny,
                                         layers=args.layers, steps=args.steps,
                                         batch=args.batch, lr=args.lr, seed=args.seed,
-                                        device=device)
+                                        spread_seeds=args.spread_seeds, device=device)
     report = dict(device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
                   torch=torch.__version__, arguments={k: str(v) for k, v in vars(args).items()},
                   results=results)
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))
     plotted = plot(results, args.out / "soak.png")
     print(f"{'setting':8} {'precision':9} {'|swapped-stock|':>16} {'spread':>10} "
-          f"{'bitwise':>8} {'NaN steps':>9} {'mem growth MB':>13} {'ms/step swapped/stock':>22}")
+          f"{'|stock again-stock|':>20} {'bitwise':>8} {'NaN steps':>9} {'mem growth MB':>13} {'ms/step swapped/stock':>22}")
     for setting, result in results.items():
         s = result["summary"]
         nan_steps = sum(len(v) for v in s["non_finite_steps"].values())
         growth = max(s["memory_growth_mb"].values())
         times = s["median_step_ms"]
         print(f"{setting:8} {str(s['precision']):9} {s['swapped_vs_stock']:16.3e} "
-              f"{s['run_to_run_spread']:10.3e} {str(s['bitwise_reproducible']):>8} "
+              f"{s['run_to_run_spread']:10.3e} {s['stock_again_vs_stock']:20.3e} "
+              f"{str(s['bitwise_reproducible']):>8} "
               f"{nan_steps:9d} {growth:13.1f} "
               f"{times['swapped']:10.1f} / {times['stock']:.1f}")
     print(f"wrote {args.out / 'soak.json'}" + (f" and {args.out / 'soak.png'}" if plotted else
