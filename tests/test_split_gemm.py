@@ -95,38 +95,6 @@ def test_compiled_cpu_graph_goes_through_the_lowering_fallback(monkeypatch):
     assert torch.equal(compiled(a, c), product(a, c))
 
 
-@pytest.mark.parametrize("K", [64, 300])
-def test_kernel_takes_long_k_in_chunks(triton_interpreter, monkeypatch, K):
-    """K past K_CHUNK (here 64 instead of 2^15): float32-grade in whole and partial last
-    chunks (300 = 4 x 64 + 44), a transposed operand's chunks read as views, and the
-    same bits when repeated."""
-    monkeypatch.setattr(split_gemm, "K_CHUNK", 64)
-    a, b, c = _operands(24, K, 20, seed=K)
-    _check_against_float32(a, b, c)
-    halves_a, halves_c = split_gemm.transposed(split_gemm.fp16_halves(a)), \
-        split_gemm.fp16_halves(c)
-    assert torch.equal(split_gemm.matmul_fp16x3(halves_a, halves_c),
-                       split_gemm.matmul_fp16x3(halves_a, halves_c))
-
-
-def test_compiled_cpu_graph_takes_long_k_in_chunks(monkeypatch):
-    """The chunks' loop traces into one graph, whose result is the eager one's."""
-    pytest.importorskip("vitattn_bwd.inductor")
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(split_gemm, "K_CHUNK", 16)
-    a, _, c = _operands(40, 16, 24, seed=6)                # a^T @ c: K = 40, 3 chunks
-
-    def product(a, c):
-        return split_gemm.matmul_fp16x3(split_gemm.transposed(split_gemm.fp16_halves(a)),
-                                        split_gemm.fp16_halves(c))
-    from vitattn_bwd.inductor import compile_options
-    compiled = torch.compile(product, fullgraph=True, options=compile_options(
-        "test-split-gemm-chunks", max_autotune=False))
-    assert torch.equal(compiled(a, c), product(a, c))
-    want = a.double().t() @ c.double()
-    assert relative_error(compiled(a, c), want) < 2 * relative_error(a.t() @ c, want) + 1e-8
-
-
 def test_offsets_are_64_bit_only_where_a_tensor_spans_2_31_elements():
     """The raw launch's OFFSET_DTYPE (meta tensors: nothing is allocated): grad_kv
     [B*S, 2E] at 2^31 - 2^20 elements and its transposed view keep int32 offsets, at

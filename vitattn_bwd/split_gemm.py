@@ -83,29 +83,9 @@ def transposed(halves):
     return Fp16Halves(halves.hi.t(), halves.lo.t(), halves.scale)
 
 
-# K rows of one split GEMM call; a longer K (a weight gradient past batch 56 at
-# ViT-L/14-336, K = B*S) is cut into chunks of K_CHUNK rows whose products are added in
-# float32. The kernel adds its K slices' partials one after another in one float32
-# accumulator, whose rounding grows with their count: at K = 2^20 + 2^10 (32,800 slices)
-# it was 5.8x float32 SGEMM's error against float64, at the benchmark's K (up to 32,312)
-# below 1.5x (docs/performance.md, the split GEMM at long K). Chunks bound the slices
-# added in one accumulator to 1,024 and add 1 + K / K_CHUNK partial products.
-K_CHUNK = 2 ** 15
-
-
 def matmul_fp16x3(a, b):
-    """a @ b -> float32 [M,N] for a [M,K] and b [K,N] given as Fp16Halves; K past K_CHUNK
-    in chunks, their products added in order (deterministic)."""
-    unscale = unscale_of(a, b)
-    K = a.hi.shape[1]
-    if K <= K_CHUNK:
-        return split_gemm(a.hi, a.lo, b.hi, b.lo, unscale)
-    product = None
-    for start in range(0, K, K_CHUNK):
-        rows = slice(start, start + K_CHUNK)
-        chunk = split_gemm(a.hi[:, rows], a.lo[:, rows], b.hi[rows], b.lo[rows], unscale)
-        product = chunk if product is None else product + chunk                 # [M,N]
-    return product
+    """a @ b -> float32 [M,N] for a [M,K] and b [K,N] given as Fp16Halves."""
+    return split_gemm(a.hi, a.lo, b.hi, b.lo, unscale_of(a, b))
 
 
 def unscale_of(a, b):
