@@ -1,8 +1,10 @@
 """On the GPU: a short version of scripts/soak.py (30 AdamW steps per run instead of
 500): the swapped 4-layer HF CLIP tower at ViT-L/14-336 shapes against the stock tower
 from the same weights and data, under bf16 autocast (precision "medium": our
-one-product path) and in float32 (precision None, TF32 off: "highest"). About 2 minutes
-in VITATTN_BWD_COMPILE_MODE=default, the compiles included."""
+one-product path) and in float32 (precision None, TF32 off: "highest"); beside them, per
+setting, the swapped run repeated, stock repeated and stock from 3 other seeds (the
+spread). About 2 minutes in VITATTN_BWD_COMPILE_MODE=default, the compiles included,
+when stock ran from one other seed and was not repeated."""
 import pytest
 
 pytest.importorskip("transformers")
