@@ -15,8 +15,9 @@ reproducibility.
 Recorded per run: the loss per step, the steps with a non-finite loss or gradient, the
 device memory allocated after each step (and its peak within the step), step times;
 per setting: the largest |swapped - stock|, |other seed - stock| (the largest over the
-other seeds) and |stock again - stock| over the smoothed loss curves, whether the swapped run repeated bit for bit (losses and final weights),
-and memory growth after the first steps. Writes soak.json and, where matplotlib
+other seeds) and |stock again - stock| over the smoothed loss curves, whether the
+swapped run repeated bit for bit (losses and final weights), and memory growth after
+the first steps. Writes soak.json and, where matplotlib
 imports, soak.png into --out; prints a summary table last.
 
 Precisions: under autocast the swapped tower runs `--autocast-precision` (default
@@ -183,11 +184,13 @@ def soak_setting(setting, precision, *, tiny, layers, steps, batch, lr, seed, sp
     for name in ("stock", "stock again"):
         stock.load_state_dict(initial)
         runs[name] = train(stock, config, setting, data_seed=seed, **kwargs)
-    other_seeds = [f"stock, seed {other}" for other in range(seed + 1, seed + 1 + spread_seeds)]
-    for name, other in zip(other_seeds, range(seed + 1, seed + 1 + spread_seeds)):
+    other_seeds = {f"stock, seed {other}": other
+                   for other in range(seed + 1, seed + 1 + spread_seeds)}
+    for name, other in other_seeds.items():
         runs[name] = train(stock_tower(config, other, device), config, setting,
                            data_seed=other, **kwargs)
-    first, again, stock_losses = runs["swapped"], runs["swapped again"], runs["stock"]["losses"]
+    first, again = runs["swapped"], runs["swapped again"]
+    stock_losses = runs["stock"]["losses"]
     spreads = {name: largest_gap(runs[name]["losses"], stock_losses) for name in other_seeds}
     summary = dict(
         precision=precision,
@@ -270,7 +273,8 @@ def main(argv=None):
     (args.out / "soak.json").write_text(json.dumps(report, indent=1))
     plotted = plot(results, args.out / "soak.png")
     print(f"{'setting':8} {'precision':9} {'|swapped-stock|':>16} {'spread':>10} "
-          f"{'|stock again-stock|':>20} {'bitwise':>8} {'NaN steps':>9} {'mem growth MB':>13} {'ms/step swapped/stock':>22}")
+          f"{'|stock again-stock|':>20} {'bitwise':>8} {'NaN steps':>9} "
+          f"{'mem growth MB':>13} {'ms/step swapped/stock':>22}")
     for setting, result in results.items():
         s = result["summary"]
         nan_steps = sum(len(v) for v in s["non_finite_steps"].values())
