@@ -26,7 +26,8 @@ says the consumers bound it and the writer reading is wrong.
 On the GPU (bf16, head dim 64, 577 tokens, 16 heads, time_core_half's inputs), for each
 configuration of CONFIGURATIONS and each mode: the median time of the delta kernel and
 the main kernel (L2 flushed, triton.testing.do_bench), and for mode 0 whether dQ, dK,
-dV equal the package launch's bits. --batch 1 as well: one round of programs, about
+dV equal the package launch's bits. A first call that has not ended after 120 s ends the
+process (time_core_ws.deadline). --batch 1 as well: one round of programs, about
 one program's latency.
 
 Compiled for sm_90 with triton 3.6.0 (--sm90, docs/runs/kernels/ws_dq_modes_sm90.txt):
@@ -244,6 +245,7 @@ def sm90_report():
 def gpu_main(batches):
     from time_core_gluon import bench
     from time_core_half import SCALE, make_inputs
+    from time_core_ws import deadline
     results = []
     for batch in batches:
         q, k, v, grad_attn, attn_output, lse = make_inputs(batch, torch.bfloat16, seed=batch)
@@ -253,9 +255,11 @@ def gpu_main(batches):
             for mode, name in MODES.items():
                 def run(mode=mode, tiles=tiles):
                     return launch(q, k, v, grad_attn, attn_output, lse, SCALE, tiles, mode)
-                same_bits = None
-                if mode == 0:
-                    same_bits = all(torch.equal(a, b) for a, b in zip(run(), reference))
+                with deadline(120, f"{name} {tuple(tiles)} at batch {batch}"):
+                    first = run()            # compiles; a writer that never ends is ended
+                    torch.cuda.synchronize()
+                same_bits = (all(torch.equal(a, b) for a, b in zip(first, reference))
+                             if mode == 0 else None)
                 row = dict(batch=batch, tiles=list(tiles), mode=name, ms=bench(run),
                            same_bits_as_package=same_bits)
                 print(json.dumps(row), flush=True)
