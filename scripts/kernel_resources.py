@@ -111,6 +111,22 @@ def _cuda_tools():
     return get_ptxas(90).path, knobs.nvidia.cuobjdump.path
 
 
+def ptxas_report_and_sass(compiled):
+    """(ptxas -v's report on the PTX of `compiled`, a kernel triton compiled for sm_90:
+    registers, spills, its serialization notes; the SASS of its cubin)."""
+    ptxas, cuobjdump = _cuda_tools()
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        ptx.write_text(compiled.asm["ptx"])
+        cubin.write_bytes(compiled.asm["cubin"])
+        report = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(ptx),
+                                 "-o", str(Path(tmp) / "ptxas.cubin")],
+                                capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([cuobjdump, "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
+    return report, sass
+
+
 def sm90_resources(kernel, constexprs, tiles, sass_file=None):
     """Compile `kernel` (Triton or Gluon) with `constexprs` and `tiles` (a TileConfig or
     LayerNormTiles) for sm_90a; its SASS, without instruction addresses, to `sass_file`
@@ -136,16 +152,7 @@ def sm90_resources(kernel, constexprs, tiles, sass_file=None):
         source(kernel, signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", 90, 32),
         options=dict(num_warps=tiles.num_warps, num_stages=num_stages))
-    ptxas, cuobjdump = _cuda_tools()
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
-        ptx.write_text(compiled.asm["ptx"])
-        cubin.write_bytes(compiled.asm["cubin"])
-        report = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(ptx),
-                                 "-o", str(Path(tmp) / "ptxas.cubin")],
-                                capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([cuobjdump, "-sass", str(cubin)],
-                              capture_output=True, text=True, check=True).stdout
+    report, sass = ptxas_report_and_sass(compiled)
     if sass_file is not None:
         Path(sass_file).write_text("\n".join(re.sub(r"/\*[0-9a-f]{4}\*/", "", line)
                                              for line in sass.splitlines() if "/*" in line))

@@ -29,9 +29,7 @@ import contextlib
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -45,20 +43,11 @@ def sm90_report():
     """[(tiles, {shared_bytes, threads, spill_stores, hgmma, waits, setmaxnreg,
     serialized})]
     of each configuration compiled for sm_90."""
-    from kernel_resources import _cuda_tools
-    ptxas, cuobjdump = _cuda_tools()
+    from kernel_resources import ptxas_report_and_sass
     report = []
     for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
         compiled = attention_bwd_ws.compile_sm90(tiles)
-        with tempfile.TemporaryDirectory() as tmp:
-            ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
-            ptx.write_text(compiled.asm["ptx"])
-            cubin.write_bytes(compiled.asm["cubin"])
-            notes = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(ptx), "-o",
-                                    str(Path(tmp) / "ptxas.cubin")],
-                                   capture_output=True, text=True, check=True).stderr
-            sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True,
-                                  text=True, check=True).stdout
+        notes, sass = ptxas_report_and_sass(compiled)
         report.append((list(tiles), dict(
             shared_bytes=compiled.metadata.shared,
             threads=int(re.search(r"\.reqntid (\d+)", compiled.asm["ptx"])[1]),

@@ -42,9 +42,7 @@ bound of an unordered writer's at this register budget.
 import argparse
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -216,21 +214,12 @@ def compile_sm90(tiles, dq_mode, seq_len=577, num_heads=16, head_dim=64):
 def sm90_report():
     """Per configuration and mode: shared bytes, spill stores, HGMMA and wgmma-wait counts,
     and the writer's global atomics (RED / ATOM) and polls in the SASS."""
-    from kernel_resources import _cuda_tools
-    ptxas, cuobjdump = _cuda_tools()
+    from kernel_resources import ptxas_report_and_sass
     report = []
     for tiles in CONFIGURATIONS:
         for mode, name in MODES.items():
             compiled = compile_sm90(tiles, mode)
-            with tempfile.TemporaryDirectory() as tmp:
-                ptx, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
-                ptx.write_text(compiled.asm["ptx"])
-                cubin.write_bytes(compiled.asm["cubin"])
-                notes = subprocess.run([ptxas, "-v", "-arch=sm_90a", str(ptx), "-o",
-                                        str(Path(tmp) / "ptxas.cubin")],
-                                       capture_output=True, text=True, check=True).stderr
-                sass = subprocess.run([cuobjdump, "-sass", str(cubin)], capture_output=True,
-                                      text=True, check=True).stdout
+            notes, sass = ptxas_report_and_sass(compiled)
             report.append(dict(
                 tiles=list(tiles), mode=name, shared_bytes=compiled.metadata.shared,
                 spill_stores=int(re.search(r"(\d+) bytes spill stores", notes)[1]),
