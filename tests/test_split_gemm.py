@@ -95,6 +95,47 @@ def test_compiled_cpu_graph_goes_through_the_lowering_fallback(monkeypatch):
     assert torch.equal(compiled(a, c), product(a, c))
 
 
+@pytest.mark.parametrize("K", [64, 301])
+def test_kernel_takes_long_k_in_chunks(triton_interpreter, monkeypatch, K):
+    """K past K_CHUNK (here 64 instead of 2^15) in K_CHUNKS chunks (here 4: 301 = 3 x 76
+    + 73): float32-grade, a transposed operand's chunks read as views, the same bits
+    when repeated."""
+    monkeypatch.setattr(split_gemm, "K_CHUNK", 64)
+    monkeypatch.setattr(split_gemm, "K_CHUNKS", 4)
+    a, b, c = _operands(24, K, 20, seed=K)
+    _check_against_float32(a, b, c)
+    halves_a, halves_c = split_gemm.transposed(split_gemm.fp16_halves(a)), \
+        split_gemm.fp16_halves(c)
+    assert torch.equal(split_gemm.matmul_fp16x3(halves_a, halves_c),
+                       split_gemm.matmul_fp16x3(halves_a, halves_c))
+
+
+def test_compiled_dynamic_k_is_not_specialized_by_the_chunks(monkeypatch):
+    """Compiled with K dynamic (the backward graphs mark the batch dynamic, and K = B*S),
+    across K_CHUNK (here 16, in 4 chunks): one graph serves K = 40 and 70 without
+    specializing K (a loop over chunks of a fixed length would: dynamo's
+    ConstraintViolationError), K = 12 runs unchunked, each as the eager call computes."""
+    pytest.importorskip("vitattn_bwd.inductor")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(split_gemm, "K_CHUNK", 16)
+    monkeypatch.setattr(split_gemm, "K_CHUNKS", 4)
+
+    def product(a, c):
+        return split_gemm.matmul_fp16x3(split_gemm.transposed(split_gemm.fp16_halves(a)),
+                                        split_gemm.fp16_halves(c))
+    from vitattn_bwd.inductor import compile_options
+    compiled = torch.compile(product, fullgraph=True, dynamic=False, options=compile_options(
+        "test-split-gemm-chunks", max_autotune=False))
+    for K in (40, 70, 12):
+        a, _, c = _operands(K, 16, 24, seed=K)                      # a^T @ c: K rows
+        torch._dynamo.mark_dynamic(a, 0)
+        torch._dynamo.mark_dynamic(c, 0)
+        got = compiled(a, c)
+        assert torch.equal(got, product(a, c)), K
+        want = a.double().t() @ c.double()
+        assert relative_error(got, want) < 2 * relative_error(a.t() @ c, want) + 1e-8, K
+
+
 def test_offsets_are_64_bit_only_where_a_tensor_spans_2_31_elements():
     """The raw launch's OFFSET_DTYPE (meta tensors: nothing is allocated): grad_kv
     [B*S, 2E] at 2^31 - 2^20 elements and its transposed view keep int32 offsets, at

@@ -83,9 +83,34 @@ def transposed(halves):
     return Fp16Halves(halves.hi.t(), halves.lo.t(), halves.scale)
 
 
+# A K past K_CHUNK rows (a weight gradient past batch 56 at ViT-L/14-336, K = B*S) is cut
+# into K_CHUNKS equal chunks, each one split GEMM call, whose products are added in
+# float32. The kernel adds its K slices' partials one after another in one float32
+# accumulator, whose rounding grows with their count: at K = 2^20 + 2^10 (32,800 slices)
+# it was 5.8x float32 SGEMM's error against float64, in chunks within 1.5x, and at the
+# benchmark's K (up to 32,312) below 1.5x (docs/performance.md, the split GEMM at long
+# K). A fixed count, not a fixed length: under torch.compile a dynamic batch makes K
+# symbolic, and a loop whose length depended on its value would specialize it.
+K_CHUNK = 2 ** 15
+K_CHUNKS = 32
+
+
 def matmul_fp16x3(a, b):
-    """a @ b -> float32 [M,N] for a [M,K] and b [K,N] given as Fp16Halves."""
-    return split_gemm(a.hi, a.lo, b.hi, b.lo, unscale_of(a, b))
+    """a @ b -> float32 [M,N] for a [M,K] and b [K,N] given as Fp16Halves; K past K_CHUNK
+    in K_CHUNKS chunks, their products added in order (deterministic)."""
+    unscale = unscale_of(a, b)
+    K = a.hi.shape[1]
+    if K <= K_CHUNK:
+        return split_gemm(a.hi, a.lo, b.hi, b.lo, unscale)
+    # the last chunk takes the rest: at least one row, K > K_CHUNK >= K_CHUNKS^2
+    chunk_rows = (K + K_CHUNKS - 1) // K_CHUNKS
+    product = None
+    for chunk in range(K_CHUNKS):
+        rows = slice(chunk * chunk_rows, K if chunk == K_CHUNKS - 1 else
+                     (chunk + 1) * chunk_rows)
+        part = split_gemm(a.hi[:, rows], a.lo[:, rows], b.hi[rows], b.lo[rows], unscale)
+        product = part if product is None else product + part                   # [M,N]
+    return product
 
 
 def unscale_of(a, b):
