@@ -25,39 +25,35 @@ class WsTiles(NamedTuple):
     """One launch configuration: BLOCK_M queries per tile of the walk, BLOCK_N keys per
     program (one consumer warpgroup per 64: num_warps = BLOCK_N // 16), NUM_STAGES slots
     of q and dO tiles in the ring, the registers per thread the launch asks for
-    (maxnreg), and those the producer and dQ-writer warps keep (setmaxnreg; the
-    consumers get the rest)."""
+    (maxnreg), those the producer and dQ-writer warps keep (setmaxnreg; the
+    consumers get the rest), and the byte width of the swizzle of the float32 dQ tiles
+    in shared memory (0: rows as they lie, which the consumers store with 8-way bank
+    conflicts; or 128)."""
     block_m: int
     block_n: int
     num_stages: int
     maxnreg: int
     worker_registers: int = 56
+    grad_q_swizzle: int = 0
 
     @property
     def num_warps(self):
         return self.block_n // 16
 
-    @property
-    def grad_q_chunk_rows(self):
-        """Rows of a dQ tile the writer moves per step: 8 (eight loads of the last
-        block's accumulator in flight) at 56 registers; 2 at 24, where 4 spilled
-        (compiled for sm_90: 724 bytes)."""
-        return 8 if self.worker_registers >= 56 else 2
-
 
 # One consumer warpgroup (64 keys) at 152 registers, 2 or 3 stages: one program per SM,
 # compiled for sm_90 without spills and with its wgmmas unserialized under triton 3.6.0,
-# 3.8.0 and 3.9.0 (tests/test_attention_bwd_ws.py).
+# 3.7.1, 3.8.0 and 3.9.0 (tests/test_attention_bwd_ws.py; 3.8.0 spills 8 bytes of the
+# consumers' with the dQ tiles in the 128-byte swizzle).
 TILES = (WsTiles(64, 64, 2, 152), WsTiles(64, 64, 3, 152))
 # Timed beside TILES (scripts/time_core_ws.py), each spilling a few words under some
-# triton. Two consumer warpgroups (128 keys), the fastest on the H200 (docs/
-# performance.md): 384 threads leave at most 170 registers each, and at 168 triton
-# 3.8.0's compiler spills 24-28 bytes (none under 3.6.0 and 3.9.0). One warpgroup at 128
-# registers, two programs per SM by registers: its consumers need 232 registers (at 200
-# ptxas serializes the wgmmas for want of registers), so the workers keep 24, and ptxas
-# spills 28-36 bytes of the consumers'.
+# triton: two consumer warpgroups (128 keys), the fastest on the H200 (docs/
+# performance.md). 384 threads leave at most 170 registers each; at 168 ptxas spills
+# 0-16 bytes of the consumers' with unswizzled dQ tiles, 4-32 with the 128-byte swizzle
+# (triton 3.6.0-3.9.0).
 CANDIDATE_TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168),
-                   WsTiles(64, 64, 2, 128, 24), WsTiles(64, 64, 3, 128, 24))
+                   WsTiles(64, 128, 2, 168, grad_q_swizzle=128),
+                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128))
 
 
 def _shared_layout(block_shape, dtype):
@@ -96,6 +92,21 @@ def _descriptor(t, heads_in_rows, block_rows, head_dim):
     block = [block_rows, head_dim]
     return TensorDescriptor(t, shape, strides, block,
                             _shared_layout(block, _gl_dtype(t.dtype)))
+
+
+def _accum_layout(tiles):
+    """The shared-memory layout of the float32 dQ tiles that the TMA copies move."""
+    from triton.experimental.gluon import language as gl
+    return gl.NVMMASharedLayout(swizzle_byte_width=tiles.grad_q_swizzle, element_bitwidth=32,
+                                rank=2)
+
+
+def _accum_descriptor(grad_q_accum, tiles):
+    """A TMA descriptor of [BM,D] tiles of the float32 dQ sums [rows, D]."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor(grad_q_accum, list(grad_q_accum.shape),
+                            list(grad_q_accum.stride()),
+                            [tiles.block_m, grad_q_accum.shape[1]], _accum_layout(tiles))
 
 
 def _check(q, k, v, grad_attn, attn_output, lse, tiles):
@@ -144,7 +155,10 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0]):
     heads_in_rows = _heads_in_rows(q)
     batch, heads, seq_len, head_dim = q.shape
     delta, semaphores = launch_delta(grad_attn, attn_output, heads, tiles.block_m)
-    grad_q_accum = q.new_empty(batch * heads, seq_len, head_dim, dtype=torch.float32)
+    # float32 dQ sums, one [BM,D] tile per (head, query tile), padded past S
+    query_tiles = -(-seq_len // tiles.block_m)
+    grad_q_accum = q.new_empty(batch * heads * query_tiles * tiles.block_m, head_dim,
+                               dtype=torch.float32)
     grad_q = q.new_empty(batch, seq_len, heads * head_dim)
     grad_kv = q.new_empty(batch, seq_len, 2 * heads * head_dim)
     grid = (-(-seq_len // tiles.block_n), batch * heads)
@@ -153,7 +167,8 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0]):
         _descriptor(k, heads_in_rows, tiles.block_n, head_dim),
         _descriptor(v, heads_in_rows, tiles.block_n, head_dim),
         _descriptor(grad_attn, False, tiles.block_m, head_dim),
-        lse, delta, grad_q_accum, semaphores, grad_q, grad_kv, scale,
+        lse, delta, _accum_descriptor(grad_q_accum, tiles), semaphores, grad_q,
+        grad_kv, scale,
         **kernel_constexprs(heads, seq_len, head_dim, tiles, heads_in_rows),
         maxnreg=tiles.maxnreg)
     return grad_q, grad_kv
@@ -163,7 +178,6 @@ def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
     return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
                 HEADS_IN_ROWS=heads_in_rows, WORKER_REGISTERS=tiles.worker_registers,
-                GRAD_Q_CHUNK_ROWS=tiles.grad_q_chunk_rows,
                 num_warps=tiles.num_warps)
 
 
@@ -186,7 +200,9 @@ def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bflo
     signature = dict(q_desc=descriptor(tiles.block_m), k_desc=descriptor(tiles.block_n),
                      v_desc=descriptor(tiles.block_n),
                      grad_attn_desc=descriptor(tiles.block_m), LSE="*fp32", DELTA="*fp32",
-                     DQ_ACCUM="*fp32", SEMAPHORES="*i32", GRAD_Q=f"*{element}",
+                     grad_q_accum_desc=(f"tensordesc<fp32[{tiles.block_m}, {head_dim}],"
+                                        f"{_accum_layout(tiles)!r}>"),
+                     SEMAPHORES="*i32", GRAD_Q=f"*{element}",
                      GRAD_KV=f"*{element}", scale="fp32")
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}

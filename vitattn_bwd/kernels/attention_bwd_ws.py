@@ -27,10 +27,11 @@ three waits per tile, each leaving one or two products in flight.
 
 dQ is deterministic: the key blocks of a head add their dQ_m tiles in key-block order,
 enforced by one int32 semaphore per (head, query tile) that counts the blocks already
-added (SEMAPHORES, cleared by attention_delta_kernel). Block 0 stores its tile into the float32
-accumulator DQ_ACCUM [B*H,S,D] (never zeroed), blocks 1..n-2 wait for their turn and add
-with `red` (an atomic add, but one block at a time), and the last block adds the
-accumulator to its own tile and stores dQ, scaled, in the operands' dtype: the sum's
+added (SEMAPHORES, cleared by attention_delta_kernel). Block 0 stores its tile into a
+float32 sum with a TMA copy, the other blocks wait for their turn and add theirs with a
+TMA add (cp.reduce.async.bulk.tensor, one block at a time), each waiting until its copy
+is performed in global memory before it counts itself on the semaphore; the last block
+then loads the sum back by TMA and stores dQ, scaled, in the operands' dtype: the sum's
 order is fixed, so the result is bitwise reproducible. Programs are launched key block
 first (program id 0), so a block waits only on blocks launched before it. Rows past
 the sequence end: TMA reads the next rows of the tensor (zeros past its end); P^T and
@@ -46,7 +47,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
-from .gluon_compat import cta_barrier, tma_load
+from .gluon_compat import cta_barrier, tma_add, tma_load, tma_store
 from .softmax_bwd_gluon import LOG2E, wgmma_layout
 
 
@@ -98,72 +99,91 @@ def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_rin
 
 
 @gluon.jit
-def grad_q_chunk(tile_ring, chunk: gl.constexpr, m_tile, accum_head, chunk_rows, cols,
-                 SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 CHUNK_ROWS: gl.constexpr, layout: gl.constexpr):
-    """Rows [chunk * CHUNK_ROWS, +CHUNK_ROWS) of query tile m_tile's dQ in the writer's
-    buffer: (that part [CHUNK_ROWS,D] in registers, its pointers into the head's float32
-    accumulator, its query rows, which of them lie before the sequence end)."""
-    rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
-    in_rows = (rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :]
-    tile = tile_ring.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
-    return tile, accum_head + (rows * HEAD_DIM)[:, None] + cols[None, :], rows, in_rows
+def bulk_writes_done():
+    """Wait until this thread's TMA stores and adds are performed in global memory, then
+    order them before its later global accesses of any proxy (cp.async.bulk.wait_group
+    0 and fence.proxy.async.global; tma.store_wait only waits until the copies have
+    read shared memory)."""
+    gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\nfence.proxy.async.global;"
+                              "\nmov.b32 $0, 0;", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
 
 
 @gluon.jit
-def grad_q_partition(grad_q_ring, grad_q_full, grad_q_empty, DQ_ACCUM, SEMAPHORES, GRAD_Q,
-                     scale, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                     CHUNK_ROWS: gl.constexpr):
-    """The dQ writer (one warp): takes each query tile's dQ [BM,D] from shared memory and
-    adds it to the head's dQ in key-block order (module docstring); the last block
-    stores dQ * scale into GRAD_Q [B,S,E]."""
-    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
-    layout: gl.constexpr = gl.BlockedLayout([1, HEAD_DIM // 32], [1, 32], [1, 1], [1, 0])
-    block = gl.program_id(0)
-    last = gl.num_programs(0) - 1
+def async_proxy_fence():
+    """Order this thread's earlier global accesses (the semaphore's acquire) before its
+    later TMA copies (fence.proxy.async.global)."""
+    gl.inline_asm_elementwise("fence.proxy.async.global;\nmov.b32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def store_grad_q(grad_q_tile, m_tile, GRAD_Q, scale, NUM_HEADS: gl.constexpr,
+                 SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """dQ * scale of query tile m_tile, from its float32 sum [BM,D] in shared memory,
+    into GRAD_Q [B,S,E] (the rows before the sequence end), 8 rows a step (a 128-byte
+    swizzle's period: a tile is sliced no finer), eight columns per lane: one 16-byte
+    store each."""
+    CHUNK_ROWS: gl.constexpr = 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
+                                            [1, 1], [1, 0])
     batch_head = gl.program_id(1)
     batch = batch_head // NUM_HEADS
     head = batch_head % NUM_HEADS
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     chunk_rows = gl.arange(0, CHUNK_ROWS, layout=gl.SliceLayout(1, layout))
-    accum_head = DQ_ACCUM + batch_head.to(gl.int64) * SEQ_LEN * HEAD_DIM
+    for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
+        part = grad_q_tile.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
+        rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
+        out = (GRAD_Q + ((batch * SEQ_LEN + rows).to(gl.int64) * NUM_HEADS
+                         * HEAD_DIM)[:, None] + head * HEAD_DIM + cols[None, :])
+        gl.store(out, (part * scale).to(GRAD_Q.dtype.element_ty),
+                 mask=(rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :])
+
+
+@gluon.jit
+def grad_q_partition(grad_q_ring, accum_tile, grad_q_full, grad_q_empty, accum_ready,
+                     grad_q_accum_desc, SEMAPHORES, GRAD_Q, scale,
+                     NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """The dQ writer (one warp): takes each query tile's dQ [BM,D] from shared memory and
+    adds it to the head's dQ in key-block order (module docstring) by TMA; the last
+    block loads the sum by TMA and stores dQ * scale into GRAD_Q [B,S,E]."""
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
+    block = gl.program_id(0)
+    last = gl.num_programs(0) - 1
+    batch_head = gl.program_id(1)
     for m_tile in range(NUM_TILES):
         buffer = m_tile % 2
         mbarrier.wait(grad_q_full.index(buffer), (m_tile // 2) & 1)
+        tile = grad_q_ring.index(buffer)                                    # [BM,D]
         semaphore = SEMAPHORES + batch_head * NUM_TILES + m_tile
+        accum_row = (batch_head * NUM_TILES + m_tile) * BLOCK_M
         if block > 0:                  # wait for blocks 0 .. block-1 to have added theirs
             added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
             while added != block:
                 added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
-        # one branch per tile, each an unrolled walk over the chunks, so that ptxas may
-        # issue several chunks' loads of the accumulator before their first use
-        tile_ring = grad_q_ring.index(buffer)
-        if block == last:
-            for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
-                tile, accum, rows, in_rows = grad_q_chunk(tile_ring, chunk, m_tile, accum_head,
-                                                          chunk_rows, cols, SEQ_LEN, HEAD_DIM,
-                                                          BLOCK_M, CHUNK_ROWS, layout)
-                if block > 0:
-                    tile += gl.load(accum, mask=in_rows, other=0.0, cache_modifier=".cg")
-                out = (GRAD_Q + ((batch * SEQ_LEN + rows).to(gl.int64) * NUM_HEADS
-                                 * HEAD_DIM)[:, None] + head * HEAD_DIM + cols[None, :])
-                gl.store(out, (tile * scale).to(GRAD_Q.dtype.element_ty), mask=in_rows)
-        elif block == 0:
-            for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
-                tile, accum, rows, in_rows = grad_q_chunk(tile_ring, chunk, m_tile, accum_head,
-                                                          chunk_rows, cols, SEQ_LEN, HEAD_DIM,
-                                                          BLOCK_M, CHUNK_ROWS, layout)
-                gl.store(accum, tile, mask=in_rows)
+            async_proxy_fence()
+        if block == 0:
+            if block == last:          # one key block: its tile is dQ
+                store_grad_q(tile, m_tile, GRAD_Q, scale, NUM_HEADS, SEQ_LEN, HEAD_DIM,
+                             BLOCK_M)
+            else:
+                tma_store(grad_q_accum_desc, [accum_row, 0], tile)
+                bulk_writes_done()
         else:
-            for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
-                tile, accum, rows, in_rows = grad_q_chunk(tile_ring, chunk, m_tile, accum_head,
-                                                          chunk_rows, cols, SEQ_LEN, HEAD_DIM,
-                                                          BLOCK_M, CHUNK_ROWS, layout)
-                gl.atomic_add(accum, tile, mask=in_rows, sem="relaxed", scope="gpu")
+            tma_add(grad_q_accum_desc, [accum_row, 0], tile)
+            bulk_writes_done()
+            if block == last:          # the sum of every block, back by TMA
+                fence_async_shared()   # the last tile's reads of accum_tile are done
+                mbarrier.expect(accum_ready, grad_q_accum_desc.block_type.nbytes)
+                tma_load(grad_q_accum_desc, [accum_row, 0], accum_ready, accum_tile)
+                mbarrier.wait(accum_ready, m_tile & 1)
+                store_grad_q(accum_tile, m_tile, GRAD_Q, scale, NUM_HEADS, SEQ_LEN,
+                             HEAD_DIM, BLOCK_M)
         mbarrier.arrive(grad_q_empty.index(buffer), count=1)
         if block != last:
-            cta_barrier()              # every lane's part is written
+            cta_barrier()              # the issuing thread's copy is done
             gl.atomic_add(semaphore, 1, sem="release", scope="gpu")
 
 
@@ -173,6 +193,7 @@ def hand_over_grad_q(grad_q, m_tile, grad_q_ring, grad_q_full, grad_q_empty):
     buffer = m_tile % 2
     mbarrier.wait(grad_q_empty.index(buffer), ((m_tile // 2) & 1) ^ 1)
     grad_q_ring.index(buffer).store(grad_q)
+    fence_async_shared()               # visible to the writer's TMA copy
     cta_barrier()                      # every consumer thread's part is stored
     mbarrier.arrive(grad_q_full.index(buffer), count=1)
 
@@ -270,22 +291,23 @@ def compute_partition(k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile, grad_
 
 
 @gluon.jit
-def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA, DQ_ACCUM,
-                            SEMAPHORES, GRAD_Q, GRAD_KV, scale, NUM_HEADS: gl.constexpr,
-                            SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                            NUM_STAGES: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
-                            WORKER_REGISTERS: gl.constexpr, GRAD_Q_CHUNK_ROWS: gl.constexpr,
+def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
+                            grad_q_accum_desc, SEMAPHORES, GRAD_Q, GRAD_KV, scale,
+                            NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                            HEADS_IN_ROWS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
                             num_warps: gl.constexpr):
     """dQ [B,S,E], dK and dV [B,S,2E] (the operands' dtype) of one (batch, head)'s keys
     [n_start, n_start + BLOCK_N): program ids (key block, batch * NUM_HEADS + head).
     q_desc, grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D]
     tiles (head_coordinates says where a head lies). LSE, DELTA [B,H,S] float32
-    (natural-log log-sum-exp of the logits * scale, rowsum(dO * O)); DQ_ACCUM [B*H,S,D]
-    float32 scratch; SEMAPHORES [B*H, ceil(S / BM)] int32 zeros (attention_delta_kernel
-    clears them). BLOCK_N = 16 * num_warps (one consumer warpgroup per 64 keys); the producer and the dQ writer, one
-    warp each, keep WORKER_REGISTERS registers per thread; the writer moves
-    GRAD_Q_CHUNK_ROWS rows of a dQ tile per step."""
+    (natural-log log-sum-exp of the logits * scale, rowsum(dO * O)); grad_q_accum_desc:
+    a TMA descriptor of [BM,D] tiles of the float32 dQ sums [B*H * ceil(S / BM) * BM, D]
+    (scratch, never zeroed: tile m of a head at row (head * ceil(S / BM) + m) * BM);
+    SEMAPHORES [B*H, ceil(S / BM)] int32 zeros (attention_delta_kernel clears them).
+    BLOCK_N = 16 * num_warps (one consumer warpgroup per 64 keys); the producer and the
+    dQ writer, one warp each, keep WORKER_REGISTERS registers per thread."""
     gl.static_assert(BLOCK_N == 16 * num_warps, "one consumer warpgroup per 64 keys")
     dtype: gl.constexpr = q_desc.dtype
     k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
@@ -297,13 +319,17 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA, 
         dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                         dtype))
     grad_q_ring = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
-                                            gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+                                            grad_q_accum_desc.layout)
+    accum_tile = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
+                                           grad_q_accum_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     grad_q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     grad_q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    accum_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
+    mbarrier.init(accum_ready, count=1)
     for stage in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(stage), count=1)
         mbarrier.init(empty.index(stage), count=1)
@@ -320,9 +346,9 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA, 
         (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
                           grad_attn_ring, kv_ready, ready, empty, NUM_HEADS, SEQ_LEN,
                           HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, HEADS_IN_ROWS)),
-        (grad_q_partition, (grad_q_ring, grad_q_full, grad_q_empty, DQ_ACCUM, SEMAPHORES,
-                            GRAD_Q, scale, NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M,
-                            GRAD_Q_CHUNK_ROWS)),
+        (grad_q_partition, (grad_q_ring, accum_tile, grad_q_full, grad_q_empty,
+                            accum_ready, grad_q_accum_desc, SEMAPHORES, GRAD_Q, scale,
+                            NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M)),
     ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
 
 

@@ -11,6 +11,14 @@ the same on every release (and kernels/attention_bwd_ws.py):
     tma_load(desc, coords, bar, smem)  TMA copy of a tile from global into shared memory:
                                        tma.async_load where it exists (3.9 raises on
                                        the old name), tma.async_copy_global_to_shared
+    tma_store(desc, coords, smem)      TMA copy of a tile from shared into global memory:
+                                       tma.async_store (3.8+; 3.9 raises on the old
+                                       name), tma.async_copy_shared_to_global
+    tma_add(desc, coords, smem)        TMA add of a shared-memory tile into global
+                                       memory (cp.reduce.async.bulk.tensor .add):
+                                       tma.async_atomic_add (3.8+); 3.6 and 3.7 have the
+                                       builder's op but no name for it, so it is called
+                                       here as 3.8 calls it
 
 Each pair lowers to the same instructions (bar.sync; cp.async with the same cache
 modifiers; cp.async.bulk.tensor), so the kernels' machine code does not depend on which
@@ -18,7 +26,9 @@ name was found:
 scripts/kernel_resources.py --sass on each release shows it. `MISSING` lists what this
 triton lacks of the rest the kernels use (empty where they compile).
 """
+from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
@@ -32,6 +42,17 @@ def _first(module, *names):
 cta_barrier = _first(gl, "barrier", "thread_barrier")
 async_load = _first(async_copy, "async_load", "async_copy_global_to_shared")
 tma_load = _first(tma, "async_load", "async_copy_global_to_shared")
+tma_store = _first(tma, "async_store", "async_copy_shared_to_global")
+
+
+@builtin
+def _tma_add_from_builder(tensor_desc, coord, src, _semantic=None):
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                              tensor_desc.handle, coord, src.handle)
+
+
+tma_add = _first(tma, "async_atomic_add") or _tma_add_from_builder
 
 # Everything else the kernels name, which every release from 3.6 to 3.9 has.
 _REQUIRED = {gl: ("NVMMADistributedLayout", "DotOperandLayout", "BlockedLayout",
@@ -41,7 +62,7 @@ _REQUIRED = {gl: ("NVMMADistributedLayout", "DotOperandLayout", "BlockedLayout",
              hopper: ("fence_async_shared", "warpgroup_mma", "warpgroup_mma_init",
                       "warpgroup_mma_wait")}
 MISSING = tuple(
-    [name for name, found in (("barrier", cta_barrier), ("async_load", async_load))
-     if found is None]
+    [name for name, found in (("barrier", cta_barrier), ("async_load", async_load),
+                              ("tma_store", tma_store)) if found is None]
     + [f"{module.__name__}.{name}" for module, names in _REQUIRED.items()
        for name in names if not hasattr(module, name)])
