@@ -10,9 +10,9 @@ contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_o
 [B,S,E] contiguous; lse [B,H,S] float32, the natural-log log-sum-exp of the scaled
 logits. One product per matmul, P recomputed from lse (the module's half-precision
 path). Not an autotune choice of the registered lowerings: on the H200 it measured
-0.921 ms at batch 32, 577 tokens, 16 heads of 64, against 0.803 for the two-pass Gluon
-kernels in the same run (scripts/time_core_ws.py; docs/performance.md, "The
-warp-specialized one-pass core").
+0.624 ms at batch 32, 577 tokens, 16 heads of 64, against 0.790 for the two-pass Gluon
+kernels and 0.444 for cuDNN's backward in the same run (scripts/time_core_ws.py;
+docs/performance.md, "The warp-specialized core: what bounds it").
 """
 from typing import NamedTuple
 
