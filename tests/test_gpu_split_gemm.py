@@ -104,9 +104,9 @@ def _big_products(compiled):
 def test_an_operand_past_2_31_elements(compiled):
     """A @ W (output [BIG_ROWS, 64]: the activation gradient's GEMM, K = 2E) and A^T @ C
     (the weight gradient's, K = BIG_ROWS, past split_gemm.K_CHUNK rows in K_CHUNKS
-    chunks) as close to float64 as float32 SGEMM, and A @ W on the rows past 2^31 elements alone:
-    rows read through wrapped 32-bit offsets would be other memory, an error of order
-    one."""
+    chunks, each within 32-bit offsets) as close to float64 as float32 SGEMM, and A @ W
+    on the rows past 2^31 elements alone: rows read through wrapped 32-bit offsets would
+    be other memory, an error of order one."""
     product, product_t, tail = _big_products(compiled)
     for got, want, sgemm in (product, tail, product_t):
         assert relative_error(got, want) < 1.5 * relative_error(sgemm, want)

@@ -95,26 +95,43 @@ def test_compiled_cpu_graph_goes_through_the_lowering_fallback(monkeypatch):
     assert torch.equal(compiled(a, c), product(a, c))
 
 
-@pytest.mark.parametrize("K", [64, 301])
-def test_kernel_takes_long_k_in_chunks(triton_interpreter, monkeypatch, K):
-    """K past K_CHUNK (here 64 instead of 2^15) in K_CHUNKS chunks (here 4: 301 = 3 x 76
-    + 73): float32-grade, a transposed operand's chunks read as views, the same bits
-    when repeated."""
+def _counting_split_gemm_calls(monkeypatch):
+    """A list that records the K of every split GEMM operator call made through
+    matmul_fp16x3 from now on."""
+    calls, operator = [], split_gemm.split_gemm
+
+    def counted(a_hi, a_lo, b_hi, b_lo, unscale):
+        calls.append(a_hi.shape[1])
+        return operator(a_hi, a_lo, b_hi, b_lo, unscale)
+    monkeypatch.setattr(split_gemm, "split_gemm", counted)
+    return calls
+
+
+@pytest.mark.parametrize("K, chunks", [(64, 1), (301, 4)])
+def test_kernel_takes_long_k_in_chunks(triton_interpreter, monkeypatch, K, chunks):
+    """K up to K_CHUNK (here 64 instead of 2^15) in one call, past it in K_CHUNKS chunks
+    (here 4: 301 = 3 x 76 + 73): float32-grade, a transposed operand's chunks read as
+    views, the same bits when repeated."""
     monkeypatch.setattr(split_gemm, "K_CHUNK", 64)
     monkeypatch.setattr(split_gemm, "K_CHUNKS", 4)
-    a, b, c = _operands(24, K, 20, seed=K)
-    _check_against_float32(a, b, c)
+    a, _, c = _operands(K, 24, 20, seed=K)                          # a^T @ c: K rows
+    calls = _counting_split_gemm_calls(monkeypatch)
     halves_a, halves_c = split_gemm.transposed(split_gemm.fp16_halves(a)), \
         split_gemm.fp16_halves(c)
-    assert torch.equal(split_gemm.matmul_fp16x3(halves_a, halves_c),
-                       split_gemm.matmul_fp16x3(halves_a, halves_c))
+    got = split_gemm.matmul_fp16x3(halves_a, halves_c)
+    assert calls == ([K] if chunks == 1 else [76, 76, 76, 73])
+    want = a.double().t() @ c.double()
+    assert relative_error(got, want) < 2 * relative_error(a.t() @ c, want) + 1e-8
+    assert torch.equal(got, split_gemm.matmul_fp16x3(halves_a, halves_c))
 
 
 def test_compiled_dynamic_k_is_not_specialized_by_the_chunks(monkeypatch):
     """Compiled with K dynamic (the backward graphs mark the batch dynamic, and K = B*S),
-    across K_CHUNK (here 16, in 4 chunks): one graph serves K = 40 and 70 without
-    specializing K (a loop over chunks of a fixed length would: dynamo's
-    ConstraintViolationError), K = 12 runs unchunked, each as the eager call computes."""
+    across K_CHUNK (here 16, in 4 chunks): K = 40 and then 70 run in chunks through one
+    graph (a second compile fails the test; a loop over chunks of a fixed length would
+    specialize K: dynamo's ConstraintViolationError), K = 12 runs unchunked, each as the
+    eager call computes (in chunks, whose sum's rounding an unchunked graph would not
+    repeat bit for bit)."""
     pytest.importorskip("vitattn_bwd.inductor")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(split_gemm, "K_CHUNK", 16)
@@ -130,7 +147,8 @@ def test_compiled_dynamic_k_is_not_specialized_by_the_chunks(monkeypatch):
         a, _, c = _operands(K, 16, 24, seed=K)                      # a^T @ c: K rows
         torch._dynamo.mark_dynamic(a, 0)
         torch._dynamo.mark_dynamic(c, 0)
-        got = compiled(a, c)
+        with torch.compiler.set_stance("fail_on_recompile" if K == 70 else "default"):
+            got = compiled(a, c)
         assert torch.equal(got, product(a, c)), K
         want = a.double().t() @ c.double()
         assert relative_error(got, want) < 2 * relative_error(a.t() @ c, want) + 1e-8, K

@@ -9,9 +9,10 @@ q, k, v [B,H,S,D] bf16 / fp16 with one set of strides and a contiguous last dim:
 contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_output
 [B,S,E] contiguous; lse [B,H,S] float32, the natural-log log-sum-exp of the scaled
 logits. One product per matmul, P recomputed from lse (the module's half-precision
-path). Not an autotune choice of the registered lowerings: on the H200 it measured
-0.624 ms at batch 32, 577 tokens, 16 heads of 64, against 0.790 for the two-pass Gluon
-kernels and 0.444 for cuDNN's backward in the same run (scripts/time_core_ws.py;
+path). Not an autotune choice of the registered lowerings: on the H200, at batch 32,
+577 tokens, 16 heads of 64, its fastest configuration (128 keys, the 128-byte swizzle)
+measured 0.624 ms and TILES[0] 1.118, against 0.790 for the two-pass Gluon kernels and
+0.444 for cuDNN's backward in the same run (scripts/time_core_ws.py;
 docs/performance.md, "The warp-specialized core: what bounds it").
 """
 from typing import NamedTuple
@@ -43,8 +44,8 @@ class WsTiles(NamedTuple):
 
 # One consumer warpgroup (64 keys) at 152 registers, 2 or 3 stages: one program per SM,
 # compiled for sm_90 without spills and with its wgmmas unserialized under triton 3.6.0,
-# 3.7.1, 3.8.0 and 3.9.0 (tests/test_attention_bwd_ws.py; 3.8.0 spills 8 bytes of the
-# consumers' with the dQ tiles in the 128-byte swizzle).
+# 3.7.1, 3.8.0 and 3.9.0 (tests/test_attention_bwd_ws.py; with the dQ tiles in the
+# 128-byte swizzle 3.8.0 spilled 8 bytes of the consumers').
 TILES = (WsTiles(64, 64, 2, 152), WsTiles(64, 64, 3, 152))
 # Timed beside TILES (scripts/time_core_ws.py), each spilling a few words under some
 # triton: two consumer warpgroups (128 keys), the fastest on the H200 (docs/

@@ -18,7 +18,8 @@ truncates, and one accumulator over all of K put cuBLAS fp16x3 GEMMs 5-190x abov
 float32 SGEMM's error against float64 (docs/performance.md, the split GEMM). Under
 torch.compile on CUDA, inductor.py lowers it to a Triton template that autotuning
 tunes. Elsewhere it runs as float32 matmuls of the upcast halves (exact products,
-float32 accumulation, rounded to nearest).
+float32 accumulation, rounded to nearest). `matmul_fp16x3` takes a K past K_CHUNK rows
+in K_CHUNKS chunks, one operator call each.
 """
 import os
 from typing import NamedTuple
@@ -86,11 +87,12 @@ def transposed(halves):
 # A K past K_CHUNK rows (a weight gradient past batch 56 at ViT-L/14-336, K = B*S) is cut
 # into K_CHUNKS equal chunks, each one split GEMM call, whose products are added in
 # float32. The kernel adds its K slices' partials one after another in one float32
-# accumulator, whose rounding grows with their count: at K = 2^20 + 2^10 (32,800 slices)
-# it was 5.8x float32 SGEMM's error against float64, in chunks within 1.5x, and at the
-# benchmark's K (up to 32,312) below 1.5x (docs/performance.md, the split GEMM at long
-# K). A fixed count, not a fixed length: under torch.compile a dynamic batch makes K
-# symbolic, and a loop whose length depended on its value would specialize it.
+# accumulator, whose rounding grows with their count: at K = 2^20 + 2^10 (16,400 slices
+# of BLOCK_K 64) it was 5.8x float32 SGEMM's error against float64, in chunks within
+# 1.5x, and at the benchmark's K (up to 32,312) below 1.5x (docs/performance.md, the
+# split GEMM at long K). A fixed count, not a fixed length: under torch.compile a dynamic
+# batch makes K symbolic, and a loop whose length depended on its value would
+# specialize it.
 K_CHUNK = 2 ** 15
 K_CHUNKS = 32
 

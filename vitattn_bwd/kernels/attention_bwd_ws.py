@@ -35,7 +35,8 @@ then loads the sum back by TMA and stores dQ, scaled, in the operands' dtype: th
 order is fixed, so the result is bitwise reproducible. Programs are launched key block
 first (program id 0), so a block waits only on blocks launched before it. Rows past
 the sequence end: TMA reads the next rows of the tensor (zeros past its end); P^T and
-dS^T are 0 there, so they add nothing, and nothing is stored for them.
+dS^T are 0 there, so their dQ rows are 0 (added into the sum's padding rows) and
+nothing is stored for them in the outputs.
 
 delta = rowsum(dO * O) [B,H,S] float32 comes from attention_delta_kernel, a pass over dO
 and O before the main kernel, which zeroes the semaphores too.
@@ -102,8 +103,8 @@ def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_rin
 def bulk_writes_done():
     """Wait until this thread's TMA stores and adds are performed in global memory, then
     order them before its later global accesses of any proxy (cp.async.bulk.wait_group
-    0 and fence.proxy.async.global; tma.store_wait only waits until the copies have
-    read shared memory)."""
+    0 and fence.proxy.async.global; tma.store_wait waits only until the copies have
+    read shared memory, unless given read_only=False, which triton 3.6 and 3.7 lack)."""
     gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\nfence.proxy.async.global;"
                               "\nmov.b32 $0, 0;", "=r", [], dtype=gl.int32,
                               is_pure=False, pack=1)
@@ -175,7 +176,7 @@ def grad_q_partition(grad_q_ring, accum_tile, grad_q_full, grad_q_empty, accum_r
             tma_add(grad_q_accum_desc, [accum_row, 0], tile)
             bulk_writes_done()
             if block == last:          # the sum of every block, back by TMA
-                fence_async_shared()   # the last tile's reads of accum_tile are done
+                fence_async_shared()   # orders this thread's reads of accum_tile first
                 mbarrier.expect(accum_ready, grad_q_accum_desc.block_type.nbytes)
                 tma_load(grad_q_accum_desc, [accum_row, 0], accum_ready, accum_tile)
                 mbarrier.wait(accum_ready, m_tile & 1)
