@@ -87,3 +87,15 @@ def test_bad_arguments_are_named(change, message):
 def test_tiles_outside_the_family_are_refused():
     with pytest.raises(ValueError, match="tiles must have block_m 64"):
         attention_bwd_ws.launch(**_inputs(), tiles=attention_bwd_ws.WsTiles(128, 64, 2, 128))
+
+
+def test_the_grid_is_one_program_per_item_unless_persistent():
+    """One program per (head, key block) item; a persistent configuration one per SM, or
+    as many as asked, never more than there are items."""
+    tiles = attention_bwd_ws.TILES[0]
+    persistent = tiles._replace(persistent=True)
+    assert attention_bwd_ws.program_count(tiles, 960, sm_count=132) == 960
+    assert attention_bwd_ws.program_count(tiles, 960, 132, programs=8) == 960
+    assert attention_bwd_ws.program_count(persistent, 960, sm_count=132) == 132
+    assert attention_bwd_ws.program_count(persistent, 960, 132, programs=8) == 8
+    assert attention_bwd_ws.program_count(persistent, 30, sm_count=132) == 30

@@ -10,10 +10,11 @@ contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_o
 [B,S,E] contiguous; lse [B,H,S] float32, the natural-log log-sum-exp of the scaled
 logits. One product per matmul, P recomputed from lse (the module's half-precision
 path). Not an autotune choice of the registered lowerings: on the H200, at batch 32,
-577 tokens, 16 heads of 64, its fastest configuration (128 keys, the 128-byte swizzle)
-measured 0.624 ms and TILES[0] 1.118, against 0.790 for the two-pass Gluon kernels and
-0.444 for cuDNN's backward in the same run (scripts/time_core_ws.py;
-docs/performance.md, "The warp-specialized core: what bounds it").
+577 tokens, 16 heads of 64, its fastest configuration (128 keys, the 128-byte swizzle,
+a persistent grid) measured 0.583 ms (0.624 with one program per item) and TILES[0]
+1.119, against 0.791 for the two-pass Gluon kernels and 0.445 for cuDNN's backward in
+the same run (scripts/time_core_ws.py; docs/performance.md, "The warp-specialized
+core").
 """
 from typing import NamedTuple
 
@@ -27,15 +28,18 @@ class WsTiles(NamedTuple):
     program (one consumer warpgroup per 64: num_warps = BLOCK_N // 16), NUM_STAGES slots
     of q and dO tiles in the ring, the registers per thread the launch asks for
     (maxnreg), those the producer and dQ-writer warps keep (setmaxnreg; the
-    consumers get the rest), and the byte width of the swizzle of the float32 dQ tiles
-    in shared memory (0: rows as they lie, which the consumers store with 8-way bank
-    conflicts; or 128)."""
+    consumers get the rest), the byte width of the swizzle of the float32 dQ tiles in
+    shared memory (0: rows as they lie, which the consumers store with 8-way bank
+    conflicts; or 128), and whether the grid is one program per SM, each walking its
+    share of the (head, key block) items (persistent, a cooperative launch), or one
+    program per item."""
     block_m: int
     block_n: int
     num_stages: int
     maxnreg: int
     worker_registers: int = 56
     grad_q_swizzle: int = 0
+    persistent: bool = False
 
     @property
     def num_warps(self):
@@ -54,7 +58,9 @@ TILES = (WsTiles(64, 64, 2, 152), WsTiles(64, 64, 3, 152))
 # (triton 3.6.0-3.9.0).
 CANDIDATE_TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168),
                    WsTiles(64, 128, 2, 168, grad_q_swizzle=128),
-                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128))
+                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128),
+                   WsTiles(64, 128, 2, 168, grad_q_swizzle=128, persistent=True),
+                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128, persistent=True))
 
 
 def _shared_layout(block_shape, dtype):
@@ -95,19 +101,26 @@ def _descriptor(t, heads_in_rows, block_rows, head_dim):
                             _shared_layout(block, _gl_dtype(t.dtype)))
 
 
-def _accum_layout(tiles):
+def _sum_layout(tiles):
     """The shared-memory layout of the float32 dQ tiles that the TMA copies move."""
     from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout(swizzle_byte_width=tiles.grad_q_swizzle, element_bitwidth=32,
-                                rank=2)
+    return gl.NVMMASharedLayout(swizzle_byte_width=tiles.grad_q_swizzle,
+                                element_bitwidth=32, rank=2)
 
 
-def _accum_descriptor(grad_q_accum, tiles):
+def _sum_descriptor(grad_q_sums, tiles):
     """A TMA descriptor of [BM,D] tiles of the float32 dQ sums [rows, D]."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    return TensorDescriptor(grad_q_accum, list(grad_q_accum.shape),
-                            list(grad_q_accum.stride()),
-                            [tiles.block_m, grad_q_accum.shape[1]], _accum_layout(tiles))
+    return TensorDescriptor(grad_q_sums, list(grad_q_sums.shape), list(grad_q_sums.stride()),
+                            [tiles.block_m, grad_q_sums.shape[1]], _sum_layout(tiles))
+
+
+def program_count(tiles, num_items, sm_count, programs=None):
+    """The grid: one program per (head, key block) item, or for a persistent
+    configuration `programs` (default: one per SM), at most one per item."""
+    if not tiles.persistent:
+        return num_items
+    return min(num_items, programs or sm_count)
 
 
 def _check(q, k, v, grad_attn, attn_output, lse, tiles):
@@ -148,9 +161,12 @@ def launch_delta(grad_attn, attn_output, num_heads, block_m=64):
     return delta, semaphores
 
 
-def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0]):
+def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs=None):
     """(grad_q [B,S,E], grad_kv [B,S,2E]) in q's dtype: the attention core's backward
-    (module docstring), bitwise the same on every call."""
+    (module docstring), bitwise the same on every call and for any grid. A persistent
+    configuration runs `programs` programs (default: one per SM) as a cooperative launch:
+    its programs wait on each other's dQ adds, so all must be resident at once, which
+    CUDA then guarantees or refuses the launch."""
     from .kernels.attention_bwd_ws import attention_bwd_ws_kernel
     _check(q, k, v, grad_attn, attn_output, lse, tiles)
     heads_in_rows = _heads_in_rows(q)
@@ -158,20 +174,22 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0]):
     delta, semaphores = launch_delta(grad_attn, attn_output, heads, tiles.block_m)
     # float32 dQ sums, one [BM,D] tile per (head, query tile), padded past S
     query_tiles = -(-seq_len // tiles.block_m)
-    grad_q_accum = q.new_empty(batch * heads * query_tiles * tiles.block_m, head_dim,
-                               dtype=torch.float32)
+    grad_q_sums = q.new_empty(batch * heads * query_tiles * tiles.block_m, head_dim,
+                              dtype=torch.float32)
     grad_q = q.new_empty(batch, seq_len, heads * head_dim)
     grad_kv = q.new_empty(batch, seq_len, 2 * heads * head_dim)
-    grid = (-(-seq_len // tiles.block_n), batch * heads)
+    num_items = -(-seq_len // tiles.block_n) * batch * heads     # (head, key block) pairs
+    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+    grid = (program_count(tiles, num_items, sm_count, programs),)
     attention_bwd_ws_kernel[grid](
         _descriptor(q, heads_in_rows, tiles.block_m, head_dim),
         _descriptor(k, heads_in_rows, tiles.block_n, head_dim),
         _descriptor(v, heads_in_rows, tiles.block_n, head_dim),
         _descriptor(grad_attn, False, tiles.block_m, head_dim),
-        lse, delta, _accum_descriptor(grad_q_accum, tiles), semaphores, grad_q,
-        grad_kv, scale,
+        lse, delta, _sum_descriptor(grad_q_sums, tiles), semaphores, grad_q,
+        grad_kv, scale, num_items,
         **kernel_constexprs(heads, seq_len, head_dim, tiles, heads_in_rows),
-        maxnreg=tiles.maxnreg)
+        maxnreg=tiles.maxnreg, launch_cooperative_grid=tiles.persistent)
     return grad_q, grad_kv
 
 
@@ -201,10 +219,10 @@ def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bflo
     signature = dict(q_desc=descriptor(tiles.block_m), k_desc=descriptor(tiles.block_n),
                      v_desc=descriptor(tiles.block_n),
                      grad_attn_desc=descriptor(tiles.block_m), LSE="*fp32", DELTA="*fp32",
-                     grad_q_accum_desc=(f"tensordesc<fp32[{tiles.block_m}, {head_dim}],"
-                                        f"{_accum_layout(tiles)!r}>"),
+                     grad_q_sum_desc=(f"tensordesc<fp32[{tiles.block_m}, {head_dim}],"
+                                      f"{_sum_layout(tiles)!r}>"),
                      SEMAPHORES="*i32", GRAD_Q=f"*{element}",
-                     GRAD_KV=f"*{element}", scale="fp32")
+                     GRAD_KV=f"*{element}", scale="fp32", num_items="i32")
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
     aligned = {(index,): [["tt.divisibility", 16]]

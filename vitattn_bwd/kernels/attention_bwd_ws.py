@@ -2,12 +2,14 @@
 Hopper (sm_90): one product per matmul of bf16 / fp16 operands, P recomputed from the
 forward's log-sum-exp.
 
-A program owns BLOCK_N keys of one (batch, head) and walks every query tile of that head
-in three partitions:
+A work item is BLOCK_N keys of one (batch, head); a program walks every query tile of
+an item, and takes items p, p + P, p + 2P, ... of its grid's P programs (one item each
+in a grid of one program per item), in three partitions:
 
-    producer (one warp, few registers):
-        TMA  k, v [BN,D] once; then q_m, dO_m [BM,D] into a NUM_STAGES-deep ring,
-             each slot guarded by a ready and an empty mbarrier
+    producer (one warp, few registers), per item:
+        TMA  k, v [BN,D] (once the consumers are done with the last item's); then
+             q_m, dO_m [BM,D] into a NUM_STAGES-deep ring, each slot guarded by a ready
+             and an empty mbarrier
     consumers (one warpgroup per 64 keys, the registers the workers gave up), tile m:
         issue  S^T_m  = k @ q_m^T                     [BN,BM]
         issue  dP^T_m = v @ dO_m^T                    [BN,BM]
@@ -32,8 +34,11 @@ float32 sum with a TMA copy, the other blocks wait for their turn and add theirs
 TMA add (cp.reduce.async.bulk.tensor, one block at a time), each waiting until its copy
 is performed in global memory before it counts itself on the semaphore; the last block
 then loads the sum back by TMA and stores dQ, scaled, in the operands' dtype: the sum's
-order is fixed, so the result is bitwise reproducible. Programs are launched key block
-first (program id 0), so a block waits only on blocks launched before it. Rows past
+order is fixed, so the result is bitwise reproducible. A head's key blocks are
+consecutive items, so a block waits only on lower items, which their programs take
+before any higher one: every wait ends provided all programs run at once (a grid of one
+program per item launches in item order; a persistent grid is a cooperative launch).
+Rows past
 the sequence end: TMA reads the next rows of the tensor (zeros past its end); P^T and
 dS^T are 0 there, so their dQ rows are 0 (added into the sum's padding rows) and
 nothing is stored for them in the outputs.
@@ -74,29 +79,45 @@ def head_coordinates(batch_head, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
 
 
 @gluon.jit
+def work_item(item, SEQ_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
+    """(key block, batch * NUM_HEADS + head, this program's count of earlier items) of
+    work item `item`: the key blocks of a head are consecutive items, and program p
+    takes items p, p + P, p + 2P, ... of the P programs (one item each when the grid
+    has one program per item)."""
+    NUM_BLOCKS: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
+    return (item % NUM_BLOCKS, item // NUM_BLOCKS,
+            (item - gl.program_id(0)) // gl.num_programs(0))
+
+
+@gluon.jit
 def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
-                   grad_attn_ring, kv_ready, ready, empty, NUM_HEADS: gl.constexpr,
-                   SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
+                   NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                    HEADS_IN_ROWS: gl.constexpr):
-    """The producer: this program's k, v tiles, then every query tile's q and dO."""
+    """The producer: for each work item its k, v tiles (once the consumers are done with
+    the last item's), then every query tile's q and dO through the ring."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
-    batch_head = gl.program_id(1)
-    qkv_row, qkv_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM,
-                                        HEADS_IN_ROWS)
-    do_row, do_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM, False)
-    mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-    tma_load(k_desc, [qkv_row + gl.program_id(0) * BLOCK_N, qkv_col], kv_ready, k_tile)
-    tma_load(v_desc, [qkv_row + gl.program_id(0) * BLOCK_N, qkv_col], kv_ready, v_tile)
-    for m_tile in range(NUM_TILES):
-        slot = m_tile % NUM_STAGES
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        block, batch_head, earlier = work_item(item, SEQ_LEN, BLOCK_N)
+        qkv_row, qkv_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM,
+                                            HEADS_IN_ROWS)
+        do_row, do_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM, False)
         # a fresh mbarrier counts as having completed the phase before phase 0
-        mbarrier.wait(empty.index(slot), ((m_tile // NUM_STAGES) & 1) ^ 1)
-        bar = ready.index(slot)
-        mbarrier.expect(bar, q_desc.block_type.nbytes + grad_attn_desc.block_type.nbytes)
-        tma_load(q_desc, [qkv_row + m_tile * BLOCK_M, qkv_col], bar, q_ring.index(slot))
-        tma_load(grad_attn_desc, [do_row + m_tile * BLOCK_M, do_col], bar,
-                 grad_attn_ring.index(slot))
+        mbarrier.wait(kv_empty, (earlier & 1) ^ 1)
+        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+        tma_load(k_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_ready, k_tile)
+        tma_load(v_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_ready, v_tile)
+        for m_tile in range(NUM_TILES):
+            tile_count = earlier * NUM_TILES + m_tile      # this program's tiles so far
+            slot = tile_count % NUM_STAGES
+            mbarrier.wait(empty.index(slot), ((tile_count // NUM_STAGES) & 1) ^ 1)
+            bar = ready.index(slot)
+            mbarrier.expect(bar, q_desc.block_type.nbytes
+                            + grad_attn_desc.block_type.nbytes)
+            tma_load(q_desc, [qkv_row + m_tile * BLOCK_M, qkv_col], bar, q_ring.index(slot))
+            tma_load(grad_attn_desc, [do_row + m_tile * BLOCK_M, do_col], bar,
+                     grad_attn_ring.index(slot))
 
 
 @gluon.jit
@@ -119,7 +140,7 @@ def async_proxy_fence():
 
 
 @gluon.jit
-def store_grad_q(grad_q_tile, m_tile, GRAD_Q, scale, NUM_HEADS: gl.constexpr,
+def store_grad_q(grad_q_tile, batch_head, m_tile, GRAD_Q, scale, NUM_HEADS: gl.constexpr,
                  SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """dQ * scale of query tile m_tile, from its float32 sum [BM,D] in shared memory,
     into GRAD_Q [B,S,E] (the rows before the sequence end), 8 rows a step (a 128-byte
@@ -128,7 +149,6 @@ def store_grad_q(grad_q_tile, m_tile, GRAD_Q, scale, NUM_HEADS: gl.constexpr,
     CHUNK_ROWS: gl.constexpr = 8
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
                                             [1, 1], [1, 0])
-    batch_head = gl.program_id(1)
     batch = batch_head // NUM_HEADS
     head = batch_head % NUM_HEADS
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
@@ -143,56 +163,62 @@ def store_grad_q(grad_q_tile, m_tile, GRAD_Q, scale, NUM_HEADS: gl.constexpr,
 
 
 @gluon.jit
-def grad_q_partition(grad_q_ring, accum_tile, grad_q_full, grad_q_empty, accum_ready,
-                     grad_q_accum_desc, SEMAPHORES, GRAD_Q, scale,
+def grad_q_partition(grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty, sum_ready,
+                     grad_q_sum_desc, SEMAPHORES, GRAD_Q, scale, num_items,
                      NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The dQ writer (one warp): takes each query tile's dQ [BM,D] from shared memory and
-    adds it to the head's dQ in key-block order (module docstring) by TMA; the last
-    block loads the sum by TMA and stores dQ * scale into GRAD_Q [B,S,E]."""
+    adds it to the head's dQ in key-block order (module docstring) by TMA, giving the
+    buffer back as soon as the copy is done; the last block loads the sum by TMA and
+    stores dQ * scale into GRAD_Q [B,S,E]."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
-    block = gl.program_id(0)
-    last = gl.num_programs(0) - 1
-    batch_head = gl.program_id(1)
-    for m_tile in range(NUM_TILES):
-        buffer = m_tile % 2
-        mbarrier.wait(grad_q_full.index(buffer), (m_tile // 2) & 1)
-        tile = grad_q_ring.index(buffer)                                    # [BM,D]
-        semaphore = SEMAPHORES + batch_head * NUM_TILES + m_tile
-        accum_row = (batch_head * NUM_TILES + m_tile) * BLOCK_M
-        if block > 0:                  # wait for blocks 0 .. block-1 to have added theirs
-            added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
-            while added != block:
+    last: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N - 1
+    sums_loaded = 0                    # this program's loads of a sum (sum_ready's phase)
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        block, batch_head, earlier = work_item(item, SEQ_LEN, BLOCK_N)
+        for m_tile in range(NUM_TILES):
+            tile_count = earlier * NUM_TILES + m_tile
+            buffer = tile_count % 2
+            mbarrier.wait(grad_q_full.index(buffer), (tile_count // 2) & 1)
+            grad_q_tile = grad_q_ring.index(buffer)                         # [BM,D]
+            semaphore = SEMAPHORES + batch_head * NUM_TILES + m_tile
+            sum_row = (batch_head * NUM_TILES + m_tile) * BLOCK_M
+            if block > 0:              # wait for blocks 0 .. block-1 to have added theirs
                 added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
-            async_proxy_fence()
-        if block == 0:
-            if block == last:          # one key block: its tile is dQ
-                store_grad_q(tile, m_tile, GRAD_Q, scale, NUM_HEADS, SEQ_LEN, HEAD_DIM,
-                             BLOCK_M)
+                while added != block:
+                    added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
+                async_proxy_fence()
+            if last == 0:              # one key block: its tile is dQ
+                store_grad_q(grad_q_tile, batch_head, m_tile, GRAD_Q, scale, NUM_HEADS,
+                             SEQ_LEN, HEAD_DIM, BLOCK_M)
+                mbarrier.arrive(grad_q_empty.index(buffer), count=1)
             else:
-                tma_store(grad_q_accum_desc, [accum_row, 0], tile)
-                bulk_writes_done()
-        else:
-            tma_add(grad_q_accum_desc, [accum_row, 0], tile)
-            bulk_writes_done()
-            if block == last:          # the sum of every block, back by TMA
-                fence_async_shared()   # orders this thread's reads of accum_tile first
-                mbarrier.expect(accum_ready, grad_q_accum_desc.block_type.nbytes)
-                tma_load(grad_q_accum_desc, [accum_row, 0], accum_ready, accum_tile)
-                mbarrier.wait(accum_ready, m_tile & 1)
-                store_grad_q(accum_tile, m_tile, GRAD_Q, scale, NUM_HEADS, SEQ_LEN,
-                             HEAD_DIM, BLOCK_M)
-        mbarrier.arrive(grad_q_empty.index(buffer), count=1)
-        if block != last:
-            cta_barrier()              # the issuing thread's copy is done
-            gl.atomic_add(semaphore, 1, sem="release", scope="gpu")
+                if block == 0:
+                    tma_store(grad_q_sum_desc, [sum_row, 0], grad_q_tile)
+                else:
+                    tma_add(grad_q_sum_desc, [sum_row, 0], grad_q_tile)
+                bulk_writes_done()     # the copy has read grad_q_tile, and is performed
+                mbarrier.arrive(grad_q_empty.index(buffer), count=1)
+                if block == last:      # the sum of every block, back by TMA
+                    fence_async_shared()   # each lane's reads of the last sum before it,
+                    cta_barrier()          # for every lane, before the load
+                    mbarrier.expect(sum_ready, grad_q_sum_desc.block_type.nbytes)
+                    tma_load(grad_q_sum_desc, [sum_row, 0], sum_ready, grad_q_sum_tile)
+                    mbarrier.wait(sum_ready, sums_loaded & 1)
+                    sums_loaded += 1
+                    store_grad_q(grad_q_sum_tile, batch_head, m_tile, GRAD_Q, scale,
+                                 NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M)
+                else:
+                    cta_barrier()      # the issuing thread's copy is done
+                    gl.atomic_add(semaphore, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
-def hand_over_grad_q(grad_q, m_tile, grad_q_ring, grad_q_full, grad_q_empty):
-    """Put the finished dQ tile of query tile m_tile into the writer's double buffer."""
-    buffer = m_tile % 2
-    mbarrier.wait(grad_q_empty.index(buffer), ((m_tile // 2) & 1) ^ 1)
+def hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full, grad_q_empty):
+    """Put the finished dQ tile of this program's tile_count-th query tile into the
+    writer's double buffer."""
+    buffer = tile_count % 2
+    mbarrier.wait(grad_q_empty.index(buffer), ((tile_count // 2) & 1) ^ 1)
     grad_q_ring.index(buffer).store(grad_q)
     fence_async_shared()               # visible to the writer's TMA copy
     cta_barrier()                      # every consumer thread's part is stored
@@ -201,17 +227,17 @@ def hand_over_grad_q(grad_q, m_tile, grad_q_ring, grad_q_full, grad_q_empty):
 
 @gluon.jit
 def compute_partition(k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile, grad_q_ring,
-                      kv_ready, ready, empty, grad_q_full, grad_q_empty, LSE, DELTA,
-                      GRAD_KV, scale, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
-                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                      kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE,
+                      DELTA, GRAD_KV, scale, num_items, NUM_HEADS: gl.constexpr,
+                      SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                       num_warps: gl.constexpr):
-    """The consumers: the five products per query tile (module docstring), dQ handed to
-    the writer, then dK and dV into GRAD_KV [B,S,2E] (dK at column head * D, dV at
-    E + head * D). dQ of tile m is issued in tile m+1, after its S^T and dP^T, and read
-    once only the products of that same tile are in flight: ptxas serializes every
-    wgmma of a kernel that reads an accumulator across a loop iteration's in-flight
-    products (its C7514)."""
+    """The consumers: for each work item, the five products per query tile (module
+    docstring), dQ handed to the writer, then dK and dV into GRAD_KV [B,S,2E] (dK at
+    column head * D, dV at E + head * D). dQ of tile m is issued in tile m+1, after its
+    S^T and dP^T, and read once only the products of that same tile are in flight:
+    ptxas serializes every wgmma of a kernel that reads an accumulator across a loop
+    iteration's in-flight products (its C7514)."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     dtype: gl.constexpr = k_tile.dtype
@@ -222,88 +248,98 @@ def compute_partition(k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile, grad_
                                                  k_width=2)
     query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
     key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
-
-    batch_head = gl.program_id(1)
-    n_start = gl.program_id(0) * BLOCK_N
-    keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
-    lse_head = LSE + batch_head.to(gl.int64) * SEQ_LEN
-    delta_head = DELTA + batch_head.to(gl.int64) * SEQ_LEN
     logit_scale = scale * LOG2E
-
     zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
     zeros_grad_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=grad_q_layout)
-    grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
-    grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, layout=acc_layout))
-    p_t_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=a_layout)
-    grad_s_t_op = p_t_op
-    mbarrier.wait(kv_ready, 0)
-    for m_tile in range(NUM_TILES):
-        slot = m_tile % NUM_STAGES
-        queries = m_tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_vector)
-        in_queries = queries < SEQ_LEN
-        lse = gl.load(lse_head + queries, mask=in_queries, other=0.0) * LOG2E
-        delta = gl.load(delta_head + queries, mask=in_queries, other=0.0)
-        mbarrier.wait(ready.index(slot), (m_tile // NUM_STAGES) & 1)
-        q = q_ring.index(slot)                                              # [BM,D]
-        grad_attn = grad_attn_ring.index(slot)                              # [BM,D]
-        # in flight: dV, dK of tile m_tile-1
-        logits_t = warpgroup_mma(k_tile, q.permute((1, 0)), zeros_tile, use_acc=False,
-                                 is_async=True)                             # [BN,BM]
-        grad_p_t = warpgroup_mma(v_tile, grad_attn.permute((1, 0)), zeros_tile,
-                                 use_acc=False, is_async=True)              # [BN,BM]
-        # dQ of tile m_tile-1 from its dS^T (at tile 0: a product nobody reads)
-        grad_q = warpgroup_mma(grad_s_tile.permute((1, 0)), k_tile, zeros_grad_q,
-                               use_acc=False, is_async=True)                # [BM,D]
-        # dV, dK of tile m_tile-1 are done reading their register operands too
-        logits_t, p_t_op, grad_s_t_op = warpgroup_mma_wait(
-            2, deps=(logits_t, p_t_op, grad_s_t_op))
-        if m_tile > 0:                 # dV, dK of tile m_tile-1 are done with its slot
-            cta_barrier()
-            mbarrier.arrive(empty.index((m_tile - 1) % NUM_STAGES), count=1)
-        valid = (keys < SEQ_LEN)[:, None] & in_queries[None, :]
-        p_t = gl.where(valid, gl.exp2(logits_t * logit_scale - lse[None, :]), 0.0)
-        p_t_op = gl.convert_layout(p_t.to(dtype), a_layout)
-        grad_v = warpgroup_mma(p_t_op, grad_attn, grad_v, is_async=True)     # [BN,D]
-        grad_p_t = warpgroup_mma_wait(2, deps=(grad_p_t,))                  # dQ, dV on
-        grad_s_t = (p_t * (grad_p_t - delta[None, :])).to(dtype)            # [BN,BM]
-        grad_s_t_op = gl.convert_layout(grad_s_t, a_layout)
-        grad_q = warpgroup_mma_wait(1, deps=(grad_q,))                      # dV on
-        if m_tile > 0:
-            hand_over_grad_q(grad_q, m_tile - 1, grad_q_ring, grad_q_full, grad_q_empty)
-        grad_k = warpgroup_mma(grad_s_t_op, q, grad_k, is_async=True)        # [BN,D]
-        grad_s_tile.store(grad_s_t)    # dQ of tile m_tile-1 is done reading it
-        fence_async_shared()
-        cta_barrier()                  # all of dS^T is in shared memory
-    grad_q = warpgroup_mma(grad_s_tile.permute((1, 0)), k_tile, zeros_grad_q,
-                           use_acc=False, is_async=True)
-    grad_q, grad_k, grad_v, p_t_op, grad_s_t_op = warpgroup_mma_wait(
-        0, deps=(grad_q, grad_k, grad_v, p_t_op, grad_s_t_op))
-    hand_over_grad_q(grad_q, NUM_TILES - 1, grad_q_ring, grad_q_full, grad_q_empty)
 
-    rows = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-    batch = batch_head // NUM_HEADS
-    head = batch_head % NUM_HEADS
-    out = (GRAD_KV + (batch * SEQ_LEN + rows).to(gl.int64)[:, None] * 2 * EMBED
-           + head * HEAD_DIM + cols[None, :])
-    in_rows = (rows < SEQ_LEN)[:, None]
-    gl.store(out, (grad_k * scale).to(GRAD_KV.dtype.element_ty), mask=in_rows)
-    gl.store(out + EMBED, grad_v.to(GRAD_KV.dtype.element_ty), mask=in_rows)
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        block, batch_head, earlier = work_item(item, SEQ_LEN, BLOCK_N)
+        n_start = block * BLOCK_N
+        grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32,
+                                             layout=acc_layout))
+        grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32,
+                                             layout=acc_layout))
+        p_t_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=a_layout)
+        grad_s_t_op = p_t_op
+        mbarrier.wait(kv_ready, earlier & 1)
+        for m_tile in range(NUM_TILES):
+            tile_count = earlier * NUM_TILES + m_tile      # this program's tiles so far
+            slot = tile_count % NUM_STAGES
+            queries = m_tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_vector)
+            in_queries = queries < SEQ_LEN
+            row_stats = batch_head * SEQ_LEN + queries                  # into [B*H*S]
+            lse = gl.load(LSE + row_stats, mask=in_queries, other=0.0) * LOG2E
+            delta = gl.load(DELTA + row_stats, mask=in_queries, other=0.0)
+            mbarrier.wait(ready.index(slot), (tile_count // NUM_STAGES) & 1)
+            q = q_ring.index(slot)                                          # [BM,D]
+            grad_attn = grad_attn_ring.index(slot)                          # [BM,D]
+            # in flight: dV, dK of tile m_tile-1
+            logits_t = warpgroup_mma(k_tile, q.permute((1, 0)), zeros_tile, use_acc=False,
+                                     is_async=True)                         # [BN,BM]
+            grad_p_t = warpgroup_mma(v_tile, grad_attn.permute((1, 0)), zeros_tile,
+                                     use_acc=False, is_async=True)          # [BN,BM]
+            # dQ of tile m_tile-1 from its dS^T (at tile 0: a product nobody reads)
+            grad_q = warpgroup_mma(grad_s_tile.permute((1, 0)), k_tile, zeros_grad_q,
+                                   use_acc=False, is_async=True)            # [BM,D]
+            # dV, dK of tile m_tile-1 are done reading their register operands too
+            logits_t, p_t_op, grad_s_t_op = warpgroup_mma_wait(
+                2, deps=(logits_t, p_t_op, grad_s_t_op))
+            if m_tile > 0:             # dV, dK of tile m_tile-1 are done with its slot
+                cta_barrier()
+                mbarrier.arrive(empty.index((tile_count - 1) % NUM_STAGES), count=1)
+            keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
+            valid = (keys < SEQ_LEN)[:, None] & in_queries[None, :]
+            p_t = gl.where(valid, gl.exp2(logits_t * logit_scale - lse[None, :]), 0.0)
+            p_t_op = gl.convert_layout(p_t.to(dtype), a_layout)
+            grad_v = warpgroup_mma(p_t_op, grad_attn, grad_v, is_async=True)  # [BN,D]
+            grad_p_t = warpgroup_mma_wait(2, deps=(grad_p_t,))              # dQ, dV on
+            grad_s_t = (p_t * (grad_p_t - delta[None, :])).to(dtype)        # [BN,BM]
+            grad_s_t_op = gl.convert_layout(grad_s_t, a_layout)
+            grad_q = warpgroup_mma_wait(1, deps=(grad_q,))                  # dV on
+            if m_tile > 0:
+                hand_over_grad_q(grad_q, tile_count - 1, grad_q_ring, grad_q_full,
+                                 grad_q_empty)
+            grad_k = warpgroup_mma(grad_s_t_op, q, grad_k, is_async=True)    # [BN,D]
+            grad_s_tile.store(grad_s_t)    # dQ of tile m_tile-1 is done reading it
+            fence_async_shared()
+            cta_barrier()                  # all of dS^T is in shared memory
+        grad_q = warpgroup_mma(grad_s_tile.permute((1, 0)), k_tile, zeros_grad_q,
+                               use_acc=False, is_async=True)
+        grad_q, grad_k, grad_v, p_t_op, grad_s_t_op = warpgroup_mma_wait(
+            0, deps=(grad_q, grad_k, grad_v, p_t_op, grad_s_t_op))
+        # the last tile's slot, and k and v, are free for the next item's loads
+        cta_barrier()
+        mbarrier.arrive(empty.index(((earlier + 1) * NUM_TILES - 1) % NUM_STAGES),
+                        count=1)
+        mbarrier.arrive(kv_empty, count=1)
+        hand_over_grad_q(grad_q, (earlier + 1) * NUM_TILES - 1, grad_q_ring, grad_q_full,
+                         grad_q_empty)
+
+        rows = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        batch = batch_head // NUM_HEADS
+        head = batch_head % NUM_HEADS
+        out = (GRAD_KV + (batch * SEQ_LEN + rows).to(gl.int64)[:, None] * 2 * EMBED
+               + head * HEAD_DIM + cols[None, :])
+        in_rows = (rows < SEQ_LEN)[:, None]
+        gl.store(out, (grad_k * scale).to(GRAD_KV.dtype.element_ty), mask=in_rows)
+        gl.store(out + EMBED, grad_v.to(GRAD_KV.dtype.element_ty), mask=in_rows)
 
 
 @gluon.jit
 def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
-                            grad_q_accum_desc, SEMAPHORES, GRAD_Q, GRAD_KV, scale,
-                            NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                            grad_q_sum_desc, SEMAPHORES, GRAD_Q, GRAD_KV, scale,
+                            num_items, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             HEADS_IN_ROWS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
                             num_warps: gl.constexpr):
-    """dQ [B,S,E], dK and dV [B,S,2E] (the operands' dtype) of one (batch, head)'s keys
-    [n_start, n_start + BLOCK_N): program ids (key block, batch * NUM_HEADS + head).
-    q_desc, grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D]
+    """dQ [B,S,E], dK and dV [B,S,2E] (the operands' dtype) of the work items this
+    program takes (module docstring) of num_items = ceil(S / BLOCK_N) * B * NUM_HEADS,
+    item i being keys [(i % ceil(S / BLOCK_N)) * BLOCK_N, + BLOCK_N) of (batch * NUM_HEADS
+    + head) = i // ceil(S / BLOCK_N); a 1-D grid of any size. q_desc, grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D]
     tiles (head_coordinates says where a head lies). LSE, DELTA [B,H,S] float32
-    (natural-log log-sum-exp of the logits * scale, rowsum(dO * O)); grad_q_accum_desc:
+    (natural-log log-sum-exp of the logits * scale, rowsum(dO * O)); grad_q_sum_desc:
     a TMA descriptor of [BM,D] tiles of the float32 dQ sums [B*H * ceil(S / BM) * BM, D]
     (scratch, never zeroed: tile m of a head at row (head * ceil(S / BM) + m) * BM);
     SEMAPHORES [B*H, ceil(S / BM)] int32 zeros (attention_delta_kernel clears them).
@@ -320,17 +356,19 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
         dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
                                                                         dtype))
     grad_q_ring = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
-                                            grad_q_accum_desc.layout)
-    accum_tile = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
-                                           grad_q_accum_desc.layout)
+                                            grad_q_sum_desc.layout)
+    grad_q_sum_tile = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
+                                                grad_q_sum_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     grad_q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     grad_q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    accum_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    sum_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready, count=1)
-    mbarrier.init(accum_ready, count=1)
+    mbarrier.init(kv_empty, count=1)
+    mbarrier.init(sum_ready, count=1)
     for stage in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(stage), count=1)
         mbarrier.init(empty.index(stage), count=1)
@@ -341,15 +379,16 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
 
     gl.warp_specialize([
         (compute_partition, (k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile,
-                             grad_q_ring, kv_ready, ready, empty, grad_q_full, grad_q_empty,
-                             LSE, DELTA, GRAD_KV, scale, NUM_HEADS, SEQ_LEN, HEAD_DIM,
-                             BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
+                             grad_q_ring, kv_ready, kv_empty, ready, empty, grad_q_full,
+                             grad_q_empty, LSE, DELTA, GRAD_KV, scale, num_items, NUM_HEADS,
+                             SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
         (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
-                          grad_attn_ring, kv_ready, ready, empty, NUM_HEADS, SEQ_LEN,
-                          HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, HEADS_IN_ROWS)),
-        (grad_q_partition, (grad_q_ring, accum_tile, grad_q_full, grad_q_empty,
-                            accum_ready, grad_q_accum_desc, SEMAPHORES, GRAD_Q, scale,
-                            NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M)),
+                          grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
+                          NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                          HEADS_IN_ROWS)),
+        (grad_q_partition, (grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty,
+                            sum_ready, grad_q_sum_desc, SEMAPHORES, GRAD_Q, scale,
+                            num_items, NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N)),
     ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
 
 

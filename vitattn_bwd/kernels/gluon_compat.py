@@ -26,9 +26,7 @@ name was found:
 scripts/kernel_resources.py --sass on each release shows it. `MISSING` lists what this
 triton lacks of the rest the kernels use (empty where they compile).
 """
-from triton._C.libtriton import ir
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia import hopper
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import tma
@@ -45,14 +43,21 @@ tma_load = _first(tma, "async_load", "async_copy_global_to_shared")
 tma_store = _first(tma, "async_store", "async_copy_shared_to_global")
 
 
-@builtin
-def _tma_add_from_builder(tensor_desc, coord, src, _semantic=None):
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
-                                              tensor_desc.handle, coord, src.handle)
+def _tma_add_from_builder():
+    """tma.async_atomic_add as triton 3.8 builds it, from the builder op 3.6 and 3.7 have
+    (their private modules, imported only there)."""
+    from triton._C.libtriton import ir
+    from triton.experimental.gluon.language._core import builtin
+
+    @builtin
+    def tma_add(tensor_desc, coord, src, _semantic=None):
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD,
+                                                  tensor_desc.handle, coord, src.handle)
+    return tma_add
 
 
-tma_add = _first(tma, "async_atomic_add") or _tma_add_from_builder
+tma_add = _first(tma, "async_atomic_add") or _tma_add_from_builder()
 
 # Everything else the kernels name, which every release from 3.6 to 3.9 has.
 _REQUIRED = {gl: ("NVMMADistributedLayout", "DotOperandLayout", "BlockedLayout",
