@@ -54,6 +54,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from . import buffers
 from .layout import merge_heads, split_heads
 from .precision import (FP16_TOP_EXPONENT, HALF_DTYPES, fp16_scale, power_of_two_scale,
                         split_bf16_rounded, split_bf16_truncated)
@@ -209,10 +210,10 @@ def launch_rows(probs, grad_attn, q, k, v, attn_output, scale, block_m=None, blo
     check_forward_output(probs, attn_output)
     B, H, S, D = k.shape
     tiles = _tiles(D, block_m, block_n)
-    grad_q16 = k.new_empty(B, S, H * D, dtype=torch.float16)
-    grad_q_halves = k.new_empty(B, S, 2 * H * D, dtype=torch.bfloat16)
-    delta = k.new_empty(B, H, S)
-    grad_q_sums = k.new_empty(B, sum_groups(S), H * D)
+    grad_q16 = buffers.output_buffer(k, B, S, H * D, dtype=torch.float16)
+    grad_q_halves = buffers.output_buffer(k, B, S, 2 * H * D, dtype=torch.bfloat16)
+    delta = buffers.output_buffer(k, B, H, S)
+    grad_q_sums = buffers.output_buffer(k, B, sum_groups(S), H * D)
     grid = (-(-S // tiles.block_m), B * H)
     attn_output = probs if attn_output is None else attn_output.contiguous()  # unread if P
     softmax_bwd_rows_kernel[grid](
@@ -228,9 +229,9 @@ def launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m=None, block_n=N
     from .kernels.softmax_bwd import softmax_bwd_cols_kernel
     B, H, S, D = q.shape
     tiles = _tiles(D, block_m, block_n)
-    grad_kv16 = q.new_empty(B, S, 2 * H * D, dtype=torch.float16)
-    grad_kv_halves = q.new_empty(B, S, 4 * H * D, dtype=torch.bfloat16)
-    grad_kv_sums = q.new_empty(B, sum_groups(S), 2 * H * D)
+    grad_kv16 = buffers.output_buffer(q, B, S, 2 * H * D, dtype=torch.float16)
+    grad_kv_halves = buffers.output_buffer(q, B, S, 4 * H * D, dtype=torch.bfloat16)
+    grad_kv_sums = buffers.output_buffer(q, B, sum_groups(S), 2 * H * D)
     grid = (-(-S // tiles.block_n), B * H)
     softmax_bwd_cols_kernel[grid](
         probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), delta.contiguous(),

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from . import buffers
 from .attention_core import TileConfig, head_tile, triton_supports
 from .layout import merge_heads, split_heads
 from .precision import split_bf16_truncated
@@ -92,8 +93,8 @@ def launch_attention_fwd_presplit(q_halves, k_halves, v_halves, scale, tiles=Non
     (q_hi, q_lo), (k_hi, k_lo), (v_hi, v_lo) = q_halves, k_halves, v_halves
     B, H, S, D = q_hi.shape
     tiles = tiles or FWD_TILES[head_tile(D)]
-    attn_output = q_hi.new_empty(B, S, H * D, dtype=torch.float32)
-    lse = q_hi.new_empty(B, H, S, dtype=torch.float32)
+    attn_output = buffers.output_buffer(q_hi, B, S, H * D, dtype=torch.float32)
+    lse = buffers.output_buffer(q_hi, B, H, S, dtype=torch.float32)
     grid = (-(-S // tiles.block_m), B * H)
     attention_fwd_kernel[grid](
         q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output, lse, *q_hi.stride()[:3],

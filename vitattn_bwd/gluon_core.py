@@ -35,6 +35,7 @@ import warnings
 
 import torch
 
+from . import buffers
 from .attention_core import (COLUMN_SUM_ROWS, MAX_KERNEL_HEAD_DIM, TileConfig,
                              gradient_dtype, halves_width, head_tile, kernel_head_dim,
                              sum_groups)
@@ -275,27 +276,34 @@ def _formats(q_hi, products):
     return q_hi.dtype, False
 
 
-def _rows_outputs(q_hi, products):
+def _new_empty(like, *shape, dtype):
+    return like.new_empty(shape, dtype=dtype)
+
+
+def _rows_outputs(q_hi, products, empty=_new_empty):
+    """grad_q16, grad_q_halves, delta, grad_q_sums, each from empty(q_hi, *shape,
+    dtype=...): new_empty for the fake implementation, buffers.output_buffer for the
+    kernel's."""
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
     dtype, fp16_halves = _formats(q_hi, products)
-    return (q_hi.new_empty(batch, seq_len, embed_dim,
-                           dtype=gradient_dtype(dtype, fp16_halves)),
-            q_hi.new_empty(batch, seq_len, halves_width(dtype, embed_dim, fp16_halves),
-                           dtype=torch.bfloat16),
-            q_hi.new_empty(batch, num_heads, seq_len, dtype=torch.float32),
-            q_hi.new_empty(batch, sum_groups(seq_len), embed_dim, dtype=torch.float32))
+    return (empty(q_hi, batch, seq_len, embed_dim, dtype=gradient_dtype(dtype, fp16_halves)),
+            empty(q_hi, batch, seq_len, halves_width(dtype, embed_dim, fp16_halves),
+                  dtype=torch.bfloat16),
+            empty(q_hi, batch, num_heads, seq_len, dtype=torch.float32),
+            empty(q_hi, batch, sum_groups(seq_len), embed_dim, dtype=torch.float32))
 
 
-def _cols_outputs(q_hi, products):
+def _cols_outputs(q_hi, products, empty=_new_empty):
+    """grad_kv16, grad_kv_halves, grad_kv_sums (see _rows_outputs)."""
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
     dtype, fp16_halves = _formats(q_hi, products)
-    return (q_hi.new_empty(batch, seq_len, 2 * embed_dim,
-                           dtype=gradient_dtype(dtype, fp16_halves)),
-            q_hi.new_empty(batch, seq_len, halves_width(dtype, 2 * embed_dim, fp16_halves),
-                           dtype=torch.bfloat16),
-            q_hi.new_empty(batch, sum_groups(seq_len), 2 * embed_dim, dtype=torch.float32))
+    return (empty(q_hi, batch, seq_len, 2 * embed_dim,
+                  dtype=gradient_dtype(dtype, fp16_halves)),
+            empty(q_hi, batch, seq_len, halves_width(dtype, 2 * embed_dim, fp16_halves),
+                  dtype=torch.bfloat16),
+            empty(q_hi, batch, sum_groups(seq_len), 2 * embed_dim, dtype=torch.float32))
 
 
 # The operators are defined through torch.library.Library, not custom_op: the graph calls
@@ -319,7 +327,8 @@ def gluon_softmax_bwd_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, 
                            num_stages, products, operand_scales=None):
     """The rows pass on pre-split operands -> grad_q16, grad_q_halves, delta,
     grad_q_sums."""
-    grad_q16, grad_q_halves, delta, grad_q_sums = _rows_outputs(q_hi, products)
+    grad_q16, grad_q_halves, delta, grad_q_sums = _rows_outputs(q_hi, products,
+                                                                buffers.output_buffer)
     launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages), products,
@@ -331,7 +340,8 @@ def gluon_softmax_bwd_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, 
                            v_lo, delta, scale, block_m, block_n, num_warps, num_stages,
                            products, operand_scales=None):
     """The cols pass on pre-split operands -> grad_kv16, grad_kv_halves, grad_kv_sums."""
-    grad_kv16, grad_kv_halves, grad_kv_sums = _cols_outputs(q_hi, products)
+    grad_kv16, grad_kv_halves, grad_kv_sums = _cols_outputs(q_hi, products,
+                                                            buffers.output_buffer)
     launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages), products,

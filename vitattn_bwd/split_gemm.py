@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import buffers
 from .precision import fp16_scale, split_fp16
 
 
@@ -160,7 +161,7 @@ def launch(a_hi, a_lo, b_hi, b_lo, unscale, tiles=EAGER_TILES):
     if b_lo.stride() != b_hi.stride():
         b_hi, b_lo = b_hi.contiguous(), b_lo.contiguous()
     (M, K), N = a_hi.shape, b_hi.shape[1]
-    out = a_hi.new_empty(M, N, dtype=torch.float32)
+    out = buffers.output_buffer(a_hi, M, N, dtype=torch.float32)
     grid = (-(-M // tiles.block_m) * -(-N // tiles.block_n),)
     split_gemm_kernel[grid](a_hi, a_lo, b_hi, b_lo, unscale, out, M, N, K, *a_hi.stride(),
                             *b_hi.stride(), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
