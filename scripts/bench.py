@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from profile_host import host_us  # noqa: E402  (beside this script)
 from vitattn_bwd import contract, reference  # noqa: E402
 from vitattn_bwd.workloads import (BATCH_SIZES, EMBED_DIM, NUM_HEADS,  # noqa: E402
                                    OUTPUT_NAMES, SEQ_LEN, make_inputs, within_tolerance)
@@ -100,18 +101,10 @@ def harness_times(fn, args, calls=20, warmup=3):
 
 
 def host_us_per_call(fn, args, calls=10):
-    """Host time per call (call to return), the GPU kept busy by a long sleep so that
-    no call waits for it."""
-    copies = fresh_copies(args, 1) * calls
-    fn(*copies[0])
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e8))              # ~0.1 s of GPU work queued ahead of the calls
-    start = time.perf_counter()
-    for call_args in copies:
-        fn(*call_args)
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+    """Host time per call (call to return) on a copy of the inputs, the GPU kept busy so
+    that no call waits for it (profile_host.host_us: NaN if some call did wait)."""
+    inputs = fresh_copies(args, 1)[0]
+    return host_us(lambda: fn(*inputs), calls)
 
 
 def check_precision(batch, seeds):

@@ -173,7 +173,7 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs
     batch, heads, seq_len, head_dim = q.shape
     delta, semaphores = launch_delta(grad_attn, attn_output, heads, tiles.block_m)
     # float32 dQ sums, one [BM,D] tile per (head, query tile), padded past S
-    query_tiles = -(-seq_len // tiles.block_m)
+    query_tiles = semaphores.shape[1]
     grad_q_sums = q.new_empty(batch * heads * query_tiles * tiles.block_m, head_dim,
                               dtype=torch.float32)
     grad_q = q.new_empty(batch, seq_len, heads * head_dim)

@@ -107,12 +107,14 @@ def matmul_fp16x3(a, b):
         return split_gemm(a.hi, a.lo, b.hi, b.lo, unscale)
     # the last chunk takes the rest: at least one row, K > K_CHUNK >= K_CHUNKS^2
     chunk_rows = (K + K_CHUNKS - 1) // K_CHUNKS
-    product = None
-    for chunk in range(K_CHUNKS):
-        rows = slice(chunk * chunk_rows, K if chunk == K_CHUNKS - 1 else
-                     (chunk + 1) * chunk_rows)
-        part = split_gemm(a.hi[:, rows], a.lo[:, rows], b.hi[rows], b.lo[rows], unscale)
-        product = part if product is None else product + part                   # [M,N]
+    bounds = [chunk * chunk_rows for chunk in range(K_CHUNKS)] + [K]
+
+    def chunk_product(start, end):                                            # [M,N]
+        return split_gemm(a.hi[:, start:end], a.lo[:, start:end], b.hi[start:end],
+                          b.lo[start:end], unscale)
+    product = chunk_product(bounds[0], bounds[1])
+    for start, end in zip(bounds[1:-1], bounds[2:]):
+        product = product + chunk_product(start, end)
     return product
 
 
