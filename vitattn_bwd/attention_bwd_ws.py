@@ -204,11 +204,8 @@ def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bflo
                  heads_in_rows=False):
     """The main kernel compiled for sm_90 (triton's CompiledKernel: .asm["cubin"],
     .asm["ptx"], .metadata.shared), as `launch` would run it, launching nothing."""
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from .kernels.attention_bwd_ws import attention_bwd_ws_kernel
+    from .kernels.gluon_compat import compile_without_launch
     kernel = attention_bwd_ws_kernel
     constexprs = kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows)
     element = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
@@ -225,9 +222,5 @@ def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bflo
                      GRAD_KV=f"*{element}", scale="fp32", num_items="i32")
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
-    aligned = {(index,): [["tt.divisibility", 16]]
-               for index, kind in enumerate(signature.values()) if kind[0] == "*"}
-    return triton_compile(GluonASTSource(kernel, signature, constexprs=constexprs,
-                                         attrs=aligned),
-                          target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=tiles.num_warps, maxnreg=tiles.maxnreg))
+    return compile_without_launch(kernel, signature, constexprs, 90,
+                                  num_warps=tiles.num_warps, maxnreg=tiles.maxnreg)

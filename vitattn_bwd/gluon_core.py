@@ -126,10 +126,6 @@ def _compile_probe(arch):
     """Compile the rows and cols kernels (P given, three products of bf16 halves: the
     variant that uses every Gluon feature the family has) at ViT-L/14-336's shape and
     their first configured tiles for `arch`, launching nothing."""
-    from triton import compile as triton_compile
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     from .kernels import gluon_compat, softmax_bwd_gluon
     if gluon_compat.MISSING:
         raise ImportError(f"this Gluon lacks {', '.join(gluon_compat.MISSING)}")
@@ -140,13 +136,8 @@ def _compile_probe(arch):
             (softmax_bwd_gluon.softmax_bwd_cols_kernel, COLS_TILES[0], COLS_PREFETCH)):
         constexprs = kernel_constexprs(seq_len, num_heads, head_dim, strides, tiles,
                                        recompute_p=False, products=3, prefetch=prefetch)
-        signature = _probe_signature(kernel, constexprs)
-        aligned = {(index,): [["tt.divisibility", 16]]            # as torch allocates
-                   for index, kind in enumerate(signature.values()) if kind[0] == "*"}
-        triton_compile(GluonASTSource(kernel, signature, constexprs=constexprs,
-                                      attrs=aligned),
-                       target=GPUTarget("cuda", arch, 32),
-                       options=dict(num_warps=tiles.num_warps))
+        gluon_compat.compile_without_launch(kernel, _probe_signature(kernel, constexprs),
+                                            constexprs, arch, num_warps=tiles.num_warps)
 
 
 def _probe_signature(kernel, constexprs):

@@ -20,6 +20,13 @@ the same on every release (and kernels/attention_bwd_ws.py):
                                        builder's op but no name for it, so it is called
                                        here as 3.8 calls it
 
+and on the host, for the CPU checks of the kernels' machine code:
+
+    compile_without_launch(kernel, signature, constexprs, arch, **options)
+                                       triton.compile of a Gluon kernel for compute
+                                       capability `arch` (GluonASTSource, a private
+                                       module of every release from 3.6 to 3.9)
+
 Each pair lowers to the same instructions (bar.sync; cp.async with the same cache
 modifiers; cp.async.bulk.tensor), so the kernels' machine code does not depend on which
 name was found:
@@ -71,3 +78,19 @@ MISSING = tuple(
                               ("tma_store", tma_store)) if found is None]
     + [f"{module.__name__}.{name}" for module, names in _REQUIRED.items()
        for name in names if not hasattr(module, name)])
+
+
+def compile_without_launch(kernel, signature, constexprs, arch, **options):
+    """Gluon `kernel` compiled for compute capability `arch` (90: sm_90), launching
+    nothing: triton's CompiledKernel (.asm["ptx"], .asm["cubin"], .metadata.shared).
+    signature: each argument's type by name, in the kernel's order ("*fp32", "fp32",
+    "constexpr", a tensor descriptor's type); pointers are taken 16-byte aligned, as
+    torch allocates. options: triton's (num_warps, maxnreg, ...)."""
+    from triton import compile as triton_compile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    aligned = {(index,): [["tt.divisibility", 16]]
+               for index, kind in enumerate(signature.values()) if kind[0] == "*"}
+    return triton_compile(GluonASTSource(kernel, signature, constexprs=constexprs,
+                                         attrs=aligned),
+                          target=GPUTarget("cuda", arch, 32), options=options)
