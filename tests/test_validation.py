@@ -102,3 +102,56 @@ def test_batch_times_heads_past_the_cuda_grid_is_refused_by_name_on_cuda_only():
                                              r"limit of 65535"):
             check_batch_heads(batch, heads, "cuda")
     check_batch_heads(10 ** 6, 16, "cpu")
+
+
+def test_sparse_and_mkldnn_tensors_are_refused_by_name_at_every_entry_point():
+    """Only dense (strided) tensors are taken: a sparse or MKL-DNN one is refused at the
+    call with a TypeError naming it, not deep inside the math."""
+    inputs = make_case(1, 3, H, E // H)
+    params = _block_params()
+    x = torch.randn(1, 3, E)
+    calls = [("x", lambda: vitattn_bwd.attention_block_backward(
+                 **dict(inputs, x=inputs["x"].to_sparse()), num_heads=H)),
+             ("ln_weight", lambda: contract.run(
+                 *dict(inputs, ln_weight=inputs["ln_weight"].to_sparse()).values())),
+             ("attn_weights", lambda: vitattn_bwd.attention_block_backward(
+                 **dict(inputs, attn_weights=inputs["attn_weights"].to_mkldnn()),
+                 num_heads=H)),
+             ("x", lambda: VisionAttentionBlock(E, H)(x.to_sparse())),
+             ("qkv_weight", lambda: vision_attention(
+                 x, *params[:2], params[2].to_sparse(), *params[3:], H, 1e-5)),
+             ("gamma", lambda: vision_attention(x, *params, H, 1e-5,
+                                                gamma=torch.ones(E).to_sparse()))]
+    for name, call in calls:
+        error, message = _refusal(call)
+        assert error is TypeError and message.startswith(
+            f"{name} must be a dense (strided) tensor, got layout torch."), message
+
+
+def test_a_block_on_the_meta_device_is_refused_naming_x():
+    """The block computes on real devices: a meta x (a model not yet materialized) is
+    refused at the call by name, by the block, its functional form and its Function."""
+    block = VisionAttentionBlock(E, H, device="meta")
+    x = torch.randn(2, 3, E, device="meta")
+    params = [p.detach() for p in block.parameters()]
+    for call in (lambda: block(x), lambda: vision_attention(x, *params, H, 1e-5),
+                 lambda: VisionAttentionFunction.apply(x, *params, H, 1e-5)):
+        error, message = _refusal(call)
+        assert error is ValueError and message.startswith("x is on the meta device"), message
+
+
+def test_swapping_again_at_another_precision_is_refused_naming_precision():
+    """A swap skips layers already swapped: asked for another precision than theirs it
+    refuses (it would silently keep their old one) and changes nothing; a model that is
+    not a module is refused by name."""
+    from vitattn_bwd.integrations import _common, swap_attention
+
+    from .test_integrations import TimmStyleVisionTransformer
+    model = swap_attention(TimmStyleVisionTransformer())
+    with pytest.raises(ValueError, match=r"^precision='high', but blocks\.0 \(None\), "
+                                         r"blocks\.1 \(None\) were swapped already"):
+        swap_attention(model, precision="high")
+    assert [_common.precision_of(block) for block in model.blocks] == [None, None]
+    swap_attention(model)                                # the same precision: a no-op
+    with pytest.raises(TypeError, match="^model must be a torch.nn.Module, got NoneType"):
+        swap_attention(None)

@@ -132,9 +132,13 @@ def expected_shapes(B, S, E, H):
 
 
 def check_tensor(name, value):
-    """TypeError unless `value` is a tensor."""
+    """TypeError unless `value` is a dense (strided) tensor: a sparse or MKL-DNN one would
+    fail deep inside the math with an error that names no argument."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.layout != torch.strided:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}; "
+                        "pass .to_dense()")
 
 
 def check_x(x, embed_dim=None):
@@ -233,6 +237,11 @@ def check_block_inputs(x, params, num_heads, eps, gamma=None):
     x [B,S,E], the six BLOCK_PARAMS and gamma (if given) of their shapes on x's device;
     returns num_heads and eps as int and float."""
     check_x(x)
+    if x.device.type == "meta":
+        # routing reads torch's autocast state for x's device, which meta has none of
+        raise ValueError("x is on the meta device: the block computes on real devices "
+                         "(cpu, cuda); materialize the model first (.to_empty(device=...) "
+                         "and load its weights)")
     tensors = dict(zip(BLOCK_PARAMS, params))
     if gamma is not None:
         tensors["gamma"] = gamma

@@ -55,7 +55,8 @@ def swap_attention(model, *, vision_only=True, libraries=None, precision=None):
     "medium" our one-product path; "highest" or "high" keeps the fused float32-grade
     path everywhere; vitattn_bwd.module). Raises ValueError if
     no layer is recognized or a recognized one cannot be computed exactly (the message
-    names the layer and why), or for an unknown precision; nothing is swapped then."""
+    names the layer and why), for an unknown precision, or for a precision other than
+    that of layers swapped already (unswap_attention first); nothing is swapped then."""
     names = list(LIBRARIES) if libraries is None else list(libraries)
     unknown = [n for n in names if n not in LIBRARIES]
     if unknown:

@@ -249,11 +249,30 @@ def apply_plan(plan, precision):
         layer._vitattn_path = name or "model"      # for the refusals at the call
 
 
+def check_swapped_precision(model, libraries, vision_only, precision):
+    """ValueError naming `precision` if a layer that one of `libraries` swapped already
+    (inside a *Vision* module if vision_only) has another precision: a swap skips the
+    swapped layers, so it would silently leave them at their old one."""
+    library_modules = {lib.__name__ for lib in libraries}
+    others = [f"{name or 'model'} ({precision_of(layer)!r})"
+              for name, layer in model.named_modules()
+              if is_swapped(layer) and type(layer).__module__ in library_modules
+              and precision_of(layer) != precision
+              and (not vision_only or _in_vision_tower(model, name))]
+    if others:
+        raise ValueError(f"precision={precision!r}, but {', '.join(others)} were swapped "
+                         "already at another precision; unswap_attention(model) first to "
+                         "swap them at this one")
+
+
 def swap(model, libraries, vision_only, looked_for, precision, what="layer"):
     """Swap every layer of `model` that one of `libraries` matches (plan_swaps, then
     apply_plan); ValueError naming `what` was `looked_for` if there is none and none is
-    swapped already."""
+    swapped already, and naming `precision` if a swapped one has another."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     check_precision(precision)
+    check_swapped_precision(model, libraries, vision_only, precision)
     plan = plan_swaps(model, libraries, vision_only)
     if not plan and not swapped_layers(model):
         raise ValueError(
