@@ -896,12 +896,14 @@ def test_one_entry_point_dispatches_by_library(spy):
     # library filter, and each library module's own swap_attention
     only_timm = swap_attention(copy.deepcopy(stock), libraries=["timm"])
     assert swapped_layers(only_timm) == ["timm_blocks.0", "timm_blocks.1"]
+    one_name = swap_attention(copy.deepcopy(stock), libraries="timm")   # a name alone
+    assert swapped_layers(one_name) == ["timm_blocks.0", "timm_blocks.1"]
     only_oc = oc_integration.swap_attention(copy.deepcopy(stock))
     assert swapped_layers(only_oc) == ["open_clip_blocks.0"]
     assert timm_integration.swapped_layers(timm_integration.swap_attention(
         copy.deepcopy(stock))) == ["timm_blocks.0", "timm_blocks.1"]
-    with pytest.raises(ValueError, match="unknown libraries"):
-        swap_attention(stock, libraries=["keras"])
+    with pytest.raises(ValueError, match=r"unknown libraries \['keras'\]"):
+        swap_attention(stock, libraries="keras")
     with pytest.raises(ValueError, match="found no layer to swap in Linear.*Hugging Face"
                                          ".*timm Blocks.*OpenCLIP"):
         swap_attention(nn.Linear(4, 4), vision_only=False)

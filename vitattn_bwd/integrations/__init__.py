@@ -46,7 +46,7 @@ def swap_attention(model, *, vision_only=True, libraries=None, precision=None):
     """Run the attention half of every recognized layer of `model` (in place) with
     vitattn_bwd's fused block; return `model`.
 
-    libraries: names from LIBRARIES to look for (default: all). vision_only (default
+    libraries: a name or names from LIBRARIES to look for (default: all). vision_only (default
     True): only layers inside a module whose class name contains "Vision" (a CLIP
     model's vision tower, timm's VisionTransformer), so text towers stay stock; False
     swaps every recognized layer (a bare encoder or list of blocks). precision: as
@@ -57,7 +57,8 @@ def swap_attention(model, *, vision_only=True, libraries=None, precision=None):
     no layer is recognized or a recognized one cannot be computed exactly (the message
     names the layer and why), for an unknown precision, or for a precision other than
     that of layers swapped already (unswap_attention first); nothing is swapped then."""
-    names = list(LIBRARIES) if libraries is None else list(libraries)
+    names = (list(LIBRARIES) if libraries is None else
+             [libraries] if isinstance(libraries, str) else list(libraries))
     unknown = [n for n in names if n not in LIBRARIES]
     if unknown:
         raise ValueError(f"unknown libraries {unknown}; choose from {list(LIBRARIES)}")
