@@ -102,7 +102,8 @@ def harness_times(fn, args, calls=20, warmup=3):
 
 def host_us_per_call(fn, args, calls=10):
     """Host time per call (call to return) on a copy of the inputs, the GPU kept busy so
-    that no call waits for it (profile_host.host_us: NaN if some call did wait)."""
+    that no call waits for it (profile_host.host_us: NaN where every try had a call wait
+    for the GPU; results/bench.json then holds null)."""
     inputs = fresh_copies(args, 1)[0]
     return host_us(lambda: fn(*inputs), calls)
 
@@ -174,6 +175,16 @@ def run_cpu_demo(batch_sizes):
                      "vitattn_ms": cpu_time(contract.run, args), "worst_matched": worst,
                      "within_tolerance": all(m >= 0.99 for m in worst.values())})
     return rows
+
+
+def _nan_as_null(value):
+    """value with every float NaN (a host time no clean try measured) as None: strict
+    JSON has no NaN."""
+    if isinstance(value, dict):
+        return {k: _nan_as_null(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nan_as_null(v) for v in value]
+    return None if isinstance(value, float) and value != value else value
 
 
 def print_table(rows):
@@ -251,9 +262,9 @@ def main():
         device, shape = "cpu", CPU_SHAPE
     means, worst = print_table(rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"device": device, "torch": torch.__version__,
-                                     "triton": _triton_version(), **shape, "rows": rows,
-                                     "mean_ms": means, "worst_matched": worst}, indent=1))
+    record = {"device": device, "torch": torch.__version__, "triton": _triton_version(),
+              **shape, "rows": rows, "mean_ms": means, "worst_matched": worst}
+    args.json.write_text(json.dumps(_nan_as_null(record), indent=1))
     print(f"results written to {args.json}")
     if len(rows) > 1:
         args.plot.parent.mkdir(parents=True, exist_ok=True)

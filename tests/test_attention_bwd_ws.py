@@ -95,7 +95,11 @@ def test_the_grid_is_one_program_per_item_unless_persistent():
     tiles = attention_bwd_ws.TILES[0]
     persistent = tiles._replace(persistent=True)
     assert attention_bwd_ws.program_count(tiles, 960, sm_count=132) == 960
-    assert attention_bwd_ws.program_count(tiles, 960, 132, programs=8) == 960
+    with pytest.raises(ValueError, match="^programs must be a positive count"):
+        attention_bwd_ws.program_count(tiles, 960, 132, programs=8)
+    for programs in (0, -4):
+        with pytest.raises(ValueError, match="^programs must be a positive count"):
+            attention_bwd_ws.program_count(persistent, 960, 132, programs=programs)
     assert attention_bwd_ws.program_count(persistent, 960, sm_count=132) == 132
     assert attention_bwd_ws.program_count(persistent, 960, 132, programs=8) == 8
     assert attention_bwd_ws.program_count(persistent, 30, sm_count=132) == 30

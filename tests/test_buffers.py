@@ -28,10 +28,19 @@ def test_output_buffer_is_not_nan_filled_under_the_deterministic_flag(determinis
     assert buffers.output_buffer(like, 2, 3).dtype == torch.float16
 
 
-def test_output_buffer_without_the_flag_is_new_empty():
+def test_output_buffer_without_the_flag_is_new_empty(monkeypatch):
+    """Without the flag: like.new_empty itself (no new storage of its own)."""
+    calls = []
+    original = torch.Tensor.new_empty
+
+    def recorded(self, *args, **kwargs):
+        calls.append(args)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "new_empty", recorded)
     like = torch.zeros(3)
     buffer = buffers.output_buffer(like, 5, 0, 2, dtype=torch.bfloat16)
     assert buffer.shape == (5, 0, 2) and buffer.dtype == torch.bfloat16
+    assert calls == [((5, 0, 2),)]
 
 
 def _launch_all():

@@ -106,7 +106,8 @@ def test_batch_times_heads_past_the_cuda_grid_is_refused_by_name_on_cuda_only():
 
 def test_sparse_and_mkldnn_tensors_are_refused_by_name_at_every_entry_point():
     """Only dense (strided) tensors are taken: a sparse or MKL-DNN one is refused at the
-    call with a TypeError naming it, not deep inside the math."""
+    call with a TypeError naming it, not deep inside the math (a nested one too:
+    test_nested_tensors_are_refused_by_name)."""
     inputs = make_case(1, 3, H, E // H)
     params = _block_params()
     x = torch.randn(1, 3, E)
@@ -155,3 +156,14 @@ def test_swapping_again_at_another_precision_is_refused_naming_precision():
     swap_attention(model)                                # the same precision: a no-op
     with pytest.raises(TypeError, match="^model must be a torch.nn.Module, got NoneType"):
         swap_attention(None)
+
+
+def test_nested_tensors_are_refused_by_name():
+    """A nested tensor (strided or jagged layout) is refused at the call, naming it,
+    with the padding that makes it one tensor."""
+    block = VisionAttentionBlock(E, H)
+    for layout in (torch.strided, torch.jagged):
+        x = torch.nested.nested_tensor([torch.randn(3, E), torch.randn(5, E)], layout=layout)
+        error, message = _refusal(lambda: block(x))
+        assert error is TypeError and message.startswith(
+            "x must be a dense tensor, got a nested tensor"), message

@@ -117,7 +117,12 @@ def _sum_descriptor(grad_q_sums, tiles):
 
 def program_count(tiles, num_items, sm_count, programs=None):
     """The grid: one program per (head, key block) item, or for a persistent
-    configuration `programs` (default: one per SM), at most one per item."""
+    configuration `programs` (default: one per SM), at most one per item. ValueError
+    for `programs` given without a persistent configuration or not positive (fewer
+    programs than items deadlock unless all are resident: a cooperative launch)."""
+    if programs is not None and (not tiles.persistent or programs < 1):
+        raise ValueError(f"programs must be a positive count for a persistent "
+                         f"configuration, got {programs} with {tiles}")
     if not tiles.persistent:
         return num_items
     return min(num_items, programs or sm_count)
@@ -179,7 +184,8 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs
     grad_q = q.new_empty(batch, seq_len, heads * head_dim)
     grad_kv = q.new_empty(batch, seq_len, 2 * heads * head_dim)
     num_items = -(-seq_len // tiles.block_n) * batch * heads     # (head, key block) pairs
-    sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+    sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                if tiles.persistent else None)
     grid = (program_count(tiles, num_items, sm_count, programs),)
     attention_bwd_ws_kernel[grid](
         _descriptor(q, heads_in_rows, tiles.block_m, head_dim),

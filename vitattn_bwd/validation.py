@@ -132,10 +132,13 @@ def expected_shapes(B, S, E, H):
 
 
 def check_tensor(name, value):
-    """TypeError unless `value` is a dense (strided) tensor: a sparse or MKL-DNN one would
-    fail deep inside the math with an error that names no argument."""
+    """TypeError unless `value` is a dense (strided) tensor: a sparse, MKL-DNN or nested
+    one would fail deep inside the math with an error that names no argument."""
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.is_nested:            # a strided nested tensor reports layout torch.strided
+        raise TypeError(f"{name} must be a dense tensor, got a nested tensor; pad it "
+                        "(.to_padded_tensor(0.0)) into one")
     if value.layout != torch.strided:
         raise TypeError(f"{name} must be a dense (strided) tensor, got layout {value.layout}; "
                         "pass .to_dense()")

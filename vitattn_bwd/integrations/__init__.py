@@ -56,7 +56,8 @@ def swap_attention(model, *, vision_only=True, libraries=None, precision=None):
     path everywhere; vitattn_bwd.module). Raises ValueError if
     no layer is recognized or a recognized one cannot be computed exactly (the message
     names the layer and why), for an unknown precision, or for a precision other than
-    that of layers swapped already (unswap_attention first); nothing is swapped then."""
+    that of layers swapped already (unswap_attention first), and TypeError if `model`
+    is not a torch.nn.Module; nothing is swapped then."""
     names = (list(LIBRARIES) if libraries is None else
              [libraries] if isinstance(libraries, str) else list(libraries))
     unknown = [n for n in names if n not in LIBRARIES]

@@ -38,10 +38,9 @@ order is fixed, so the result is bitwise reproducible. A head's key blocks are
 consecutive items, so a block waits only on lower items, which their programs take
 before any higher one: every wait ends provided all programs run at once (a grid of one
 program per item launches in item order; a persistent grid is a cooperative launch).
-Rows past
-the sequence end: TMA reads the next rows of the tensor (zeros past its end); P^T and
-dS^T are 0 there, so their dQ rows are 0 (added into the sum's padding rows) and
-nothing is stored for them in the outputs.
+Rows past the sequence end: TMA reads the next rows of the tensor (zeros past its end);
+P^T and dS^T are 0 there, so their dQ rows are 0 (added into the sum's padding rows)
+and nothing is stored for them in the outputs.
 
 delta = rowsum(dO * O) [B,H,S] float32 comes from attention_delta_kernel, a pass over dO
 and O before the main kernel, which zeroes the semaphores too.
@@ -337,8 +336,10 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
     """dQ [B,S,E], dK and dV [B,S,2E] (the operands' dtype) of the work items this
     program takes (module docstring) of num_items = ceil(S / BLOCK_N) * B * NUM_HEADS,
     item i being keys [(i % ceil(S / BLOCK_N)) * BLOCK_N, + BLOCK_N) of (batch * NUM_HEADS
-    + head) = i // ceil(S / BLOCK_N); a 1-D grid of any size. q_desc, grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D]
-    tiles (head_coordinates says where a head lies). LSE, DELTA [B,H,S] float32
+    + head) = i // ceil(S / BLOCK_N); a 1-D grid of one program per item, or of fewer
+    all resident at once (a cooperative launch: module docstring). q_desc,
+    grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D] tiles
+    (head_coordinates says where a head lies). LSE, DELTA [B,H,S] float32
     (natural-log log-sum-exp of the logits * scale, rowsum(dO * O)); grad_q_sum_desc:
     a TMA descriptor of [BM,D] tiles of the float32 dQ sums [B*H * ceil(S / BM) * BM, D]
     (scratch, never zeroed: tile m of a head at row (head * ceil(S / BM) + m) * BM);
