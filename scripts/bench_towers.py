@@ -391,7 +391,8 @@ def suite_deterministic(args, device, record):
         fused = "swapped medium" if setting == "autocast" else "swapped"
         modes = {"flag off": dict(on=False), "flag on": dict(on=True),
                  "flag on, no NaN fill": dict(on=True, fill=False)}
-        by_mode, kernels = {}, {}
+        profiled = [name for name in models if "swapped" in name]      # ours, each
+        by_mode, kernels = {}, {name: {} for name in profiled}
         for mode, flags in modes.items():
             with deterministic(**flags):
                 chosen = models if mode != "flag on, no NaN fill" else {fused: models[fused]}
@@ -401,13 +402,16 @@ def suite_deterministic(args, device, record):
                     same, differ = bitwise_repeat(model, train_step(model, pixels, amp))
                     rows[name].update(bitwise_repeat=same, gradients_differing=differ)
                 if mode != "flag on, no NaN fill":
-                    kernels[mode] = kernel_ms(train_step(models[fused], pixels, amp))
+                    for name in profiled:
+                        kernels[name][mode] = kernel_ms(train_step(models[name], pixels, amp))
             by_mode[mode] = rows
             print_rows(f"{setting}, batch {batch}, {mode}", rows)
-        changes = kernel_changes(kernels["flag off"], kernels["flag on"])
+        changes = {name: kernel_changes(by_flag["flag off"], by_flag["flag on"])
+                   for name, by_flag in kernels.items()}
         record.add({"setting": setting, "batch": batch, "modes": by_mode,
                     "fused_model": fused, "kernel_changes": changes})
-        print_kernel_changes(f"{setting}: {fused}", changes)
+        for name, model_changes in changes.items():
+            print_kernel_changes(f"{setting}: {name}", model_changes)
 
 
 def kernel_changes(off, on, top=10):
