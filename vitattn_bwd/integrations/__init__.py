@@ -46,10 +46,10 @@ def swap_attention(model, *, vision_only=True, libraries=None, precision=None):
     """Run the attention half of every recognized layer of `model` (in place) with
     vitattn_bwd's fused block; return `model`.
 
-    libraries: a name or names from LIBRARIES to look for (default: all). vision_only (default
-    True): only layers inside a module whose class name contains "Vision" (a CLIP
-    model's vision tower, timm's VisionTransformer), so text towers stay stock; False
-    swaps every recognized layer (a bare encoder or list of blocks). precision: as
+    libraries: a name or names from LIBRARIES to look for (default: all). vision_only
+    (default True): only layers inside a module whose class name contains "Vision" (a
+    CLIP model's vision tower, timm's VisionTransformer), so text towers stay stock;
+    False swaps every recognized layer (a bare encoder or list of blocks). precision: as
     VisionAttentionBlock's (None: the stock ops under torch.autocast and for an
     all-bf16/fp16 model, else the fused path at torch's float32 matmul precision;
     "medium" our one-product path; "highest" or "high" keeps the fused float32-grade
