@@ -363,6 +363,9 @@ def deterministic(on, fill=True):
         torch.utils.deterministic.fill_uninitialized_memory = was_fill
 
 
+DETERMINISTIC_SETTINGS = ("autocast", "float32 high")
+
+
 def suite_deterministic(args, device, record):
     """Eager stock and swapped towers (and precision "medium", our deterministic
     one-product path, under autocast), without and with the flag.
@@ -384,7 +387,7 @@ def suite_deterministic(args, device, record):
     batch = (args.batch_sizes or ([32] if device == "cuda" else [2]))[0]
     pixels = pixels_for(tower, batch, device)
     torch.set_float32_matmul_precision("high")
-    for setting in ("autocast", "float32 high"):
+    for setting in args.settings:
         amp = autocast_region(device, setting == "autocast")
         extra = {"swapped medium": "medium"} if setting == "autocast" else {}
         models = tower_models(tower, compiled=args.compiled, extra=extra)
@@ -678,6 +681,9 @@ def main(argv=None):
     parser.add_argument("--float32-precisions", nargs="+", default=["high", "highest"],
                         choices=("highest", "high"), help="default: %(default)s "
                         "(integrations: the first only)")
+    parser.add_argument("--settings", nargs="+", choices=DETERMINISTIC_SETTINGS,
+                        default=list(DETERMINISTIC_SETTINGS),
+                        help="deterministic suite: the settings to run (default: both)")
     parser.add_argument("--compiled", action="store_true", help="deterministic suite: "
                         "torch.compile(stock) and torch.compile(swapped) too (+~3 min)")
     parser.add_argument("--rounds", type=int, default=3, help="default: %(default)s")

@@ -45,6 +45,16 @@ def no_tf32(monkeypatch):
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
 
 
+@pytest.fixture
+def deterministic():
+    """torch.use_deterministic_algorithms(True) for this test, then as it was."""
+    enabled = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 

@@ -2,20 +2,9 @@
 and the launchers that take their outputs from it write every element they return."""
 import math
 
-import pytest
 import torch
 
 from vitattn_bwd import attention_core, attention_fwd, buffers, split_gemm
-
-
-@pytest.fixture
-def deterministic():
-    """torch.use_deterministic_algorithms(True) for the test, then as it was."""
-    enabled = torch.are_deterministic_algorithms_enabled()
-    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
 
 
 def test_output_buffer_is_not_nan_filled_under_the_deterministic_flag(deterministic):

@@ -7,21 +7,24 @@ import pytest
 import torch
 
 from vitattn_bwd import routing
-from vitattn_bwd.routing import STOCK, Route
+from vitattn_bwd.routing import STOCK, STOCK_DETERMINISTIC_ATTENTION, Route
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
 
 
 def _route(dtypes=(F32,), x_dtype=None, autocast=None, precision=None,
            torch_precision="highest", compiling=False, one_product=(BF16, F16),
-           device="cpu", fused_kernels=True):
+           device="cpu", fused_kernels=True, deterministic=False,
+           deterministic_attention=(BF16, F16)):
     """routing.route with defaults: a float32 block on the CPU, no autocast, precision
-    None, torch at "highest", eager, the one-product path in both half dtypes."""
+    None, torch at "highest", eager, the one-product path in both half dtypes, without
+    the deterministic flag (deterministic_sdpa's operators in both half dtypes)."""
     return routing.route(device_type=device, dtypes=set(dtypes),
                          x_dtype=x_dtype or dtypes[0], autocast_dtype=autocast,
                          precision=precision, float32_precision=torch_precision,
                          compiling=compiling, one_product=lambda dtype: dtype in one_product,
-                         fused_kernels=fused_kernels)
+                         fused_kernels=fused_kernels, deterministic=deterministic,
+                         deterministic_attention=lambda dtype: dtype in deterministic_attention)
 
 
 def _fused(precision, half_dtype=None, compute=F32, opaque_ops=False):
@@ -178,3 +181,29 @@ def test_float32_at_a_padded_head_dim_runs_the_fused_path(compiling):
     fused_kernels = routing.fused_kernels_for(torch.device("cuda"), 72)
     assert _route(torch_precision="high", compiling=compiling, device="cuda",
                   fused_kernels=fused_kernels) == _fused("high", opaque_ops=compiling)
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+@pytest.mark.parametrize("dtypes,x_dtype,autocast,half", [
+    ((F32,), F32, BF16, BF16), ((F32,), F32, F16, F16), ((BF16,), BF16, None, BF16),
+    ((F16,), F16, None, F16), ((F16,), F16, BF16, BF16)])
+def test_the_deterministic_flag_gives_the_stock_route_our_deterministic_attention(
+        compiling, dtypes, x_dtype, autocast, half):
+    """Under torch.use_deterministic_algorithms(True), where the stock ops run in a half
+    dtype (autocast's, else a half-precision block's) and deterministic_sdpa runs in it;
+    the stock ops' own SDPA otherwise."""
+    facts = dict(dtypes=dtypes, x_dtype=x_dtype, autocast=autocast, compiling=compiling)
+    assert _route(**facts, deterministic=True) == STOCK_DETERMINISTIC_ATTENTION
+    assert _route(**facts) == STOCK
+    other = {BF16: F16, F16: BF16}[half]
+    assert _route(**facts, deterministic=True, deterministic_attention=(other,)) == STOCK
+
+
+def test_the_deterministic_flag_leaves_the_fused_paths_and_float32_stock_alone():
+    """The fused paths are deterministic by construction; a float32 block at a head dim
+    without kernels runs float32 SDPA, which the flag does not take off cuDNN."""
+    assert _route(deterministic=True) == _fused("highest")
+    assert _route(precision="medium", autocast=BF16, deterministic=True) == _fused(
+        "high", BF16)
+    assert _route((BF16,), precision="high", deterministic=True) == _fused("high")
+    assert _route(device="cuda", fused_kernels=False, deterministic=True) == STOCK

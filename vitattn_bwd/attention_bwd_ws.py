@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from . import buffers
 from .precision import HALF_DTYPES
 
 
@@ -157,9 +158,10 @@ def launch_delta(grad_attn, attn_output, num_heads, block_m=64):
     [B,S,E]; the main kernel's semaphores [B*H, ceil(S / block_m)] int32, zeroed)."""
     from .kernels.attention_bwd_ws import attention_delta_kernel
     batch, seq_len, embed_dim = grad_attn.shape
-    delta = grad_attn.new_empty(batch, num_heads, seq_len, dtype=torch.float32)
+    delta = buffers.output_buffer(grad_attn, batch, num_heads, seq_len, dtype=torch.float32)
     query_tiles = -(-seq_len // block_m)
-    semaphores = grad_attn.new_empty(batch * num_heads, query_tiles, dtype=torch.int32)
+    semaphores = buffers.output_buffer(grad_attn, batch * num_heads, query_tiles,
+                                       dtype=torch.int32)
     attention_delta_kernel[(query_tiles, batch * num_heads)](
         grad_attn, attn_output, delta, semaphores, NUM_HEADS=num_heads, SEQ_LEN=seq_len,
         HEAD_DIM=embed_dim // num_heads, BLOCK=block_m, num_warps=4)
@@ -179,10 +181,10 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs
     delta, semaphores = launch_delta(grad_attn, attn_output, heads, tiles.block_m)
     # float32 dQ sums, one [BM,D] tile per (head, query tile), padded past S
     query_tiles = semaphores.shape[1]
-    grad_q_sums = q.new_empty(batch * heads * query_tiles * tiles.block_m, head_dim,
-                              dtype=torch.float32)
-    grad_q = q.new_empty(batch, seq_len, heads * head_dim)
-    grad_kv = q.new_empty(batch, seq_len, 2 * heads * head_dim)
+    grad_q_sums = buffers.output_buffer(q, batch * heads * query_tiles * tiles.block_m,
+                                        head_dim, dtype=torch.float32)
+    grad_q = buffers.output_buffer(q, batch, seq_len, heads * head_dim)
+    grad_kv = buffers.output_buffer(q, batch, seq_len, 2 * heads * head_dim)
     num_items = -(-seq_len // tiles.block_n) * batch * heads     # (head, key block) pairs
     sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                 if tiles.persistent else None)

@@ -26,6 +26,10 @@ precision:
   (`stock_forward`: torch's LayerNorm, Linear and SDPA under the caller's autocast, and
   their autograd), eager and under torch.compile: our one-product path was no faster
   there (a 24-layer Hugging Face CLIP tower 0.76-1.06x stock eager, 0.57-0.85x compiled).
+  Under torch.use_deterministic_algorithms(True) that route's attention runs
+  deterministic_sdpa's operators where they run (torch's flash forward, our
+  deterministic warp-specialized backward; Hopper, head dim 64) instead of the slower
+  deterministic backward the flag gives SDPA.
   So does a block whose input and parameters are all bfloat16 or all float16 (a
   `.bfloat16()` model, FSDP's bf16 parameters), and, on a GPU, a block whose head dim
   the attention kernels do not take (they take every multiple of 8 up to 128; without
@@ -80,7 +84,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from . import block_ops, graph, routing
+from . import block_ops, deterministic_sdpa, graph, routing
 from .block_ops import autocast_off
 from .forward_graph import SavedForBackward, attention_block_forward
 from .layout import merge_heads, split_heads
@@ -96,16 +100,20 @@ DOUBLE_BACKWARD_MESSAGE = (
 
 
 def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                  num_heads, eps, gamma=None):
+                  num_heads, eps, gamma=None, deterministic_attention=False):
     """y = x + out_proj(SDPA(qkv(LayerNorm(x)))) (times gamma, a LayerScale, before the
     residual) in the stock ops, in the caller's autocast region or in the tensors' own
     dtype: what torch's own LayerNorm, Linear and SDPA compute there, and their
-    autograd."""
+    autograd; with deterministic_attention, SDPA as deterministic_sdpa's operators (the
+    same forward, our deterministic backward)."""
     E = x.shape[-1]
     h = F.layer_norm(x, (E,), ln_weight, ln_bias, eps)
-    q, k, v = (split_heads(t, num_heads)                                       # [B,H,S,D]
-               for t in F.linear(h, qkv_weight, qkv_bias).chunk(3, dim=-1))
-    attn = merge_heads(F.scaled_dot_product_attention(q, k, v))                # [B,S,E]
+    qkv = F.linear(h, qkv_weight, qkv_bias)                                    # [B,S,3E]
+    if deterministic_attention:
+        attn = deterministic_sdpa.attention(qkv, num_heads)                    # [B,S,E]
+    else:
+        q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))    # [B,H,S,D]
+        attn = merge_heads(F.scaled_dot_product_attention(q, k, v))            # [B,S,E]
     out = F.linear(attn, out_weight, out_bias)
     return x + (out if gamma is None else out * gamma)
 
@@ -193,9 +201,13 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
                            else None),
         compiling=compiling,
         one_product=lambda dtype: one_product_supported(device, dtype, head_dim),
-        fused_kernels=routing.fused_kernels_for(device, head_dim))
+        fused_kernels=routing.fused_kernels_for(device, head_dim),
+        deterministic=torch.are_deterministic_algorithms_enabled(),
+        deterministic_attention=lambda dtype: deterministic_sdpa.supported(device, dtype,
+                                                                            head_dim))
     if decision.stock:
-        return stock_forward(x, *params, num_heads, eps, gamma)
+        return stock_forward(x, *params, num_heads, eps, gamma,
+                             decision.deterministic_attention)
     compute = decision.compute_dtype
     if gamma is not None:                    # folded into the out projection (above)
         scale = gamma.to(compute)

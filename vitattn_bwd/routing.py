@@ -26,6 +26,12 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
   eager and compiled (docs/runs/towers/integrations_e47f939.log). Head dim 80 is timed
   as raw kernels only (docs/runs/kernels/core_head_dims_e59ebca.log); 104 is not timed.
 
+Under torch.use_deterministic_algorithms(True) the stock route runs its attention as
+deterministic_sdpa's operators where they run (Hopper, bf16 / fp16, head dim 64):
+torch's flash forward with our warp-specialized backward, in place of the deterministic
+backward the flag gives SDPA, which cost a 12-layer tower under bf16 autocast 12% per
+step (docs/performance.md, "The deterministic flag, eager and compiled").
+
 Inside torch.compile the fused path runs as two torch.library operators (block_ops.py),
 opaque to dynamo, instead of the autograd.Function that eager calls use.
 """
@@ -41,7 +47,10 @@ class Route(NamedTuple):
     """The decision for one call.
 
     stock: run `stock_forward` (torch's own LayerNorm, Linear and SDPA, in the caller's
-      autocast region or the tensors' dtype); the other fields are then None / False.
+      autocast region or the tensors' dtype); the other fields but
+      deterministic_attention are then None / False.
+    deterministic_attention: with stock, the attention as deterministic_sdpa's operators
+      instead of SDPA (under torch.use_deterministic_algorithms(True)).
     precision: the fused path's precision, "highest" or "high" (VisionAttentionFunction's).
     half_dtype: None, or bf16 / fp16 for the one-product path in that dtype.
     compute_dtype: the dtype the fused path's tensors are cast to.
@@ -52,9 +61,11 @@ class Route(NamedTuple):
     half_dtype: torch.dtype | None = None
     compute_dtype: torch.dtype | None = None
     opaque_ops: bool = False
+    deterministic_attention: bool = False
 
 
 STOCK = Route(stock=True)
+STOCK_DETERMINISTIC_ATTENTION = Route(stock=True, deterministic_attention=True)
 
 
 @torch.compiler.assume_constant_result
@@ -102,7 +113,8 @@ def fused_kernels_for(device, head_dim):
 
 
 def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_precision,
-          compiling, one_product, fused_kernels=True):
+          compiling, one_product, fused_kernels=True, deterministic=False,
+          deterministic_attention=lambda dtype: False):
     """The Route for a call (module docstring).
 
     device_type: "cpu" or "cuda"; dtypes: the set of the dtypes of x and every
@@ -113,11 +125,18 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
     one_product(dtype) -> bool: whether the one-product path runs in that half dtype
     for this device and head dim (one_product_supported); fused_kernels: whether the
     fused float32 path's attention core has kernels for this device and head dim
-    (fused_kernels_for). TypeError for float64 on a device other than the CPU (the
-    fused backward is float32 there)."""
+    (fused_kernels_for); deterministic: torch.are_deterministic_algorithms_enabled();
+    deterministic_attention(dtype) -> bool: whether deterministic_sdpa's operators run
+    for activations of that half dtype on this device and head dim
+    (deterministic_sdpa.supported). TypeError for float64 on a device other than the
+    CPU (the fused backward is float32 there)."""
     native_half = len(dtypes) == 1 and x_dtype in HALF_DTYPES
     if precision is None:
         if autocast_dtype is not None or native_half or not fused_kernels:
+            half = autocast_dtype if autocast_dtype is not None else (
+                x_dtype if native_half else None)
+            if deterministic and half in HALF_DTYPES and deterministic_attention(half):
+                return STOCK_DETERMINISTIC_ATTENTION
             return STOCK
         precision = float32_precision
     half_dtype = None

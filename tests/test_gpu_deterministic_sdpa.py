@@ -1,0 +1,110 @@
+"""The stock route under torch.use_deterministic_algorithms(True) on a Hopper GPU: under
+autocast at precision None the block's attention runs deterministic_sdpa's operators
+(torch's flash forward, the warp-specialized backward), repeats bit for bit, is as close
+to float64 as the stock block under the same flag, compiles into one graph, and replays
+in a CUDA graph."""
+import pytest
+import torch
+
+from vitattn_bwd import VisionAttentionBlock, deterministic_sdpa, reference
+
+from .helpers import block_step, block_step_float64, relative_errors
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32", "deterministic")]
+
+SEQ, EMBED, HEADS, BATCH = 577, 1024, 16, 2
+
+
+@pytest.fixture(autouse=True)
+def hopper():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialized backward needs a Hopper GPU")
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """The number of deterministic_sdpa.attention calls the block makes."""
+    calls = []
+    original = deterministic_sdpa.attention
+
+    def recorded(qkv, num_heads):
+        calls.append(qkv.dtype)
+        return original(qkv, num_heads)
+    monkeypatch.setattr(deterministic_sdpa, "attention", recorded)
+    return calls
+
+
+def _block():
+    torch.manual_seed(0)
+    block = VisionAttentionBlock(EMBED, HEADS).cuda()
+    with torch.no_grad():                   # LayerNorm and biases off their init
+        for p in block.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return block
+
+
+@pytest.mark.parametrize("autocast_dtype", [torch.bfloat16, torch.float16])
+def test_block_under_the_flag_is_as_close_to_float64_as_stock(attention_calls,
+                                                              autocast_dtype):
+    block = _block()
+    x = torch.randn(BATCH, SEQ, EMBED, device="cuda")
+    grad_y = torch.randn_like(x)
+    with torch.autocast("cuda", dtype=autocast_dtype):
+        got = block_step(block, x, grad_y)
+        again = block_step(block, x, grad_y)
+        stock = block_step(reference.ReferenceBlock(block), x, grad_y)
+    assert attention_calls == [autocast_dtype, autocast_dtype]
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    truth = block_step_float64(block, x, grad_y)
+    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
+    for name, g, s, ours, theirs in zip(names, got, stock, relative_errors(got, truth),
+                                        relative_errors(stock, truth)):
+        assert g.dtype == s.dtype, (name, g.dtype, s.dtype)
+        assert ours <= 1.2 * theirs + 1e-5, (name, ours, theirs)
+
+
+def test_compiled_block_under_the_flag_is_one_graph_with_the_eager_bits():
+    block = _block()
+    x = torch.randn(BATCH, SEQ, EMBED, device="cuda")
+    grad_y = torch.randn_like(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(block)(x)
+        compiled = torch.compile(block, fullgraph=True)
+        got = block_step(compiled, x, grad_y)
+        again = block_step(compiled, x, grad_y)
+        eager = block_step(block, x, grad_y)
+    assert explained.graph_break_count == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    for name, err in zip(["y", "x"] + [n for n, _ in block.named_parameters()],
+                         relative_errors(got, eager)):
+        assert err < 2 ** -8, (name, err)
+
+
+def test_operators_replay_in_a_cuda_graph():
+    """The backward's cooperative launch (a persistent grid) captured and replayed: the
+    eager call's bits. The captured step takes a leaf of its own, made on the capture's
+    side stream: a leaf used on the default stream keeps its gradient accumulator there,
+    and capture then fails on the engine's wait for that stream, whatever the ops."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    qkv = torch.randn(BATCH, SEQ, 3 * EMBED, device="cuda", generator=g,
+                      dtype=torch.bfloat16)
+    grad_attn = torch.randn(BATCH, SEQ, EMBED, device="cuda", generator=g,
+                            dtype=torch.bfloat16)
+
+    def step(leaf):
+        attn = deterministic_sdpa.attention(leaf, HEADS)
+        return attn, torch.autograd.grad(attn, leaf, grad_attn)[0]
+    eager = step(qkv.clone().requires_grad_())
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        static = qkv.clone().requires_grad_()
+        step(static)                                       # warm-up off the main stream
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            captured = step(static)
+    torch.cuda.current_stream().wait_stream(side)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(captured, eager))

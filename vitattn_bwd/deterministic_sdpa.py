@@ -1,0 +1,108 @@
+"""Self-attention for the stock route under torch.use_deterministic_algorithms(True):
+torch's flash-attention forward with the warp-specialized Gluon backward
+(attention_bwd_ws.py), as two torch.library operators:
+
+    torch.ops.vitattn_bwd.sdpa_ws_fwd(qkv, num_heads)
+        -> attn [B,S,E] (SDPA of qkv's q, k, v, merged heads), lse [B,H,S] float32
+    torch.ops.vitattn_bwd.sdpa_ws_bwd(grad_attn, qkv, attn, lse, num_heads)
+        -> grad_qkv [B,S,3E]
+
+qkv [B,S,3E] is a QKV projection's output in bf16 or fp16 (q | k | v columns, heads
+side by side), as the stock block's F.linear gives it under autocast; the scale is
+SDPA's default, 1/sqrt(D). The forward's autograd formula (torch.library.
+register_autograd) is the backward operator, so that inside a user's torch.compile both
+are opaque operators of the user's graph.
+
+Why: the flag takes SDPA's backward off cuDNN (whose dQ adds race) onto a
+deterministic backward that cost a 12-layer HF CLIP tower under bf16 autocast 12% per
+training step at batch 32 on the H200 (GPU-busy 53.9 -> 60.1 ms; docs/performance.md,
+"The deterministic flag, eager and compiled"). The warp-specialized backward is
+deterministic by construction (dQ added in key-block order) and measured 0.583 ms at
+that batch per layer against 0.665 for SDPA's flash backward without the flag. It runs
+where it was tested: Hopper, head dim 64 (`supported`).
+"""
+import math
+
+import torch
+
+from . import attention_bwd_ws, buffers, gluon_core
+from .attention_fwd import attention_fwd_half
+from .layout import split_heads
+from .precision import HALF_DTYPES
+
+# The fastest configuration measured (a persistent grid: one program per SM).
+TILES = next(t for t in reversed(attention_bwd_ws.CANDIDATE_TILES) if t.persistent)
+# The head dims its GPU tests and timings cover.
+HEAD_DIMS = (64,)
+
+_LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
+_LIBRARY.define("sdpa_ws_fwd(Tensor qkv, int num_heads) -> (Tensor, Tensor)")
+_LIBRARY.define("sdpa_ws_bwd(Tensor grad_attn, Tensor qkv, Tensor attn, Tensor lse, "
+                "int num_heads) -> Tensor")
+
+
+@torch.compiler.assume_constant_result
+def supported(device, dtype, head_dim):
+    """Whether the operators run for `dtype` activations at `head_dim` on `device`:
+    Hopper GPUs whose triton compiles the Gluon kernels (gluon_core.available), bf16 or
+    fp16, head dims in HEAD_DIMS. Constant for a process, so torch.compile reads it once
+    when tracing."""
+    return (dtype in HALF_DTYPES and head_dim in HEAD_DIMS
+            and gluon_core.available(device, dtype, head_dim))
+
+
+def _heads(qkv, num_heads):
+    """q, k, v [B,H,S,D]: views of qkv [B,S,3E]."""
+    return [split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1)]
+
+
+def sdpa_ws_fwd(qkv, num_heads):
+    q, k, v = _heads(qkv, num_heads)
+    attn, lse = attention_fwd_half(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
+    return attn.contiguous(), lse.contiguous()                        # [B,S,E], [B,H,S]
+
+
+def sdpa_ws_bwd(grad_attn, qkv, attn, lse, num_heads):
+    q, k, v = _heads(qkv, num_heads)
+    grad_q, grad_kv = attention_bwd_ws.launch(
+        q, k, v, grad_attn.contiguous(), attn, lse, 1.0 / math.sqrt(q.shape[-1]), TILES)
+    grad_qkv = buffers.output_buffer(qkv, *qkv.shape)                   # [B,S,3E]
+    return torch.cat([grad_q, grad_kv], dim=-1, out=grad_qkv)          # dQ | dK | dV
+
+
+_LIBRARY.impl("sdpa_ws_fwd", sdpa_ws_fwd, "CUDA")
+_LIBRARY.impl("sdpa_ws_bwd", sdpa_ws_bwd, "CUDA")
+
+
+@torch.library.register_fake("vitattn_bwd::sdpa_ws_fwd", lib=_LIBRARY)
+def _(qkv, num_heads):
+    batch, seq_len, width = qkv.shape
+    return (qkv.new_empty(batch, seq_len, width // 3),
+            qkv.new_empty(batch, num_heads, seq_len, dtype=torch.float32))
+
+
+@torch.library.register_fake("vitattn_bwd::sdpa_ws_bwd", lib=_LIBRARY)
+def _(grad_attn, qkv, attn, lse, num_heads):
+    return qkv.new_empty(qkv.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    qkv, ctx.num_heads = inputs
+    attn, lse = output
+    ctx.save_for_backward(qkv, attn, lse)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_attn, _):
+    qkv, attn, lse = ctx.saved_tensors
+    return torch.ops.vitattn_bwd.sdpa_ws_bwd(grad_attn, qkv, attn, lse, ctx.num_heads), None
+
+
+torch.library.register_autograd("vitattn_bwd::sdpa_ws_fwd", _backward,
+                                setup_context=_setup_context, lib=_LIBRARY)
+
+
+def attention(qkv, num_heads):
+    """attn [B,S,E]: SDPA of qkv [B,S,3E]'s heads, with the deterministic
+    warp-specialized backward (module docstring)."""
+    return torch.ops.vitattn_bwd.sdpa_ws_fwd(qkv, num_heads)[0]
