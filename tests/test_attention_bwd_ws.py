@@ -87,6 +87,9 @@ def test_bad_arguments_are_named(change, message):
 def test_tiles_outside_the_family_are_refused():
     with pytest.raises(ValueError, match="tiles must have block_m 64"):
         attention_bwd_ws.launch(**_inputs(), tiles=attention_bwd_ws.WsTiles(128, 64, 2, 128))
+    with pytest.raises(ValueError, match="kv_buffers 1 or 2"):
+        attention_bwd_ws.launch(**_inputs(), tiles=attention_bwd_ws.WsTiles(64, 64, 2, 128,
+                                                                            kv_buffers=3))
 
 
 def test_the_grid_is_one_program_per_item_unless_persistent():

@@ -77,14 +77,16 @@ def test_bitwise_reproducible(tiles):
     assert all(torch.equal(a, b) for a, b in zip(first, copies))
 
 
+@pytest.mark.parametrize("kv_buffers", [1, 2])
 @pytest.mark.parametrize("programs", [None, 8])
-def test_persistent_programs_walk_many_items_to_the_same_bits(programs):
+def test_persistent_programs_walk_many_items_to_the_same_bits(programs, kv_buffers):
     """Batch 12 x 16 heads: 960 (head, key block) items walked by one program per SM
-    (about 7 items each on a 132-SM GPU) or by 8 (120 each), each program's ring, dQ
-    buffers and barriers carried from item to item: the same bits as one program per
-    item (the adds' order is the semaphores', not the schedule's), and as close to
-    float64 as SDPA's flash backward's."""
-    tiles = next(t for t in attention_bwd_ws.CANDIDATE_TILES if t.persistent)
+    (about 7 items each on a 132-SM GPU) or by 8 (120 each), each program's ring, k / v
+    buffers, dQ buffers and barriers carried from item to item: the same bits as one
+    program per item (the adds' order is the semaphores', not the schedule's), and as
+    close to float64 as SDPA's flash backward's."""
+    tiles = next(t for t in attention_bwd_ws.CANDIDATE_TILES
+                 if t.persistent and t.kv_buffers == kv_buffers)
     q, k, v, grad_attn, attn_output, lse = _inputs(12, 16, 577, torch.bfloat16, seed=12)
     walked = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE, tiles,
                                      programs=programs)

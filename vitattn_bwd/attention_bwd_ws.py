@@ -33,7 +33,8 @@ class WsTiles(NamedTuple):
     shared memory (0: rows as they lie, which the consumers store with 8-way bank
     conflicts; or 128), and whether the grid is one program per SM, each walking its
     share of the (head, key block) items (persistent, a cooperative launch), or one
-    program per item."""
+    program per item; kv_buffers (1 or 2) buffers of k and v tiles (with 2 a persistent
+    program loads its next item's while it works on the current one)."""
     block_m: int
     block_n: int
     num_stages: int
@@ -41,6 +42,7 @@ class WsTiles(NamedTuple):
     worker_registers: int = 56
     grad_q_swizzle: int = 0
     persistent: bool = False
+    kv_buffers: int = 1
 
     @property
     def num_warps(self):
@@ -61,7 +63,11 @@ CANDIDATE_TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168),
                    WsTiles(64, 128, 2, 168, grad_q_swizzle=128),
                    WsTiles(64, 128, 3, 168, grad_q_swizzle=128),
                    WsTiles(64, 128, 2, 168, grad_q_swizzle=128, persistent=True),
-                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128, persistent=True))
+                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128, persistent=True),
+                   WsTiles(64, 128, 2, 168, grad_q_swizzle=128, persistent=True,
+                           kv_buffers=2),
+                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128, persistent=True,
+                           kv_buffers=2))
 
 
 def _shared_layout(block_shape, dtype):
@@ -149,8 +155,9 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
             or not lse.is_contiguous():
         raise ValueError(f"lse must be contiguous float32 [B,H,S] = "
                          f"{[batch, heads, seq_len]}, got {lse.dtype} {list(lse.shape)}")
-    if tiles.block_n not in (64, 128) or tiles.block_m != 64:
-        raise ValueError(f"tiles must have block_m 64 and block_n 64 or 128, got {tiles}")
+    if tiles.block_n not in (64, 128) or tiles.block_m != 64 or tiles.kv_buffers not in (1, 2):
+        raise ValueError(f"tiles must have block_m 64, block_n 64 or 128 and kv_buffers 1 "
+                         f"or 2, got {tiles}")
 
 
 def launch_delta(grad_attn, attn_output, num_heads, block_m=64):
@@ -204,8 +211,8 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs
 def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
     return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
-                HEADS_IN_ROWS=heads_in_rows, WORKER_REGISTERS=tiles.worker_registers,
-                num_warps=tiles.num_warps)
+                KV_BUFFERS=tiles.kv_buffers, HEADS_IN_ROWS=heads_in_rows,
+                WORKER_REGISTERS=tiles.worker_registers, num_warps=tiles.num_warps)
 
 
 def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bfloat16,

@@ -7,7 +7,8 @@ an item, and takes items p, p + P, p + 2P, ... of its grid's P programs (one ite
 in a grid of one program per item), in three partitions:
 
     producer (one warp, few registers), per item:
-        TMA  k, v [BN,D] (once the consumers are done with the last item's); then
+        TMA  k, v [BN,D] into one of KV_BUFFERS buffers (once the consumers are done
+             with the item that last used it); then
              q_m, dO_m [BM,D] into a NUM_STAGES-deep ring, each slot guarded by a ready
              and an empty mbarrier
     consumers (one warpgroup per 64 keys, the registers the workers gave up), tile m:
@@ -89,24 +90,28 @@ def work_item(item, SEQ_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
+def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
                    grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
                    NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   HEADS_IN_ROWS: gl.constexpr):
-    """The producer: for each work item its k, v tiles (once the consumers are done with
-    the last item's), then every query tile's q and dO through the ring."""
+                   KV_BUFFERS: gl.constexpr, HEADS_IN_ROWS: gl.constexpr):
+    """The producer: for each work item its k, v tiles into the next of KV_BUFFERS
+    buffers (once the consumers are done with the item that last used it), then every
+    query tile's q and dO through the ring. With two buffers the next item's k and v
+    load while the consumers work on the current one."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         block, batch_head, earlier = work_item(item, SEQ_LEN, BLOCK_N)
         qkv_row, qkv_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM,
                                             HEADS_IN_ROWS)
         do_row, do_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM, False)
+        buffer = earlier % KV_BUFFERS
+        kv_bar = kv_ready.index(buffer)
         # a fresh mbarrier counts as having completed the phase before phase 0
-        mbarrier.wait(kv_empty, (earlier & 1) ^ 1)
-        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
-        tma_load(k_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_ready, k_tile)
-        tma_load(v_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_ready, v_tile)
+        mbarrier.wait(kv_empty.index(buffer), ((earlier // KV_BUFFERS) & 1) ^ 1)
+        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
+        tma_load(k_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_bar, k_tiles.index(buffer))
+        tma_load(v_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_bar, v_tiles.index(buffer))
         for m_tile in range(NUM_TILES):
             tile_count = earlier * NUM_TILES + m_tile      # this program's tiles so far
             slot = tile_count % NUM_STAGES
@@ -225,12 +230,12 @@ def hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full, grad_q_empty)
 
 
 @gluon.jit
-def compute_partition(k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile, grad_q_ring,
+def compute_partition(k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, grad_q_ring,
                       kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE,
                       DELTA, GRAD_KV, scale, num_items, NUM_HEADS: gl.constexpr,
                       SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      num_warps: gl.constexpr):
+                      KV_BUFFERS: gl.constexpr, num_warps: gl.constexpr):
     """The consumers: for each work item, the five products per query tile (module
     docstring), dQ handed to the writer, then dK and dV into GRAD_KV [B,S,2E] (dK at
     column head * D, dV at E + head * D). dQ of tile m is issued in tile m+1, after its
@@ -239,7 +244,7 @@ def compute_partition(k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile, grad_
     iteration's in-flight products (its C7514)."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
-    dtype: gl.constexpr = k_tile.dtype
+    dtype: gl.constexpr = k_tiles.dtype
     tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)      # [BN,BM]: S^T, dP^T
     acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # [BN,D]: dK, dV
     grad_q_layout: gl.constexpr = split_columns_layout(num_warps, HEAD_DIM)  # [BM,D]
@@ -260,7 +265,10 @@ def compute_partition(k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile, grad_
                                              layout=acc_layout))
         p_t_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=a_layout)
         grad_s_t_op = p_t_op
-        mbarrier.wait(kv_ready, earlier & 1)
+        buffer = earlier % KV_BUFFERS
+        k_tile = k_tiles.index(buffer)                                      # [BN,D]
+        v_tile = v_tiles.index(buffer)                                      # [BN,D]
+        mbarrier.wait(kv_ready.index(buffer), (earlier // KV_BUFFERS) & 1)
         for m_tile in range(NUM_TILES):
             tile_count = earlier * NUM_TILES + m_tile      # this program's tiles so far
             slot = tile_count % NUM_STAGES
@@ -310,7 +318,7 @@ def compute_partition(k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile, grad_
         cta_barrier()
         mbarrier.arrive(empty.index(((earlier + 1) * NUM_TILES - 1) % NUM_STAGES),
                         count=1)
-        mbarrier.arrive(kv_empty, count=1)
+        mbarrier.arrive(kv_empty.index(buffer), count=1)
         hand_over_grad_q(grad_q, (earlier + 1) * NUM_TILES - 1, grad_q_ring, grad_q_full,
                          grad_q_empty)
 
@@ -331,8 +339,8 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
                             num_items, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                            HEADS_IN_ROWS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            KV_BUFFERS: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
+                            WORKER_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
     """dQ [B,S,E], dK and dV [B,S,2E] (the operands' dtype) of the work items this
     program takes (module docstring) of num_items = ceil(S / BLOCK_N) * B * NUM_HEADS,
     item i being keys [(i % ceil(S / BLOCK_N)) * BLOCK_N, + BLOCK_N) of (batch * NUM_HEADS
@@ -344,12 +352,13 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
     a TMA descriptor of [BM,D] tiles of the float32 dQ sums [B*H * ceil(S / BM) * BM, D]
     (scratch, never zeroed: tile m of a head at row (head * ceil(S / BM) + m) * BM);
     SEMAPHORES [B*H, ceil(S / BM)] int32 zeros (attention_delta_kernel clears them).
-    BLOCK_N = 16 * num_warps (one consumer warpgroup per 64 keys); the producer and the
-    dQ writer, one warp each, keep WORKER_REGISTERS registers per thread."""
+    BLOCK_N = 16 * num_warps (one consumer warpgroup per 64 keys); KV_BUFFERS (1 or 2)
+    buffers of k and v tiles; the producer and the dQ writer, one warp each, keep
+    WORKER_REGISTERS registers per thread."""
     gl.static_assert(BLOCK_N == 16 * num_warps, "one consumer warpgroup per 64 keys")
     dtype: gl.constexpr = q_desc.dtype
-    k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_tiles = gl.allocate_shared_memory(dtype, [KV_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_tiles = gl.allocate_shared_memory(dtype, [KV_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     grad_attn_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM],
                                                grad_attn_desc.layout)
@@ -360,16 +369,17 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
                                             grad_q_sum_desc.layout)
     grad_q_sum_tile = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
                                                 grad_q_sum_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     grad_q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     grad_q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     sum_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
-    mbarrier.init(kv_empty, count=1)
     mbarrier.init(sum_ready, count=1)
+    for buffer in gl.static_range(KV_BUFFERS):
+        mbarrier.init(kv_ready.index(buffer), count=1)
+        mbarrier.init(kv_empty.index(buffer), count=1)
     for stage in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(stage), count=1)
         mbarrier.init(empty.index(stage), count=1)
@@ -379,14 +389,15 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
     fence_async_shared()
 
     gl.warp_specialize([
-        (compute_partition, (k_tile, v_tile, q_ring, grad_attn_ring, grad_s_tile,
+        (compute_partition, (k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile,
                              grad_q_ring, kv_ready, kv_empty, ready, empty, grad_q_full,
                              grad_q_empty, LSE, DELTA, GRAD_KV, scale, num_items, NUM_HEADS,
-                             SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
-        (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
+                             SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, KV_BUFFERS,
+                             num_warps)),
+        (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
                           grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
                           NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                          HEADS_IN_ROWS)),
+                          KV_BUFFERS, HEADS_IN_ROWS)),
         (grad_q_partition, (grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty,
                             sum_ready, grad_q_sum_desc, SEMAPHORES, GRAD_Q, scale,
                             num_items, NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N)),
