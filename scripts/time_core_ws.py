@@ -187,11 +187,12 @@ def gpu_main(batch, out_dir):
         del ref, outputs
         torch.cuda.empty_cache()
     report["table"] = table
-    Path(out_dir, "core_ws.json").write_text(json.dumps(report, indent=1))
     print(f"batch {batch}, bf16, S {S}, H {H}, D {D}: ms (median, L2 flushed); TFLOP/s of "
           f"5 products")
     for name, tiles, ms, tflops in table:
         print(f"{name:28} {tiles!s:22} {ms:7.3f} {tflops:7.1f}")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    Path(out_dir, "core_ws.json").write_text(json.dumps(report, indent=1))
 
 
 def main():

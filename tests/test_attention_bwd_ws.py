@@ -106,3 +106,10 @@ def test_the_grid_is_one_program_per_item_unless_persistent():
     assert attention_bwd_ws.program_count(persistent, 960, sm_count=132) == 132
     assert attention_bwd_ws.program_count(persistent, 960, 132, programs=8) == 8
     assert attention_bwd_ws.program_count(persistent, 30, sm_count=132) == 30
+
+
+def test_the_fastest_launch_is_one_the_gpu_tests_and_timings_cover():
+    """The deterministic attention's launch is one of the candidates that
+    tests/test_gpu_attention_bwd_ws.py checks and scripts/time_core_ws.py times."""
+    assert attention_bwd_ws.FASTEST_TILES in attention_bwd_ws.CANDIDATE_TILES
+    assert attention_bwd_ws.FASTEST_TILES.persistent

@@ -30,8 +30,6 @@ from .attention_fwd import attention_fwd_half
 from .layout import split_heads
 from .precision import HALF_DTYPES
 
-# The fastest configuration measured (a persistent grid: one program per SM).
-TILES = next(t for t in reversed(attention_bwd_ws.CANDIDATE_TILES) if t.persistent)
 # The head dims its GPU tests and timings cover.
 HEAD_DIMS = (64,)
 
@@ -65,7 +63,8 @@ def sdpa_ws_fwd(qkv, num_heads):
 def sdpa_ws_bwd(grad_attn, qkv, attn, lse, num_heads):
     q, k, v = _heads(qkv, num_heads)
     grad_q, grad_kv = attention_bwd_ws.launch(
-        q, k, v, grad_attn.contiguous(), attn, lse, 1.0 / math.sqrt(q.shape[-1]), TILES)
+        q, k, v, grad_attn.contiguous(), attn, lse, 1.0 / math.sqrt(q.shape[-1]),
+        attention_bwd_ws.FASTEST_TILES)
     grad_qkv = buffers.output_buffer(qkv, *qkv.shape)                   # [B,S,3E]
     return torch.cat([grad_q, grad_kv], dim=-1, out=grad_qkv)          # dQ | dK | dV
 
