@@ -54,9 +54,8 @@ def test_gradients_against_float64(tiles, seq_len, dtype):
     ref = attention_core.attention_backward_math(
         *(t.double() for t in (attention_core.probabilities(
             lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
-    grad_q, grad_kv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE,
-                                              tiles)
-    got = (grad_q, *grad_kv.chunk(2, dim=-1))
+    grad_qkv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE, tiles)
+    got = grad_qkv.chunk(3, dim=-1)                                  # dQ | dK | dV
     flash = _flash_backward(q, k, v, grad_attn)
     for name, g, f, r in zip(("dQ", "dK", "dV"), got, flash, ref):
         assert g.dtype == dtype and torch.isfinite(g).all(), name
@@ -71,10 +70,10 @@ def test_bitwise_reproducible(tiles):
     first = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE, tiles)
     for _ in range(2):
         again = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE, tiles)
-        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        assert torch.equal(first, again)
     copies = attention_bwd_ws.launch(q.contiguous(), k.contiguous(), v.contiguous(),
                                      grad_attn, attn_output, lse, SCALE, tiles)
-    assert all(torch.equal(a, b) for a, b in zip(first, copies))
+    assert torch.equal(first, copies)
 
 
 @pytest.mark.parametrize("kv_buffers", [1, 2])
@@ -92,13 +91,13 @@ def test_persistent_programs_walk_many_items_to_the_same_bits(programs, kv_buffe
                                      programs=programs)
     one_each = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE,
                                        tiles._replace(persistent=False))
-    assert all(torch.equal(a, b) for a, b in zip(walked, one_each))
+    assert torch.equal(walked, one_each)
     q1, k1, v1 = (t[:1] for t in (q, k, v))                 # float64 at batch 1 (memory)
     ref = attention_core.attention_backward_math(
         *(t.double() for t in (attention_core.probabilities(
             lse[:1].double(), q1.double(), k1.double(), SCALE), grad_attn[:1], q1, k1, v1)),
         SCALE)
     flash = _flash_backward(q1, k1, v1, grad_attn[:1])
-    got = (walked[0][:1], *walked[1][:1].chunk(2, dim=-1))
+    got = walked[:1].chunk(3, dim=-1)
     for name, g, f, r in zip(("dQ", "dK", "dV"), got, flash, ref):
         assert _rel(g, r) <= 2 * _rel(f, r) + 1e-4, (name, _rel(g, r), _rel(f, r))

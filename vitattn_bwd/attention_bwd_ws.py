@@ -3,7 +3,8 @@
 sm_90 that launches nothing (for the CPU checks of its machine code).
 
     launch(q, k, v, grad_attn, attn_output, lse, scale, tiles)
-        -> grad_q [B,S,E], grad_kv [B,S,2E] (dK then dV per row), in q's dtype
+        -> grad_qkv [B,S,3E] (dQ | dK | dV per row, a QKV projection's layout), in q's
+           dtype
 
 q, k, v [B,H,S,D] bf16 / fp16 with one set of strides and a contiguous last dim:
 contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_output
@@ -179,7 +180,8 @@ def launch_delta(grad_attn, attn_output, num_heads, block_m=64):
 
 
 def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs=None):
-    """(grad_q [B,S,E], grad_kv [B,S,2E]) in q's dtype: the attention core's backward
+    """grad_qkv [B,S,3E] = dQ | dK | dV in q's dtype (a QKV projection's layout: head
+    h's columns at h * D, E + h * D, 2E + h * D): the attention core's backward
     (module docstring), bitwise the same on every call and for any grid. A persistent
     configuration runs `programs` programs (default: one per SM) as a cooperative launch:
     its programs wait on each other's dQ adds, so all must be resident at once, which
@@ -193,8 +195,7 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs
     query_tiles = semaphores.shape[1]
     grad_q_sums = buffers.output_buffer(q, batch * heads * query_tiles * tiles.block_m,
                                         head_dim, dtype=torch.float32)
-    grad_q = buffers.output_buffer(q, batch, seq_len, heads * head_dim)
-    grad_kv = buffers.output_buffer(q, batch, seq_len, 2 * heads * head_dim)
+    grad_qkv = buffers.output_buffer(q, batch, seq_len, 3 * heads * head_dim)
     num_items = -(-seq_len // tiles.block_n) * batch * heads     # (head, key block) pairs
     sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                 if tiles.persistent else None)
@@ -204,11 +205,11 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs
         _descriptor(k, heads_in_rows, tiles.block_n, head_dim),
         _descriptor(v, heads_in_rows, tiles.block_n, head_dim),
         _descriptor(grad_attn, False, tiles.block_m, head_dim),
-        lse, delta, _sum_descriptor(grad_q_sums, tiles), semaphores, grad_q,
-        grad_kv, scale, num_items,
+        lse, delta, _sum_descriptor(grad_q_sums, tiles), semaphores, grad_qkv, scale,
+        num_items,
         **kernel_constexprs(heads, seq_len, head_dim, tiles, heads_in_rows),
         maxnreg=tiles.maxnreg, launch_cooperative_grid=tiles.persistent)
-    return grad_q, grad_kv
+    return grad_qkv
 
 
 def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
@@ -236,8 +237,8 @@ def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bflo
                      grad_attn_desc=descriptor(tiles.block_m), LSE="*fp32", DELTA="*fp32",
                      grad_q_sum_desc=(f"tensordesc<fp32[{tiles.block_m}, {head_dim}],"
                                       f"{_sum_layout(tiles)!r}>"),
-                     SEMAPHORES="*i32", GRAD_Q=f"*{element}",
-                     GRAD_KV=f"*{element}", scale="fp32", num_items="i32")
+                     SEMAPHORES="*i32", GRAD_QKV=f"*{element}", scale="fp32",
+                     num_items="i32")
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
     return compile_without_launch(kernel, signature, constexprs, 90,

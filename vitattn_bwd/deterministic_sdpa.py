@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import attention_bwd_ws, buffers, gluon_core
+from . import attention_bwd_ws, gluon_core
 from .attention_fwd import attention_fwd_half
 from .layout import split_heads
 from .precision import HALF_DTYPES
@@ -62,11 +62,9 @@ def sdpa_ws_fwd(qkv, num_heads):
 
 def sdpa_ws_bwd(grad_attn, qkv, attn, lse, num_heads):
     q, k, v = _heads(qkv, num_heads)
-    grad_q, grad_kv = attention_bwd_ws.launch(
+    return attention_bwd_ws.launch(                                    # [B,S,3E]
         q, k, v, grad_attn.contiguous(), attn, lse, 1.0 / math.sqrt(q.shape[-1]),
         attention_bwd_ws.FASTEST_TILES)
-    grad_qkv = buffers.output_buffer(qkv, *qkv.shape)                   # [B,S,3E]
-    return torch.cat([grad_q, grad_kv], dim=-1, out=grad_qkv)          # dQ | dK | dV
 
 
 _LIBRARY.impl("sdpa_ws_fwd", sdpa_ws_fwd, "CUDA")

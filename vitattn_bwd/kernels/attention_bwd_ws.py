@@ -144,12 +144,12 @@ def async_proxy_fence():
 
 
 @gluon.jit
-def store_grad_q(grad_q_tile, batch_head, m_tile, GRAD_Q, scale, NUM_HEADS: gl.constexpr,
+def store_grad_q(grad_q_tile, batch_head, m_tile, GRAD_QKV, scale, NUM_HEADS: gl.constexpr,
                  SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
     """dQ * scale of query tile m_tile, from its float32 sum [BM,D] in shared memory,
-    into GRAD_Q [B,S,E] (the rows before the sequence end), 8 rows a step (a 128-byte
-    swizzle's period: a tile is sliced no finer), eight columns per lane: one 16-byte
-    store each."""
+    into GRAD_QKV [B,S,3E]'s dQ columns (the rows before the sequence end), 8 rows a
+    step (a 128-byte swizzle's period: a tile is sliced no finer), eight columns per
+    lane: one 16-byte store each."""
     CHUNK_ROWS: gl.constexpr = 8
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8],
                                             [1, 1], [1, 0])
@@ -160,21 +160,21 @@ def store_grad_q(grad_q_tile, batch_head, m_tile, GRAD_Q, scale, NUM_HEADS: gl.c
     for chunk in gl.static_range(BLOCK_M // CHUNK_ROWS):
         part = grad_q_tile.slice(chunk * CHUNK_ROWS, CHUNK_ROWS).load(layout)
         rows = m_tile * BLOCK_M + chunk * CHUNK_ROWS + chunk_rows
-        out = (GRAD_Q + ((batch * SEQ_LEN + rows).to(gl.int64) * NUM_HEADS
-                         * HEAD_DIM)[:, None] + head * HEAD_DIM + cols[None, :])
-        gl.store(out, (part * scale).to(GRAD_Q.dtype.element_ty),
+        out = (GRAD_QKV + ((batch * SEQ_LEN + rows).to(gl.int64) * 3 * NUM_HEADS
+                           * HEAD_DIM)[:, None] + head * HEAD_DIM + cols[None, :])
+        gl.store(out, (part * scale).to(GRAD_QKV.dtype.element_ty),
                  mask=(rows < SEQ_LEN)[:, None] & (cols < HEAD_DIM)[None, :])
 
 
 @gluon.jit
 def grad_q_partition(grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty, sum_ready,
-                     grad_q_sum_desc, SEMAPHORES, GRAD_Q, scale, num_items,
+                     grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale, num_items,
                      NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
     """The dQ writer (one warp): takes each query tile's dQ [BM,D] from shared memory and
     adds it to the head's dQ in key-block order (module docstring) by TMA, giving the
     buffer back as soon as the copy is done; the last block loads the sum by TMA and
-    stores dQ * scale into GRAD_Q [B,S,E]."""
+    stores dQ * scale into GRAD_QKV [B,S,3E]'s dQ columns."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     last: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N - 1
     sums_loaded = 0                    # this program's loads of a sum (sum_ready's phase)
@@ -193,7 +193,7 @@ def grad_q_partition(grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty, su
                     added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
                 async_proxy_fence()
             if last == 0:              # one key block: its tile is dQ
-                store_grad_q(grad_q_tile, batch_head, m_tile, GRAD_Q, scale, NUM_HEADS,
+                store_grad_q(grad_q_tile, batch_head, m_tile, GRAD_QKV, scale, NUM_HEADS,
                              SEQ_LEN, HEAD_DIM, BLOCK_M)
                 mbarrier.arrive(grad_q_empty.index(buffer), count=1)
             else:
@@ -210,7 +210,7 @@ def grad_q_partition(grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty, su
                     tma_load(grad_q_sum_desc, [sum_row, 0], sum_ready, grad_q_sum_tile)
                     mbarrier.wait(sum_ready, sums_loaded & 1)
                     sums_loaded += 1
-                    store_grad_q(grad_q_sum_tile, batch_head, m_tile, GRAD_Q, scale,
+                    store_grad_q(grad_q_sum_tile, batch_head, m_tile, GRAD_QKV, scale,
                                  NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M)
                 else:
                     cta_barrier()      # the issuing thread's copy is done
@@ -232,13 +232,13 @@ def hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full, grad_q_empty)
 @gluon.jit
 def compute_partition(k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, grad_q_ring,
                       kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE,
-                      DELTA, GRAD_KV, scale, num_items, NUM_HEADS: gl.constexpr,
+                      DELTA, GRAD_QKV, scale, num_items, NUM_HEADS: gl.constexpr,
                       SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                       KV_BUFFERS: gl.constexpr, num_warps: gl.constexpr):
     """The consumers: for each work item, the five products per query tile (module
-    docstring), dQ handed to the writer, then dK and dV into GRAD_KV [B,S,2E] (dK at
-    column head * D, dV at E + head * D). dQ of tile m is issued in tile m+1, after its
+    docstring), dQ handed to the writer, then dK and dV into GRAD_QKV [B,S,3E] (dK at
+    column E + head * D, dV at 2E + head * D). dQ of tile m is issued in tile m+1, after its
     S^T and dP^T, and read once only the products of that same tile are in flight:
     ptxas serializes every wgmma of a kernel that reads an accumulator across a loop
     iteration's in-flight products (its C7514)."""
@@ -326,22 +326,23 @@ def compute_partition(k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, gra
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         batch = batch_head // NUM_HEADS
         head = batch_head % NUM_HEADS
-        out = (GRAD_KV + (batch * SEQ_LEN + rows).to(gl.int64)[:, None] * 2 * EMBED
-               + head * HEAD_DIM + cols[None, :])
+        out = (GRAD_QKV + (batch * SEQ_LEN + rows).to(gl.int64)[:, None] * 3 * EMBED
+               + EMBED + head * HEAD_DIM + cols[None, :])
         in_rows = (rows < SEQ_LEN)[:, None]
-        gl.store(out, (grad_k * scale).to(GRAD_KV.dtype.element_ty), mask=in_rows)
-        gl.store(out + EMBED, grad_v.to(GRAD_KV.dtype.element_ty), mask=in_rows)
+        gl.store(out, (grad_k * scale).to(GRAD_QKV.dtype.element_ty), mask=in_rows)
+        gl.store(out + EMBED, grad_v.to(GRAD_QKV.dtype.element_ty), mask=in_rows)
 
 
 @gluon.jit
 def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
-                            grad_q_sum_desc, SEMAPHORES, GRAD_Q, GRAD_KV, scale,
+                            grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale,
                             num_items, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             KV_BUFFERS: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
                             WORKER_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
-    """dQ [B,S,E], dK and dV [B,S,2E] (the operands' dtype) of the work items this
+    """dQ | dK | dV into GRAD_QKV [B,S,3E] (the operands' dtype; head h's columns at
+    h * D, E + h * D and 2E + h * D: a QKV projection's layout) of the work items this
     program takes (module docstring) of num_items = ceil(S / BLOCK_N) * B * NUM_HEADS,
     item i being keys [(i % ceil(S / BLOCK_N)) * BLOCK_N, + BLOCK_N) of (batch * NUM_HEADS
     + head) = i // ceil(S / BLOCK_N); a 1-D grid of one program per item, or of fewer
@@ -391,7 +392,7 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
     gl.warp_specialize([
         (compute_partition, (k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile,
                              grad_q_ring, kv_ready, kv_empty, ready, empty, grad_q_full,
-                             grad_q_empty, LSE, DELTA, GRAD_KV, scale, num_items, NUM_HEADS,
+                             grad_q_empty, LSE, DELTA, GRAD_QKV, scale, num_items, NUM_HEADS,
                              SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, KV_BUFFERS,
                              num_warps)),
         (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
@@ -399,7 +400,7 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
                           NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                           KV_BUFFERS, HEADS_IN_ROWS)),
         (grad_q_partition, (grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty,
-                            sum_ready, grad_q_sum_desc, SEMAPHORES, GRAD_Q, scale,
+                            sum_ready, grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale,
                             num_items, NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N)),
     ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
 
