@@ -84,6 +84,21 @@ def test_bad_arguments_are_named(change, message):
         attention_bwd_ws.launch(**change(_inputs()))
 
 
+def test_rows_past_32_bit_indexing_are_refused():
+    """B*H*S >= 2**31 rows would wrap the kernels' 32-bit row indices: refused before any
+    launch (meta tensors: only the shapes are read)."""
+    batch, heads, seq_len, head_dim = 2**15, 16, 4096, 64
+    qkv = torch.empty(batch, seq_len, 3 * heads * head_dim, dtype=torch.bfloat16,
+                      device="meta")
+    q, k, v = (t.unflatten(-1, (heads, head_dim)).transpose(1, 2)
+               for t in qkv.chunk(3, dim=-1))
+    grad_attn = torch.empty(batch, seq_len, heads * head_dim, dtype=torch.bfloat16,
+                            device="meta")
+    lse = torch.empty(batch, heads, seq_len, device="meta")
+    with pytest.raises(ValueError, match=r"batch \* heads \* seq_len must be below 2\*\*31"):
+        attention_bwd_ws.launch(q, k, v, grad_attn, grad_attn, lse, 0.125)
+
+
 def test_tiles_outside_the_family_are_refused():
     with pytest.raises(ValueError, match="tiles must have block_m 64"):
         attention_bwd_ws.launch(**_inputs(), tiles=attention_bwd_ws.WsTiles(128, 64, 2, 128))

@@ -159,6 +159,11 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
             or not lse.is_contiguous():
         raise ValueError(f"lse must be contiguous float32 [B,H,S] = "
                          f"{[batch, heads, seq_len]}, got {lse.dtype} {list(lse.shape)}")
+    # rows of lse, delta and the dQ sums are indexed in 32 bits (B*H*S rows, padded to
+    # whole query tiles); tensors that large (>= 206 GB of q, k, v) fit no GPU today
+    if batch * heads * -(-seq_len // tiles.block_m) * tiles.block_m >= 2**31:
+        raise ValueError(f"q's batch * heads * seq_len must be below 2**31, got "
+                         f"{list(q.shape)}")
     if tiles.block_n not in (64, 128) or tiles.block_m != 64 or tiles.kv_buffers not in (1, 2):
         raise ValueError(f"tiles must have block_m 64, block_n 64 or 128 and kv_buffers 1 "
                          f"or 2, got {tiles}")
@@ -173,7 +178,7 @@ def launch_delta(grad_attn, attn_output, num_heads, block_m=64):
     query_tiles = -(-seq_len // block_m)
     semaphores = buffers.output_buffer(grad_attn, batch * num_heads, query_tiles,
                                        dtype=torch.int32)
-    attention_delta_kernel[(query_tiles, batch * num_heads)](
+    attention_delta_kernel[(batch * num_heads, query_tiles)](
         grad_attn, attn_output, delta, semaphores, NUM_HEADS=num_heads, SEQ_LEN=seq_len,
         HEAD_DIM=embed_dim // num_heads, BLOCK=block_m, num_warps=4)
     return delta, semaphores

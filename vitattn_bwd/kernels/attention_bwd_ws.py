@@ -412,15 +412,16 @@ def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, DELTA, SEMAPHORES, NUM_HEADS: gl
     """What attention_bwd_ws_kernel reads and nothing computes before it: DELTA [B,H,S]
     float32 = rowsum(dO * O) per head, from GRAD_ATTN and ATTN_OUT [B,S,E], and its
     SEMAPHORES [B*H, ceil(S / BLOCK)] set to 0 (BLOCK: the main kernel's BLOCK_M), so
-    that no launch of its own clears them. Program ids (row block, batch * NUM_HEADS +
-    head)."""
+    that no launch of its own clears them. Program ids (batch * NUM_HEADS + head, row
+    block): B * H in the grid's first dimension, which has no 65,535 limit."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK - 1) // BLOCK
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
                                             [num_warps, 1], [1, 0])
-    batch_head = gl.program_id(1)
+    batch_head = gl.program_id(0)
     batch = batch_head // NUM_HEADS
     head = batch_head % NUM_HEADS
-    rows = gl.program_id(0) * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
+    row_block = gl.program_id(1)
+    rows = row_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     offsets = ((batch * SEQ_LEN + rows).to(gl.int64)[:, None] * NUM_HEADS * HEAD_DIM
                + head * HEAD_DIM + cols[None, :])
@@ -429,4 +430,4 @@ def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, DELTA, SEMAPHORES, NUM_HEADS: gl
     attn_output = gl.load(ATTN_OUT + offsets, mask=in_rows, other=0.0).to(gl.float32)
     gl.store(DELTA + batch_head.to(gl.int64) * SEQ_LEN + rows,
              gl.sum(grad_attn * attn_output, axis=1), mask=rows < SEQ_LEN)
-    gl.store(SEMAPHORES + batch_head * NUM_TILES + gl.program_id(0), 0)
+    gl.store(SEMAPHORES + batch_head * NUM_TILES + row_block, 0)
