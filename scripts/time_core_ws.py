@@ -17,8 +17,10 @@ printed) if they never finish. At --batch: the median time (L2 flushed) of each
 configuration's whole backward (delta kernel, which zeroes the semaphores, then the
 main kernel), of the delta kernel alone, of the current rows + cols, and of SDPA's raw
 flash and cuDNN backward operators (from their own forwards; cuDNN's adds dQ with
-atomics), with TFLOP/s of 5 products of 2*B*H*S^2*D each. Prints a table last;
-details in DIR/core_ws.json.
+atomics), with TFLOP/s of 5 products of 2*B*H*S^2*D each; and the forwards the
+deterministic attention could run (torch's flash and cuDNN's, with their log-sum-exp:
+times, their difference, whether cuDNN's runs under the deterministic flag). Prints a
+table last; details in DIR/core_ws.json.
 
 --sm90 compiles each configuration (both lists) for sm_90 (no launch) and prints, per
 configuration: shared memory, threads, spill bytes, HGMMA and wgmma-wait counts in the
@@ -125,8 +127,44 @@ def gpu_main(batch, out_dir):
                 result["sdpa cudnn bwd (raw)"] = repr(error)[:60] + repr(error2)[:60]
         return result
 
+    def forwards(q, k, v):
+        """The deterministic attention's forward choices (deterministic_sdpa.py): torch's
+        flash forward, and cuDNN's with its log-sum-exp, timed; how far cuDNN's output
+        and lse are from flash's; whether cuDNN's runs under the deterministic flag."""
+        flash = lambda: torch.ops.aten._scaled_dot_product_flash_attention(  # noqa: E731
+            q, k, v, scale=SCALE)[:2]
+        cudnn = lambda: torch.ops.aten._scaled_dot_product_cudnn_attention(  # noqa: E731
+            q, k, v, None, True, scale=SCALE)[:2]
+        checks = {}
+        try:
+            (flash_out, flash_lse), (cudnn_out, cudnn_lse) = flash(), cudnn()
+            checks["cudnn vs flash: out max abs diff"] = (
+                cudnn_out.float() - flash_out.float()).abs().max().item()
+            checks["cudnn vs flash: lse max abs diff, lse shape"] = [
+                (cudnn_lse.reshape(flash_lse.shape) - flash_lse).abs().max().item(),
+                list(cudnn_lse.shape)]
+            was = torch.are_deterministic_algorithms_enabled()
+            torch.use_deterministic_algorithms(True)
+            try:
+                cudnn()
+                checks["cudnn fwd under the deterministic flag"] = "runs"
+            except RuntimeError as error:
+                checks["cudnn fwd under the deterministic flag"] = repr(error)[:200]
+            finally:
+                torch.use_deterministic_algorithms(was)
+            for name, forward in (("sdpa flash fwd (raw)", flash),
+                                  ("sdpa cudnn fwd (raw)", cudnn)):
+                ms = bench(forward)                         # two products of five
+                table.append((name, "-", ms, flops * 2 / 5 / ms / 1e9))
+        except RuntimeError as error:
+            checks["forwards"] = repr(error)[:200]
+        return checks
+
     for b in dict.fromkeys((1, batch)):
         q, k, v, grad_attn, attn_output, lse = make_inputs(b, torch.bfloat16, seed=b)
+        if b == batch:
+            report[f"batch {b}: forwards"] = forwards(q, k, v)
+            print(json.dumps(report[f"batch {b}: forwards"]), flush=True)
         ref = attention_core.attention_backward_math(
             *(t.double() for t in (attention_core.probabilities(
                 lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
