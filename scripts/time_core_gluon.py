@@ -32,7 +32,7 @@ TRITON_TILES = {"rows": TileConfig(64, 32, 4, 3), "cols": TileConfig(64, 64, 4, 
 # (rows tiles, rows prefetch distance, cols tiles, cols prefetch distance) with P given;
 # with P recomputed (no P to prefetch) the configured tiles only
 ROWS_64x32, ROWS_64x64 = gluon_core.ROWS_TILES
-COLS_64x64, COLS_32x64 = gluon_core.COLS_TILES
+COLS_32x64, COLS_64x64 = gluon_core.COLS_TILES
 GLUON_VARIANTS = [(ROWS_64x32, gluon_core.ROWS_PREFETCH, COLS_32x64, gluon_core.COLS_PREFETCH),
                   (ROWS_64x32, 0, COLS_32x64, 0), (ROWS_64x32, 6, COLS_32x64, 1),
                   (ROWS_64x32, 8, COLS_32x64, 3), (ROWS_64x64, 4, COLS_64x64, 1)]

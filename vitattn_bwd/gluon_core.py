@@ -44,9 +44,16 @@ from .precision import HALF_DTYPES
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
 # num_warps = 4 per 64 rows the program owns), at head tiles up to 64 wide
 # (attention_core.head_tile). Each compiles for sm_90 without spills
-# (tests/test_kernel_resources.py).
+# (tests/test_kernel_resources.py). The first of each is what Inductor takes untimed:
+# where the inputs are too large to copy for timing (inductor._select), and under
+# torch.use_deterministic_algorithms(True), where on the H200 (torch 2.11) the compiled
+# graphs ran the first extern choices, cuBLAS for the matmuls and the first Gluon
+# config (the one-product cols pass 1.5x slower: docs/performance.md, the deterministic
+# flag). So the cols pass's fastest at batch 32 comes first: 32 x 64 ran 0.358-0.366 ms
+# against 0.543-0.559 for 64 x 64 in the one-product core and was the fastest with P
+# given too; the rows pass's two are within 6% of each other.
 ROWS_TILES = (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 4, 2))
-COLS_TILES = (TileConfig(64, 64, 4, 2), TileConfig(32, 64, 4, 3))
+COLS_TILES = (TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2))
 # At 128-wide head tiles (head dims 72-128) a [64,128] float32 accumulator takes 64
 # registers a thread: the rows pass keeps its 64 x 32 tiles (64 x 64 spilled 428 bytes
 # with P given), the cols pass, which holds two, takes 16 queries per tile (64 x 64
