@@ -95,7 +95,7 @@ def test_rows_past_32_bit_indexing_are_refused():
     grad_attn = torch.empty(batch, seq_len, heads * head_dim, dtype=torch.bfloat16,
                             device="meta")
     lse = torch.empty(batch, heads, seq_len, device="meta")
-    with pytest.raises(ValueError, match=r"batch \* heads \* seq_len must be below 2\*\*31"):
+    with pytest.raises(ValueError, match=r"batch \* heads \* seq_len .* must be below 2\*\*31"):
         attention_bwd_ws.launch(q, k, v, grad_attn, grad_attn, lse, 0.125)
 
 
@@ -128,3 +128,23 @@ def test_the_fastest_launch_is_one_the_gpu_tests_and_timings_cover():
     tests/test_gpu_attention_bwd_ws.py checks and scripts/time_core_ws.py times."""
     assert attention_bwd_ws.FASTEST_TILES in attention_bwd_ws.CANDIDATE_TILES
     assert attention_bwd_ws.FASTEST_TILES.persistent
+
+
+def test_a_triton_that_cannot_compile_the_kernel_is_named_once(monkeypatch):
+    """compile_failure: None where the kernel compiles (this triton), else the reason,
+    with one RuntimeWarning naming the triton; deterministic_sdpa.supported then keeps
+    SDPA's own backward."""
+    attention_bwd_ws.compile_failure.cache_clear()
+    assert attention_bwd_ws.compile_failure() is None
+
+    def broken(tiles):
+        raise AttributeError("module 'gluon' has no attribute 'warp_specialize'")
+    monkeypatch.setattr(attention_bwd_ws, "compile_sm90", broken)
+    attention_bwd_ws.compile_failure.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match=r"triton \S+ \(AttributeError: .*"
+                                                r"warp_specialize"):
+            assert "warp_specialize" in attention_bwd_ws.compile_failure()
+        assert "warp_specialize" in attention_bwd_ws.compile_failure()   # cached, silent
+    finally:
+        attention_bwd_ws.compile_failure.cache_clear()

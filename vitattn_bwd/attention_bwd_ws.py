@@ -17,6 +17,8 @@ a persistent grid) measured 0.583 ms (0.624 with one program per item) and TILES
 the same run (scripts/time_core_ws.py; docs/performance.md, "The warp-specialized
 core").
 """
+import functools
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -162,7 +164,8 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
     # rows of lse, delta and the dQ sums are indexed in 32 bits (B*H*S rows, padded to
     # whole query tiles); tensors that large (>= 206 GB of q, k, v) fit no GPU today
     if batch * heads * -(-seq_len // tiles.block_m) * tiles.block_m >= 2**31:
-        raise ValueError(f"q's batch * heads * seq_len must be below 2**31, got "
+        raise ValueError(f"q's batch * heads * seq_len (seq_len rounded up to whole "
+                         f"{tiles.block_m}-query tiles) must be below 2**31, got "
                          f"{list(q.shape)}")
     if tiles.block_n not in (64, 128) or tiles.block_m != 64 or tiles.kv_buffers not in (1, 2):
         raise ValueError(f"tiles must have block_m 64, block_n 64 or 128 and kv_buffers 1 "
@@ -248,3 +251,25 @@ def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bflo
     signature = {name: signature[name] for name in kernel.arg_names}
     return compile_without_launch(kernel, signature, constexprs, 90,
                                   num_warps=tiles.num_warps, maxnreg=tiles.maxnreg)
+
+
+@functools.cache
+def compile_failure():
+    """None where the main kernel compiles for sm_90 at FASTEST_TILES with the installed
+    triton, else why not, in one line; and then, once per process, a RuntimeWarning
+    naming the triton. It uses more of Gluon than the two-pass kernels that
+    gluon_core.compile_failure probes (warp_specialize, setmaxnreg, mbarriers, the TMA
+    add), so a triton may compile those and not this one."""
+    try:
+        compile_sm90(FASTEST_TILES)
+    except Exception as error:                # any failure to compile: fall back
+        import triton
+        lines = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {lines[-1] if lines else ''}"
+        warnings.warn(f"vitattn_bwd: the warp-specialized attention backward does not "
+                      f"compile for sm_90 with triton {triton.__version__} ({reason}); "
+                      f"under torch.use_deterministic_algorithms(True) the stock ops "
+                      f"keep SDPA's own deterministic backward", RuntimeWarning,
+                      stacklevel=2)
+        return reason
+    return None

@@ -42,11 +42,12 @@ _LIBRARY.define("sdpa_ws_bwd(Tensor grad_attn, Tensor qkv, Tensor attn, Tensor l
 @torch.compiler.assume_constant_result
 def supported(device, dtype, head_dim):
     """Whether the operators run for `dtype` activations at `head_dim` on `device`:
-    Hopper GPUs whose triton compiles the Gluon kernels (gluon_core.available), bf16 or
-    fp16, head dims in HEAD_DIMS. Constant for a process, so torch.compile reads it once
-    when tracing."""
+    Hopper GPUs whose triton compiles the Gluon kernels (gluon_core.available) and the
+    warp-specialized one (attention_bwd_ws.compile_failure), bf16 or fp16, head dims in
+    HEAD_DIMS. Constant for a process, so torch.compile reads it once when tracing."""
     return (dtype in HALF_DTYPES and head_dim in HEAD_DIMS
-            and gluon_core.available(device, dtype, head_dim))
+            and gluon_core.available(device, dtype, head_dim)
+            and attention_bwd_ws.compile_failure() is None)
 
 
 def _heads(qkv, num_heads):
@@ -90,7 +91,15 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+DOUBLE_BACKWARD_MESSAGE = (
+    "the deterministic attention (vitattn_bwd.deterministic_sdpa) does not support "
+    "double backward (create_graph=True): its backward is a fused kernel without a "
+    "graph of its own, as torch's flash-attention backward is")
+
+
 def _backward(ctx, grad_attn, _):
+    if torch.is_grad_enabled():          # create_graph=True: no second derivative here
+        raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
     qkv, attn, lse = ctx.saved_tensors
     return torch.ops.vitattn_bwd.sdpa_ws_bwd(grad_attn, qkv, attn, lse, ctx.num_heads), None
 
