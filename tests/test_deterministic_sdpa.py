@@ -1,8 +1,11 @@
 """deterministic_sdpa's operators where no GPU runs them: the shapes and dtypes their
-fake implementations promise (what torch.compile traces with), and where they run."""
+fake implementations promise (what torch.compile traces with), where they run, where
+the block takes them, and their refusal of double backward."""
+import pytest
 import torch
 
-from vitattn_bwd import deterministic_sdpa
+from vitattn_bwd import VisionAttentionBlock, deterministic_sdpa
+from vitattn_bwd.layout import merge_heads, split_heads
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 17, 4, 64
 EMBED = HEADS * HEAD_DIM
@@ -27,3 +30,61 @@ def test_supported_on_hopper_only_in_half_dtypes_at_head_dim_64():
     assert deterministic_sdpa.supported(cuda, torch.bfloat16, 64) == hopper
     assert not deterministic_sdpa.supported(cuda, torch.float32, 64)
     assert not deterministic_sdpa.supported(cuda, torch.bfloat16, 72)
+
+
+def test_double_backward_is_refused_by_name():
+    """With create_graph=True autograd runs the backward formula with grad mode on: it
+    raises rather than return a gradient without a graph (a silently wrong second
+    derivative)."""
+    with torch.enable_grad(), pytest.raises(RuntimeError, match="double backward"):
+        deterministic_sdpa._backward(None, None, None)
+
+
+@pytest.fixture
+def attention_calls(monkeypatch):
+    """Where the stock route would take deterministic_sdpa's operators, as on a Hopper GPU
+    (supported: True), the dtypes of the qkv it hands them, computed here by SDPA."""
+    calls = []
+
+    def recorded(qkv, num_heads):
+        calls.append(qkv.dtype)
+        q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))
+        return merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    monkeypatch.setattr(deterministic_sdpa, "supported", lambda *args: True)
+    monkeypatch.setattr(deterministic_sdpa, "attention", recorded)
+    return calls
+
+
+def _step(block, x, requires_grad=True):
+    x = x.clone().requires_grad_(requires_grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = block(x)
+    if y.requires_grad:
+        y.float().sum().backward()
+    return y
+
+
+@pytest.mark.usefixtures("deterministic")
+def test_the_operators_run_only_where_a_deterministic_backward_is_asked_for(
+        attention_calls):
+    """Under the flag, with gradients to compute: the operators, in the autocast dtype.
+    Not under warn_only (SDPA's faster backward then only warns), without gradients
+    (no_grad, or nothing requiring grad), for an empty batch (flash refuses zero
+    tokens), or for a float64 block (autocast leaves float64 alone)."""
+    torch.manual_seed(0)
+    block = VisionAttentionBlock(EMBED, HEADS)
+    x = torch.randn(BATCH, SEQ, EMBED)
+    _step(block, x)
+    assert attention_calls == [torch.bfloat16]
+    attention_calls.clear()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    _step(block, x)
+    torch.use_deterministic_algorithms(True)
+    with torch.no_grad():
+        _step(block, x)
+    block.requires_grad_(False)
+    _step(block, x, requires_grad=False)
+    block.requires_grad_(True)
+    assert _step(block, x[:0]).shape == (0, SEQ, EMBED)
+    _step(block.double(), x.double())
+    assert attention_calls == []

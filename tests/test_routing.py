@@ -199,6 +199,13 @@ def test_the_deterministic_flag_gives_the_stock_route_our_deterministic_attentio
     assert _route(**facts, deterministic=True, deterministic_attention=(other,)) == STOCK
 
 
+@pytest.mark.parametrize("dtypes", [(F64,), (F64, F32)])
+def test_the_deterministic_flag_leaves_float64_under_autocast_to_sdpa(dtypes):
+    """Autocast leaves float64 alone, so SDPA's inputs stay float64: not the half-dtype
+    operators."""
+    assert _route(dtypes, autocast=BF16, device="cuda", deterministic=True) == STOCK
+
+
 def test_the_deterministic_flag_leaves_the_fused_paths_and_float32_stock_alone():
     """The fused paths are deterministic by construction; a float32 block at a head dim
     without kernels runs float32 SDPA, which the flag does not take off cuDNN."""

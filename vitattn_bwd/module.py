@@ -88,6 +88,7 @@ from . import block_ops, deterministic_sdpa, graph, routing
 from .block_ops import autocast_off
 from .forward_graph import SavedForBackward, attention_block_forward
 from .layout import merge_heads, split_heads
+from .precision import HALF_DTYPES
 # where the one-product path runs, and torch's float32 matmul precision (routing.py)
 from .routing import one_product_supported, torch_float32_precision  # noqa: F401
 from .validation import (check_block_inputs, check_config, check_fused_inputs, check_precision,
@@ -109,7 +110,7 @@ def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     E = x.shape[-1]
     h = F.layer_norm(x, (E,), ln_weight, ln_bias, eps)
     qkv = F.linear(h, qkv_weight, qkv_bias)                                    # [B,S,3E]
-    if deterministic_attention:
+    if deterministic_attention and qkv.dtype in HALF_DTYPES and qkv.numel():
         attn = deterministic_sdpa.attention(qkv, num_heads)                    # [B,S,E]
     else:
         q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))    # [B,H,S,D]
@@ -202,7 +203,10 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         compiling=compiling,
         one_product=lambda dtype: one_product_supported(device, dtype, head_dim),
         fused_kernels=routing.fused_kernels_for(device, head_dim),
-        deterministic=torch.are_deterministic_algorithms_enabled(),
+        deterministic=(torch.are_deterministic_algorithms_enabled()
+                       and not torch.is_deterministic_algorithms_warn_only_enabled()
+                       and torch.is_grad_enabled()
+                       and any(t.requires_grad for t in (x, *params, *layer_scale))),
         deterministic_attention=lambda dtype: deterministic_sdpa.supported(device, dtype,
                                                                             head_dim))
     if decision.stock:

@@ -125,17 +125,19 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
     one_product(dtype) -> bool: whether the one-product path runs in that half dtype
     for this device and head dim (one_product_supported); fused_kernels: whether the
     fused float32 path's attention core has kernels for this device and head dim
-    (fused_kernels_for); deterministic: torch.are_deterministic_algorithms_enabled();
-    deterministic_attention(dtype) -> bool: whether deterministic_sdpa's operators run
-    for activations of that half dtype on this device and head dim
-    (deterministic_sdpa.supported). TypeError for float64 on a device other than the
-    CPU (the fused backward is float32 there)."""
+    (fused_kernels_for); deterministic: whether a deterministic backward is asked for
+    (torch.use_deterministic_algorithms(True) without warn_only, with gradients to
+    compute: otherwise SDPA's faster kernels stay); deterministic_attention(dtype) ->
+    bool: whether deterministic_sdpa's operators run for activations of that half dtype
+    on this device and head dim (deterministic_sdpa.supported). TypeError for float64
+    on a device other than the CPU (the fused backward is float32 there)."""
     native_half = len(dtypes) == 1 and x_dtype in HALF_DTYPES
     if precision is None:
         if autocast_dtype is not None or native_half or not fused_kernels:
             half = autocast_dtype if autocast_dtype is not None else (
                 x_dtype if native_half else None)
-            if deterministic and half in HALF_DTYPES and deterministic_attention(half):
+            if (deterministic and half in HALF_DTYPES and torch.float64 not in dtypes
+                    and deterministic_attention(half)):
                 return STOCK_DETERMINISTIC_ATTENTION
             return STOCK
         precision = float32_precision
