@@ -88,3 +88,20 @@ def test_the_operators_run_only_where_a_deterministic_backward_is_asked_for(
     assert _step(block, x[:0]).shape == (0, SEQ, EMBED)
     _step(block.double(), x.double())
     assert attention_calls == []
+
+
+@pytest.mark.usefixtures("deterministic")
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_under_the_flag_the_block_stays_one_graph(attention_calls, warn_only):
+    """What the block reads of the flag (warn_only too) traces into torch.compile's
+    graph without a break. (torch 2.11's dynamo breaks the graph at a plain
+    torch.is_deterministic_algorithms_warn_only_enabled() call, which torch 2.13's
+    traces: on the CPU this passes either way, and the compiled GPU test in
+    test_gpu_deterministic_sdpa.py is the one that catches it on torch 2.11.)"""
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    block = VisionAttentionBlock(EMBED, HEADS)
+    x = torch.randn(BATCH, SEQ, EMBED, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        explained = torch._dynamo.explain(block)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert attention_calls == ([] if warn_only else [torch.bfloat16])

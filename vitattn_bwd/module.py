@@ -204,7 +204,7 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         one_product=lambda dtype: one_product_supported(device, dtype, head_dim),
         fused_kernels=routing.fused_kernels_for(device, head_dim),
         deterministic=(torch.are_deterministic_algorithms_enabled()
-                       and not torch.is_deterministic_algorithms_warn_only_enabled()
+                       and not routing.deterministic_warn_only()
                        and torch.is_grad_enabled()
                        and any(t.requires_grad for t in (x, *params, *layer_scale))),
         deterministic_attention=lambda dtype: deterministic_sdpa.supported(device, dtype,

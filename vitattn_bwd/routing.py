@@ -97,6 +97,14 @@ def torch_float32_precision():
 _traced_float32_precision = torch.compiler.assume_constant_result(torch_float32_precision)
 
 
+@torch.compiler.assume_constant_result
+def deterministic_warn_only():
+    """torch.is_deterministic_algorithms_warn_only_enabled(), which dynamo cannot put in
+    a graph: under torch.compile read once when the graph is traced (dynamo's guards
+    cover the deterministic flag itself, not its warn_only)."""
+    return torch.is_deterministic_algorithms_warn_only_enabled()
+
+
 def float32_precision_now(compiling):
     """torch_float32_precision(), at each eager call, or once per traced graph where
     `compiling` (torch.compiler.is_compiling())."""
