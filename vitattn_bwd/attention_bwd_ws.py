@@ -18,12 +18,11 @@ the same run (scripts/time_core_ws.py; docs/performance.md, "The warp-specialize
 core").
 """
 import functools
-import warnings
 from typing import NamedTuple
 
 import torch
 
-from . import buffers
+from . import buffers, compile_probe
 from .precision import HALF_DTYPES
 
 
@@ -260,16 +259,8 @@ def compile_failure():
     naming the triton. It uses more of Gluon than the two-pass kernels that
     gluon_core.compile_failure probes (warp_specialize, setmaxnreg, mbarriers, the TMA
     add), so a triton may compile those and not this one."""
-    try:
-        compile_sm90(FASTEST_TILES)
-    except Exception as error:                # any failure to compile: fall back
-        import triton
-        lines = str(error).strip().splitlines()
-        reason = f"{type(error).__name__}: {lines[-1] if lines else ''}"
-        warnings.warn(f"vitattn_bwd: the warp-specialized attention backward does not "
-                      f"compile for sm_90 with triton {triton.__version__} ({reason}); "
-                      f"under torch.use_deterministic_algorithms(True) the stock ops "
-                      f"keep SDPA's own deterministic backward", RuntimeWarning,
-                      stacklevel=2)
-        return reason
-    return None
+    return compile_probe.compile_failure(
+        lambda: compile_sm90(FASTEST_TILES),
+        "the warp-specialized attention backward's kernels for sm_90",
+        "under torch.use_deterministic_algorithms(True) the stock ops keep SDPA's own "
+        "deterministic backward")

@@ -31,11 +31,10 @@ weighs these kernels against the Triton templates (inductor.py) on the GPUs wher
 they are the only candidates.
 """
 import functools
-import warnings
 
 import torch
 
-from . import buffers
+from . import buffers, compile_probe
 from .attention_core import (COLUMN_SUM_ROWS, MAX_KERNEL_HEAD_DIM, TileConfig,
                              gradient_dtype, halves_width, head_tile, kernel_head_dim,
                              sum_groups)
@@ -114,19 +113,10 @@ def compile_failure(arch):
     kernel once (about a second each, cached by triton on disk: little next to the
     autotuning that follows), because Gluon's API moves between triton releases and a
     kernel file that imports may still not compile."""
-    try:
-        _compile_probe(arch)
-    except Exception as error:                # any failure to compile: fall back
-        import triton
-        lines = str(error).strip().splitlines()
-        reason = f"{type(error).__name__}: {lines[-1] if lines else ''}"
-        warnings.warn(f"vitattn_bwd: the Gluon kernels do not compile for sm_{arch} with "
-                      f"triton {triton.__version__} ({reason}); the attention core runs "
-                      f"on the Triton templates, and the one-product path (autocast, "
-                      f"precision 'medium') on the stock ops", RuntimeWarning,
-                      stacklevel=2)
-        return reason
-    return None
+    return compile_probe.compile_failure(
+        lambda: _compile_probe(arch), f"the Gluon kernels for sm_{arch}",
+        "the attention core runs on the Triton templates, and the one-product path "
+        "(autocast, precision 'medium') on the stock ops")
 
 
 def _compile_probe(arch):
