@@ -25,7 +25,7 @@ import torch
 
 from . import buffers
 from .attention_core import TileConfig, head_tile, triton_supports
-from .layout import merge_heads, split_heads
+from .layout import merge_heads, qkv_heads
 from .precision import split_bf16_truncated
 
 
@@ -141,8 +141,7 @@ def attention_fwd_split(qkv_hi: torch.Tensor, qkv_lo: torch.Tensor, num_heads: i
     """attention_fwd of the q, k, v of a QKV projection [B,S,3E] given as its bf16
     (hi, lo) parts (precision.split_bf16_truncated)."""
     qkv_hi, qkv_lo = qkv_hi.contiguous(), qkv_lo.contiguous()
-    heads = [[split_heads(t, num_heads) for t in part.chunk(3, dim=-1)]     # [B,H,S,D]
-             for part in (qkv_hi, qkv_lo)]
+    heads = [qkv_heads(part, num_heads) for part in (qkv_hi, qkv_lo)]      # [B,H,S,D]
     if qkv_hi.device.type == "cuda" and triton_supports("cuda", torch.float32,
                                                          heads[0][0].shape[-1]):
         return launch_attention_fwd_presplit(*zip(*heads), scale)

@@ -27,7 +27,7 @@ import torch
 
 from . import attention_bwd_ws, gluon_core
 from .attention_fwd import attention_fwd_half
-from .layout import split_heads
+from .layout import qkv_heads
 from .precision import HALF_DTYPES
 
 # The head dims its GPU tests and timings cover.
@@ -50,19 +50,14 @@ def supported(device, dtype, head_dim):
             and attention_bwd_ws.compile_failure() is None)
 
 
-def _heads(qkv, num_heads):
-    """q, k, v [B,H,S,D]: views of qkv [B,S,3E]."""
-    return [split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1)]
-
-
 def sdpa_ws_fwd(qkv, num_heads):
-    q, k, v = _heads(qkv, num_heads)
+    q, k, v = qkv_heads(qkv, num_heads)
     attn, lse = attention_fwd_half(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
     return attn.contiguous(), lse.contiguous()                        # [B,S,E], [B,H,S]
 
 
 def sdpa_ws_bwd(grad_attn, qkv, attn, lse, num_heads):
-    q, k, v = _heads(qkv, num_heads)
+    q, k, v = qkv_heads(qkv, num_heads)
     return attention_bwd_ws.launch(                                    # [B,S,3E]
         q, k, v, grad_attn.contiguous(), attn, lse, 1.0 / math.sqrt(q.shape[-1]),
         attention_bwd_ws.FASTEST_TILES)

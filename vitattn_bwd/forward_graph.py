@@ -40,7 +40,7 @@ from . import graph
 from .attention_core import triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_split
 from .errors import out_of_memory_as_such
-from .layout import split_heads
+from .layout import qkv_heads
 from .precision import HALF_DTYPES, linear_bf16x3, operand_split
 from .split_gemm import linear_fp16x3
 
@@ -90,7 +90,7 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     if half_dtype is not None:
         linear = _linear_in(half_dtype)
         qkv = linear(x_norm, qkv_weight, qkv_bias)                             # [B,S,3E]
-        q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))   # [B,H,S,D]
+        q, k, v = qkv_heads(qkv, num_heads)                                   # [B,H,S,D]
         attn_output, lse = attention_fwd_half(q, k, v, scale)    # [B,S,E], [B,H,S]
         y = x + linear(attn_output, out_weight, out_bias)
         return y, x_mean, x_var, qkv, lse, attn_output
@@ -101,7 +101,7 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
         attn_output, lse = attention_fwd_split(*operand_split(split_precision)(qkv),
                                                num_heads, scale)    # [B,S,E], [B,H,S]
     else:
-        q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))   # [B,H,S,D]
+        q, k, v = qkv_heads(qkv, num_heads)                                   # [B,H,S,D]
         attn_output, lse = attention_fwd(q, k, v, scale)
     y = x + linear(attn_output, out_weight, out_bias)
     return y, x_mean, x_var, qkv, lse, attn_output

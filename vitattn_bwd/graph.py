@@ -35,7 +35,7 @@ import torch
 from . import attention_core, cache, layer_norm
 from .cuda_graphs import GraphedCall
 from .errors import out_of_memory_as_such
-from .layout import split_heads
+from .layout import qkv_heads
 from .precision import (HALF_DTYPES, bf16_halves, matmul_fp16_transposed,
                         matmul_halves_by_weight, matmul_halves_transposed, mm_float32,
                         mm_half, power_of_two_scale, products_halves_by_weight,
@@ -232,8 +232,7 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     statistics."""
     B, S, E = x.shape
     if qkv is not None:
-        q, k, v = (split_heads(t, attn_weights.shape[1])
-                   for t in qkv.chunk(3, dim=-1))                              # [B,H,S,D]
+        q, k, v = qkv_heads(qkv, attn_weights.shape[1])                        # [B,H,S,D]
     if x_norm is None:
         x_norm = (x - x_mean) * torch.rsqrt(x_var + norm_eps) * ln_weight + ln_bias
     grad_rows = grad_output.reshape(B * S, E)                                  # [B*S,E]

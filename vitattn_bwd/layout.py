@@ -10,6 +10,11 @@ def split_heads(t, num_heads):
     return t.view(B, S, num_heads, E // num_heads).transpose(1, 2)
 
 
+def qkv_heads(qkv, num_heads):
+    """A QKV projection [B,S,3E] (q | k | v columns) -> q, k, v [B,H,S,D] (views)"""
+    return tuple(split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))
+
+
 def merge_heads(t):
     """[B,H,S,D] -> [B,S,E]"""
     B, H, S, D = t.shape

@@ -87,7 +87,7 @@ from torch.nn import functional as F
 from . import block_ops, deterministic_sdpa, graph, routing
 from .block_ops import autocast_off
 from .forward_graph import SavedForBackward, attention_block_forward
-from .layout import merge_heads, split_heads
+from .layout import merge_heads, qkv_heads
 from .precision import HALF_DTYPES
 # where the one-product path runs, and torch's float32 matmul precision (routing.py)
 from .routing import one_product_supported, torch_float32_precision  # noqa: F401
@@ -113,7 +113,7 @@ def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     if deterministic_attention and qkv.dtype in HALF_DTYPES and qkv.numel():
         attn = deterministic_sdpa.attention(qkv, num_heads)                    # [B,S,E]
     else:
-        q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))    # [B,H,S,D]
+        q, k, v = qkv_heads(qkv, num_heads)                                    # [B,H,S,D]
         attn = merge_heads(F.scaled_dot_product_attention(q, k, v))            # [B,S,E]
     out = F.linear(attn, out_weight, out_bias)
     return x + (out if gamma is None else out * gamma)
