@@ -88,7 +88,6 @@ from . import block_ops, deterministic_sdpa, graph, routing
 from .block_ops import autocast_off
 from .forward_graph import SavedForBackward, attention_block_forward
 from .layout import merge_heads, qkv_heads
-from .precision import HALF_DTYPES
 # where the one-product path runs, and torch's float32 matmul precision (routing.py)
 from .routing import one_product_supported, torch_float32_precision  # noqa: F401
 from .validation import (check_block_inputs, check_config, check_fused_inputs, check_precision,
@@ -110,7 +109,7 @@ def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     E = x.shape[-1]
     h = F.layer_norm(x, (E,), ln_weight, ln_bias, eps)
     qkv = F.linear(h, qkv_weight, qkv_bias)                                    # [B,S,3E]
-    if deterministic_attention and qkv.dtype in HALF_DTYPES and qkv.numel():
+    if deterministic_attention:
         attn = deterministic_sdpa.attention(qkv, num_heads)                    # [B,S,E]
     else:
         q, k, v = qkv_heads(qkv, num_heads)                                    # [B,H,S,D]
@@ -207,8 +206,9 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
                        and not routing.deterministic_warn_only()
                        and torch.is_grad_enabled()
                        and any(t.requires_grad for t in (x, *params, *layer_scale))),
-        deterministic_attention=lambda dtype: deterministic_sdpa.supported(device, dtype,
-                                                                            head_dim))
+        # torch's flash forward refuses zero tokens: an empty batch keeps SDPA
+        deterministic_attention=lambda dtype: (
+            x.numel() > 0 and deterministic_sdpa.supported(device, dtype, head_dim)))
     if decision.stock:
         return stock_forward(x, *params, num_heads, eps, gamma,
                              decision.deterministic_attention)

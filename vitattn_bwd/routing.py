@@ -136,9 +136,9 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
     (fused_kernels_for); deterministic: whether a deterministic backward is asked for
     (torch.use_deterministic_algorithms(True) without warn_only, with gradients to
     compute: otherwise SDPA's faster kernels stay); deterministic_attention(dtype) ->
-    bool: whether deterministic_sdpa's operators run for activations of that half dtype
-    on this device and head dim (deterministic_sdpa.supported). TypeError for float64
-    on a device other than the CPU (the fused backward is float32 there)."""
+    bool: whether deterministic_sdpa's operators run for this call's activations in
+    that half dtype (deterministic_sdpa.supported, and a non-empty batch). TypeError
+    for float64 on a device other than the CPU (the fused backward is float32 there)."""
     native_half = len(dtypes) == 1 and x_dtype in HALF_DTYPES
     if precision is None:
         if autocast_dtype is not None or native_half or not fused_kernels:
