@@ -59,6 +59,20 @@ def block_step_float64(block, x, grad_y):
     return [y64] + list(torch.autograd.grad(y64, [x64, *params], grad_y.double()))
 
 
+def block_against_stock(block, x, grad_y):
+    """block_step of `block` twice and of the stock block (reference.ReferenceBlock) on
+    the same x, in the caller's autocast region if any (which leaves the float64 truth
+    alone): (ours, ours again, stock, [(name, ours, stock, ours' relative error, stock's)
+    for y, x and each parameter, against block_step_float64])."""
+    ours = block_step(block, x, grad_y)
+    again = block_step(block, x, grad_y)
+    stock = block_step(reference.ReferenceBlock(block), x, grad_y)
+    truth = block_step_float64(block, x, grad_y)
+    names = ["y", "x"] + [name for name, _ in block.named_parameters()]
+    return ours, again, stock, list(zip(names, ours, stock, relative_errors(ours, truth),
+                                        relative_errors(stock, truth)))
+
+
 def float32_grade_bound(name):
     """The relative-error bound against float64 of a float32 block's y (name "y") or a
     gradient (x or a parameter's name) at precision "high" on CUDA: bf16x3 products,

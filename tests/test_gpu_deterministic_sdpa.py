@@ -6,9 +6,9 @@ in a CUDA graph."""
 import pytest
 import torch
 
-from vitattn_bwd import VisionAttentionBlock, deterministic_sdpa, reference
+from vitattn_bwd import VisionAttentionBlock, deterministic_sdpa
 
-from .helpers import block_step, block_step_float64, relative_errors
+from .helpers import block_against_stock, block_step, relative_errors
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32", "deterministic")]
 
@@ -51,15 +51,10 @@ def test_block_under_the_flag_is_as_close_to_float64_as_stock(attention_calls,
     x = torch.randn(BATCH, SEQ, EMBED, device="cuda")
     grad_y = torch.randn_like(x)
     with torch.autocast("cuda", dtype=autocast_dtype):
-        got = block_step(block, x, grad_y)
-        again = block_step(block, x, grad_y)
-        stock = block_step(reference.ReferenceBlock(block), x, grad_y)
+        got, again, _, errors = block_against_stock(block, x, grad_y)
     assert attention_calls == [autocast_dtype, autocast_dtype]
     assert all(torch.equal(a, b) for a, b in zip(got, again))
-    truth = block_step_float64(block, x, grad_y)
-    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
-    for name, g, s, ours, theirs in zip(names, got, stock, relative_errors(got, truth),
-                                        relative_errors(stock, truth)):
+    for name, g, s, ours, theirs in errors:
         assert g.dtype == s.dtype, (name, g.dtype, s.dtype)
         assert ours <= 1.2 * theirs + 1e-5, (name, ours, theirs)
 
