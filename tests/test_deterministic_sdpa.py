@@ -4,7 +4,7 @@ the block takes them, and their refusal of double backward."""
 import pytest
 import torch
 
-from vitattn_bwd import VisionAttentionBlock, deterministic_sdpa
+from vitattn_bwd import VisionAttentionBlock, attention_bwd_ws, deterministic_sdpa
 from vitattn_bwd.layout import merge_heads, split_heads
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 17, 4, 64
@@ -105,3 +105,17 @@ def test_under_the_flag_the_block_stays_one_graph(attention_calls, warn_only):
         explained = torch._dynamo.explain(block)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
     assert attention_calls == ([] if warn_only else [torch.bfloat16])
+
+
+def test_supported_where_the_warp_specialized_kernel_compiles(monkeypatch):
+    """On a machine that says its CUDA device is an sm_90: the operators run in bf16 and
+    fp16 at head dim 64 where this triton compiles the kernel, and not where it does not
+    (compile_failure's reason), whatever the two-pass Gluon kernels do."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    assert deterministic_sdpa.supported(cuda, torch.bfloat16, 64)
+    assert deterministic_sdpa.supported(cuda, torch.float16, 64)
+    assert not deterministic_sdpa.supported(cuda, torch.float32, 64)
+    assert not deterministic_sdpa.supported(cuda, torch.bfloat16, 72)
+    monkeypatch.setattr(attention_bwd_ws, "compile_failure", lambda: "AttributeError: ...")
+    assert not deterministic_sdpa.supported(cuda, torch.bfloat16, 64)

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from . import attention_bwd_ws, gluon_core
+from . import attention_bwd_ws
 from .attention_fwd import attention_fwd_half
 from .layout import qkv_heads
 from .precision import HALF_DTYPES
@@ -42,11 +42,11 @@ _LIBRARY.define("sdpa_ws_bwd(Tensor grad_attn, Tensor qkv, Tensor attn, Tensor l
 @torch.compiler.assume_constant_result
 def supported(device, dtype, head_dim):
     """Whether the operators run for `dtype` activations at `head_dim` on `device`:
-    Hopper GPUs whose triton compiles the Gluon kernels (gluon_core.available) and the
-    warp-specialized one (attention_bwd_ws.compile_failure), bf16 or fp16, head dims in
-    HEAD_DIMS. Constant for a process, so torch.compile reads it once when tracing."""
-    return (dtype in HALF_DTYPES and head_dim in HEAD_DIMS
-            and gluon_core.available(device, dtype, head_dim)
+    Hopper GPUs whose triton compiles the warp-specialized kernel
+    (attention_bwd_ws.compile_failure), bf16 or fp16, head dims in HEAD_DIMS. Constant
+    for a process, so torch.compile reads it once when tracing."""
+    return (device.type == "cuda" and dtype in HALF_DTYPES and head_dim in HEAD_DIMS
+            and torch.cuda.get_device_capability(device)[0] == 9
             and attention_bwd_ws.compile_failure() is None)
 
 
