@@ -4,7 +4,8 @@ the block takes them, and their refusal of double backward."""
 import pytest
 import torch
 
-from vitattn_bwd import VisionAttentionBlock, attention_bwd_ws, deterministic_sdpa
+from vitattn_bwd import (VisionAttentionBlock, attention_bwd_ws, attention_fwd,
+                         deterministic_sdpa)
 from vitattn_bwd.layout import merge_heads, split_heads
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 17, 4, 64
@@ -30,6 +31,25 @@ def test_supported_on_hopper_only_in_half_dtypes_at_head_dim_64():
     assert deterministic_sdpa.supported(cuda, torch.bfloat16, 64) == hopper
     assert not deterministic_sdpa.supported(cuda, torch.float32, 64)
     assert not deterministic_sdpa.supported(cuda, torch.bfloat16, 72)
+
+
+def test_cudnn_forward_only_on_cuda_with_cudnn_9_and_its_sdpa_backend_on(monkeypatch):
+    """cuDNN's attention forward is taken on CUDA with cuDNN 9 or later while the user
+    leaves its SDPA backend on; flash's otherwise."""
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    assert attention_fwd.cudnn_forward_runs(cuda)
+    assert not attention_fwd.cudnn_forward_runs(torch.device("cpu"))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 8907)
+    assert not attention_fwd.cudnn_forward_runs(cuda)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
+    assert not attention_fwd.cudnn_forward_runs(cuda)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
+    assert not attention_fwd.cudnn_forward_runs(cuda)
 
 
 def test_double_backward_is_refused_by_name():

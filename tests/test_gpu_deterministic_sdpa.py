@@ -1,12 +1,15 @@
 """The stock route under torch.use_deterministic_algorithms(True) on a Hopper GPU: under
 autocast at precision None the block's attention runs deterministic_sdpa's operators
-(torch's flash forward, the warp-specialized backward), repeats bit for bit, is as close
+(torch's cuDNN forward, the warp-specialized backward), repeats bit for bit, is as close
 to float64 as the stock block under the same flag, compiles into one graph, and replays
 in a CUDA graph."""
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vitattn_bwd import VisionAttentionBlock, deterministic_sdpa
+from vitattn_bwd.attention_fwd import attention_fwd_half, cudnn_forward_runs
+from vitattn_bwd.layout import qkv_heads
 
 from .helpers import block_against_stock, block_step, relative_errors
 
@@ -79,6 +82,25 @@ def test_compiled_block_under_the_flag_is_one_graph_within_bf16_rounding_of_eage
     for name, err in zip(["y", "x"] + [n for n, _ in block.named_parameters()],
                          relative_errors(got, eager)):
         assert err < 2 ** -8, (name, err)
+
+
+def test_forward_is_cudnns_within_bf16_rounding_of_flash_and_flashs_where_cudnn_is_off():
+    """On the H200 the forward operator runs cuDNN's attention: its output within bf16
+    rounding of flash's and its log-sum-exp within 1e-5; with cuDNN's SDPA backend
+    turned off (sdpa_kernel) it runs flash's, bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qkv = torch.randn(BATCH, SEQ, 3 * EMBED, device="cuda", generator=g,
+                      dtype=torch.bfloat16)
+    flash_attn, flash_lse = attention_fwd_half(*qkv_heads(qkv, HEADS), 0.125)
+    assert cudnn_forward_runs(qkv.device)
+    attn, lse = torch.ops.vitattn_bwd.sdpa_ws_fwd(qkv, HEADS)
+    assert attn.shape == flash_attn.shape and lse.shape == flash_lse.shape
+    assert (attn.float() - flash_attn.float()).abs().max() <= 2 ** -7
+    assert (lse - flash_lse).abs().max() <= 1e-5
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        assert not cudnn_forward_runs(qkv.device)
+        attn, lse = torch.ops.vitattn_bwd.sdpa_ws_fwd(qkv, HEADS)
+    assert torch.equal(attn, flash_attn) and torch.equal(lse, flash_lse)
 
 
 def test_operators_replay_in_a_cuda_graph():

@@ -135,6 +135,26 @@ def attention_fwd_half(q, k, v, scale):
     return merge_heads(out), lse                                # [B,S,E], [B,H,S]
 
 
+def cudnn_forward_runs(device):
+    """Whether attention_fwd_cudnn can run on `device`: CUDA with cuDNN 9 or later (its
+    attention operator's first version), cuDNN's SDPA backend not turned off by the
+    user (torch.backends.cuda.enable_cudnn_sdp(False))."""
+    return (device.type == "cuda" and torch.backends.cudnn.is_available()
+            and torch.backends.cudnn.version() >= 90000
+            and torch.backends.cuda.cudnn_sdp_enabled())
+
+
+def attention_fwd_cudnn(q, k, v, scale):
+    """attention_fwd_half's outputs from torch's cuDNN attention forward (where
+    cudnn_forward_runs): on the H200 at batch 32 0.155 ms against flash's 0.210, its
+    log-sum-exp within 9.5e-7 of flash's (docs/performance.md, the warp-specialized
+    core). Unlike cuDNN's backward (dQ added by atomics) it is deterministic."""
+    batch, heads, seq_len, _ = q.shape
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q, k, v, None, True, scale=scale)[:2]                  # lse [B,H,S,1]
+    return merge_heads(out), lse.reshape(batch, heads, seq_len)  # [B,S,E], [B,H,S]
+
+
 @torch.library.custom_op("vitattn_bwd::attention_fwd_split", mutates_args=())
 def attention_fwd_split(qkv_hi: torch.Tensor, qkv_lo: torch.Tensor, num_heads: int,
                         scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """Self-attention for the stock route under torch.use_deterministic_algorithms(True):
-torch's flash-attention forward with the warp-specialized Gluon backward
-(attention_bwd_ws.py), as two torch.library operators:
+torch's cuDNN attention forward (flash's where cuDNN's is not there) with the
+warp-specialized Gluon backward (attention_bwd_ws.py), as two torch.library operators:
 
     torch.ops.vitattn_bwd.sdpa_ws_fwd(qkv, num_heads)
         -> attn [B,S,E] (SDPA of qkv's q, k, v, merged heads), lse [B,H,S] float32
@@ -26,7 +26,7 @@ import math
 import torch
 
 from . import attention_bwd_ws
-from .attention_fwd import attention_fwd_half
+from .attention_fwd import attention_fwd_cudnn, attention_fwd_half, cudnn_forward_runs
 from .layout import qkv_heads
 from .precision import HALF_DTYPES
 
@@ -52,7 +52,8 @@ def supported(device, dtype, head_dim):
 
 def sdpa_ws_fwd(qkv, num_heads):
     q, k, v = qkv_heads(qkv, num_heads)
-    attn, lse = attention_fwd_half(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
+    forward = attention_fwd_cudnn if cudnn_forward_runs(qkv.device) else attention_fwd_half
+    attn, lse = forward(q, k, v, 1.0 / math.sqrt(q.shape[-1]))
     return attn.contiguous(), lse.contiguous()                        # [B,S,E], [B,H,S]
 
 
