@@ -6,6 +6,7 @@ also measured without cProfile, beside the stock block's.
 
     PYTHONPATH=. python3 scripts/profile_host.py --batch 23 [--calls 20] [--rows 30]
                                                  [--module [--autocast]]
+                                                 [--float32-precision high]
 """
 import argparse
 import cProfile
@@ -57,9 +58,13 @@ def main():
     parser.add_argument("--rows", type=int, default=30)
     parser.add_argument("--module", action="store_true")
     parser.add_argument("--autocast", action="store_true")
+    parser.add_argument("--float32-precision", choices=("highest", "high"),
+                        default="highest",
+                        help="torch.set_float32_matmul_precision for the whole run")
     args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.float32_precision)
     if args.module:
-        step = module_step(args.batch, args.autocast)
+        step = module_step(args.batch, args.autocast, stock=False)
         for name, model_step in (("ours", step),
                                  ("stock", module_step(args.batch, args.autocast,
                                                        stock=True))):
