@@ -155,11 +155,17 @@ def attention_fwd_cudnn(q, k, v, scale):
     return merge_heads(out), lse.reshape(batch, heads, seq_len)  # [B,S,E], [B,H,S]
 
 
-@torch.library.custom_op("vitattn_bwd::attention_fwd_split", mutates_args=())
-def attention_fwd_split(qkv_hi: torch.Tensor, qkv_lo: torch.Tensor, num_heads: int,
-                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_fwd of the q, k, v of a QKV projection [B,S,3E] given as its bf16
-    (hi, lo) parts (precision.split_bf16_truncated)."""
+# attention_fwd_split is defined through torch.library.Library, not custom_op: the
+# module's compiled forward calls it on every step, and custom_op's wrapper (its
+# aliasing check) took ~0.3 ms of host time per call under cProfile on the H200, a tenth
+# of the float32 block's host time at batch 32 (docs/performance.md, "Host time of one
+# block").
+_LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
+_LIBRARY.define("attention_fwd_split(Tensor qkv_hi, Tensor qkv_lo, int num_heads, "
+                "float scale) -> (Tensor, Tensor)")
+
+
+def _attention_fwd_split(qkv_hi, qkv_lo, num_heads, scale):
     qkv_hi, qkv_lo = qkv_hi.contiguous(), qkv_lo.contiguous()
     heads = [qkv_heads(part, num_heads) for part in (qkv_hi, qkv_lo)]      # [B,H,S,D]
     if qkv_hi.device.type == "cuda" and triton_supports("cuda", torch.float32,
@@ -169,8 +175,17 @@ def attention_fwd_split(qkv_hi: torch.Tensor, qkv_lo: torch.Tensor, num_heads: i
     return attention_fwd(q, k, v, scale)
 
 
-@attention_fwd_split.register_fake
+_LIBRARY.impl("attention_fwd_split", _attention_fwd_split, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("vitattn_bwd::attention_fwd_split", lib=_LIBRARY)
 def _(qkv_hi, qkv_lo, num_heads, scale):
     B, S, E = qkv_hi.shape[0], qkv_hi.shape[1], qkv_hi.shape[2] // 3
     return qkv_hi.new_empty(B, S, E, dtype=torch.float32), qkv_hi.new_empty(
         B, num_heads, S, dtype=torch.float32)
+
+
+# attention_fwd_split(qkv_hi, qkv_lo, num_heads, scale) -> attn_output [B,S,E], lse
+# [B,H,S]: attention_fwd of the q, k, v of a QKV projection [B,S,3E] given as its bf16
+# (hi, lo) parts (precision.split_bf16_truncated).
+attention_fwd_split = torch.ops.vitattn_bwd.attention_fwd_split
