@@ -27,7 +27,7 @@ precision:
   their autograd), eager and under torch.compile: our one-product path was no faster
   there (a 24-layer Hugging Face CLIP tower 0.76-1.06x stock eager, 0.57-0.85x compiled).
   Under torch.use_deterministic_algorithms(True) that route's attention runs
-  deterministic_sdpa's operators where they run (torch's flash forward, our
+  deterministic_sdpa's operators where they run (torch's cuDNN forward, our
   deterministic warp-specialized backward; Hopper, head dim 64) instead of the slower
   deterministic backward the flag gives SDPA.
   So does a block whose input and parameters are all bfloat16 or all float16 (a

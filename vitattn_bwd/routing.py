@@ -28,7 +28,7 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
 
 Under torch.use_deterministic_algorithms(True) the stock route runs its attention as
 deterministic_sdpa's operators where they run (Hopper, bf16 / fp16, head dim 64):
-torch's flash forward with our warp-specialized backward, in place of the deterministic
+torch's cuDNN forward with our warp-specialized backward, in place of the deterministic
 backward the flag gives SDPA, which cost a 12-layer tower under bf16 autocast 12% per
 step (docs/performance.md, "The deterministic flag, eager and compiled").
 
