@@ -363,7 +363,8 @@ def deterministic(on, fill=True):
         torch.utils.deterministic.fill_uninitialized_memory = was_fill
 
 
-DETERMINISTIC_SETTINGS = ("autocast", "float32 high")
+# the settings of the deterministic and restart suites (--settings)
+SETTINGS = ("autocast", "float32 high")
 
 
 def suite_deterministic(args, device, record):
@@ -424,7 +425,6 @@ def kernel_changes(off, on, top=10):
     return [(n, off.get(n, 0.0), on.get(n, 0.0)) for n in changes[:top]]
 
 
-RESTART_SETTINGS = ("autocast", "float32 high")
 RESTART_MODELS = ("compiled stock", "compiled swapped")
 
 
@@ -459,7 +459,7 @@ def suite_restart(args, device, record):
     artifacts), warm on the caches it left, and on empty caches after loading the
     artifacts."""
     with tempfile.TemporaryDirectory() as scratch:
-        for setting in RESTART_SETTINGS:
+        for setting in args.settings:
             for model_name in RESTART_MODELS:
                 tag = f"{setting}-{model_name}".replace(" ", "_")
                 caches, fresh = Path(scratch, tag), Path(scratch, tag + "-fresh")
@@ -681,9 +681,9 @@ def main(argv=None):
     parser.add_argument("--float32-precisions", nargs="+", default=["high", "highest"],
                         choices=("highest", "high"), help="default: %(default)s "
                         "(integrations: the first only)")
-    parser.add_argument("--settings", nargs="+", choices=DETERMINISTIC_SETTINGS,
-                        default=list(DETERMINISTIC_SETTINGS),
-                        help="deterministic suite: the settings to run (default: both)")
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                        help="deterministic and restart suites: the settings to run "
+                        "(default: both)")
     parser.add_argument("--compiled", action="store_true", help="deterministic suite: "
                         "torch.compile(stock) and torch.compile(swapped) too (+~3 min)")
     parser.add_argument("--rounds", type=int, default=3, help="default: %(default)s")
@@ -691,7 +691,7 @@ def main(argv=None):
     parser.add_argument("--out", type=Path, help="default: $OUT, else results/")
     # the restart suite's child processes
     parser.add_argument("--restart-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--restart-setting", choices=RESTART_SETTINGS, help=argparse.SUPPRESS)
+    parser.add_argument("--restart-setting", choices=SETTINGS, help=argparse.SUPPRESS)
     parser.add_argument("--restart-model", choices=RESTART_MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--save-artifacts", help=argparse.SUPPRESS)
     parser.add_argument("--load-artifacts", help=argparse.SUPPRESS)
