@@ -35,7 +35,7 @@ def test_supported_on_hopper_only_in_half_dtypes_at_head_dim_64():
 
 def test_cudnn_forward_only_on_cuda_with_cudnn_9_and_its_sdpa_backend_on(monkeypatch):
     """cuDNN's attention forward is taken on CUDA with cuDNN 9 or later while the user
-    leaves its SDPA backend on; flash's otherwise."""
+    leaves cuDNN and its SDPA backend on; flash's otherwise."""
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91002)
@@ -48,6 +48,9 @@ def test_cudnn_forward_only_on_cuda_with_cudnn_9_and_its_sdpa_backend_on(monkeyp
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: False)
     assert not attention_fwd.cudnn_forward_runs(cuda)
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    with torch.backends.cudnn.flags(enabled=False):
+        assert not attention_fwd.cudnn_forward_runs(cuda)
+    assert attention_fwd.cudnn_forward_runs(cuda)
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: False)
     assert not attention_fwd.cudnn_forward_runs(cuda)
 

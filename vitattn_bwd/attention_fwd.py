@@ -137,10 +137,11 @@ def attention_fwd_half(q, k, v, scale):
 
 def cudnn_forward_runs(device):
     """Whether attention_fwd_cudnn can run on `device`: CUDA with cuDNN 9 or later (its
-    attention operator's first version), cuDNN's SDPA backend not turned off by the
-    user (torch.backends.cuda.enable_cudnn_sdp(False))."""
+    attention operator's first version), neither cuDNN (torch.backends.cudnn.enabled)
+    nor its SDPA backend (torch.backends.cuda.enable_cudnn_sdp(False)) turned off by
+    the user."""
     return (device.type == "cuda" and torch.backends.cudnn.is_available()
-            and torch.backends.cudnn.version() >= 90000
+            and torch.backends.cudnn.enabled and torch.backends.cudnn.version() >= 90000
             and torch.backends.cuda.cudnn_sdp_enabled())
 
 
