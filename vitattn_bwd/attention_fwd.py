@@ -156,11 +156,11 @@ def attention_fwd_cudnn(q, k, v, scale):
     return merge_heads(out), lse.reshape(batch, heads, seq_len)  # [B,S,E], [B,H,S]
 
 
-# attention_fwd_split is defined through torch.library.Library, not custom_op: the
-# module's compiled forward calls it on every step, and custom_op's wrapper (its
-# aliasing check) took ~0.3 ms of host time per call under cProfile on the H200, a tenth
-# of the float32 block's host time at batch 32 (docs/performance.md, "Host time of one
-# block").
+# attention_fwd_split is defined through torch.library.Library, not custom_op, as the
+# backward's Gluon operators are: the module's compiled forward calls it on every step,
+# and under cProfile on the H200 custom_op's wrapper (its aliasing check) took 0.3 ms
+# per call (the block's host time without cProfile moved less than the machines' spread;
+# docs/performance.md, "Host time of one float32 block at batch 32").
 _LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
 _LIBRARY.define("attention_fwd_split(Tensor qkv_hi, Tensor qkv_lo, int num_heads, "
                 "float scale) -> (Tensor, Tensor)")
