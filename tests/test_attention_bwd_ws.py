@@ -105,6 +105,12 @@ def test_tiles_outside_the_family_are_refused():
     with pytest.raises(ValueError, match="kv_buffers 1 or 2"):
         attention_bwd_ws.launch(**_inputs(), tiles=attention_bwd_ws.WsTiles(64, 64, 2, 128,
                                                                             kv_buffers=3))
+    with pytest.raises(ValueError, match="queries in rows must have block_m and block_n 128"):
+        attention_bwd_ws.launch(**_inputs(), tiles=attention_bwd_ws.WsTiles(
+            64, 128, 2, 168, queries_in_rows=True))
+    with pytest.raises(ValueError, match="a rotated walk needs a persistent grid"):
+        attention_bwd_ws.launch(**_inputs(), tiles=attention_bwd_ws.WsTiles(
+            128, 128, 2, 168, queries_in_rows=True, rotated_walk=True))
 
 
 def test_the_grid_is_one_program_per_item_unless_persistent():

@@ -11,11 +11,12 @@ contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_o
 [B,S,E] contiguous; lse [B,H,S] float32, the natural-log log-sum-exp of the scaled
 logits. One product per matmul, P recomputed from lse (the module's half-precision
 path). Not an autotune choice of the registered lowerings: on the H200, at batch 32,
-577 tokens, 16 heads of 64, its fastest configuration (128 keys, the 128-byte swizzle,
-a persistent grid) measured 0.583 ms (0.624 with one program per item) and TILES[0]
-1.119, against 0.791 for the two-pass Gluon kernels and 0.445 for cuDNN's backward in
-the same run (scripts/time_core_ws.py; docs/performance.md, "The warp-specialized
-core").
+577 tokens, 16 heads of 64, its fastest configuration (FASTEST_TILES: 128 x 128 tiles
+with queries in rows, a persistent grid, the rotated walk) measured 0.440 ms with its
+delta kernel, against 0.443-0.445 for cuDNN's non-deterministic backward, 0.597 for the
+two-pass Gluon kernels and 0.588 for the fastest configuration with keys in rows, in
+the same runs; the same tiles without the rotated walk 0.544-0.579
+(scripts/time_core_ws.py; docs/performance.md, "The warp-specialized core").
 """
 import functools
 from typing import NamedTuple
@@ -28,7 +29,8 @@ from .precision import HALF_DTYPES
 
 class WsTiles(NamedTuple):
     """One launch configuration: BLOCK_M queries per tile of the walk, BLOCK_N keys per
-    program (one consumer warpgroup per 64: num_warps = BLOCK_N // 16), NUM_STAGES slots
+    work item (one consumer warpgroup per 64 keys, num_warps = BLOCK_N // 16; with
+    queries_in_rows per 64 queries, num_warps = BLOCK_M // 16), NUM_STAGES slots
     of q and dO tiles in the ring, the registers per thread the launch asks for
     (maxnreg), those the producer and dQ-writer warps keep (setmaxnreg; the
     consumers get the rest), the byte width of the swizzle of the float32 dQ tiles in
@@ -36,7 +38,11 @@ class WsTiles(NamedTuple):
     conflicts; or 128), and whether the grid is one program per SM, each walking its
     share of the (head, key block) items (persistent, a cooperative launch), or one
     program per item; kv_buffers (1 or 2) buffers of k and v tiles (with 2 a persistent
-    program loads its next item's while it works on the current one)."""
+    program loads its next item's while it works on the current one); queries_in_rows:
+    the consumers hold S and dP with queries in rows and pass P and dS through shared
+    memory (128 x 128 tiles; False: S^T and dP^T, keys in rows); grad_q_buffers (1 or 2)
+    dQ tiles handed to the writer at once; rotated_walk: key block b walks the query
+    tiles from tile b on (queries in rows, a persistent grid; the kernel's docstring)."""
     block_m: int
     block_n: int
     num_stages: int
@@ -45,10 +51,13 @@ class WsTiles(NamedTuple):
     grad_q_swizzle: int = 0
     persistent: bool = False
     kv_buffers: int = 1
+    queries_in_rows: bool = False
+    grad_q_buffers: int = 2
+    rotated_walk: bool = False
 
     @property
     def num_warps(self):
-        return self.block_n // 16
+        return (self.block_m if self.queries_in_rows else self.block_n) // 16
 
 
 # One consumer warpgroup (64 keys) at 152 registers, 2 or 3 stages: one program per SM,
@@ -57,10 +66,9 @@ class WsTiles(NamedTuple):
 # 128-byte swizzle 3.8.0 spilled 8 bytes of the consumers').
 TILES = (WsTiles(64, 64, 2, 152), WsTiles(64, 64, 3, 152))
 # Timed beside TILES (scripts/time_core_ws.py), each spilling a few words under some
-# triton: two consumer warpgroups (128 keys), the fastest on the H200 (docs/
-# performance.md). 384 threads leave at most 170 registers each; at 168 ptxas spills
-# 0-16 bytes of the consumers' with unswizzled dQ tiles, 4-32 with the 128-byte swizzle
-# (triton 3.6.0-3.9.0).
+# triton: two consumer warpgroups (docs/performance.md). 384 threads leave at most 170
+# registers each; with keys in rows at 168 ptxas spills 0-16 bytes of the consumers'
+# with unswizzled dQ tiles, 4-32 with the 128-byte swizzle (triton 3.6.0-3.9.0).
 CANDIDATE_TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168),
                    WsTiles(64, 128, 2, 168, grad_q_swizzle=128),
                    WsTiles(64, 128, 3, 168, grad_q_swizzle=128),
@@ -69,10 +77,21 @@ CANDIDATE_TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168),
                    WsTiles(64, 128, 2, 168, grad_q_swizzle=128, persistent=True,
                            kv_buffers=2),
                    WsTiles(64, 128, 3, 168, grad_q_swizzle=128, persistent=True,
-                           kv_buffers=2))
-# The fastest configuration measured on the H200 (0.583 ms at batch 32; the module
+                           kv_buffers=2),
+                   # queries in rows: 2 stages (3 with one dQ buffer fit shared memory
+                   # too, and ran no faster), the workers at 40 registers (at 24 the
+                   # producer and the writer spilled 140 bytes); 4-20 bytes spilled
+                   # under triton 3.6.0, 12 under 3.9.0, none with the rotated walk
+                   WsTiles(128, 128, 2, 168, 40, persistent=True, queries_in_rows=True,
+                           grad_q_buffers=1),
+                   WsTiles(128, 128, 2, 168, 40, persistent=True, queries_in_rows=True),
+                   WsTiles(128, 128, 2, 168, 40, queries_in_rows=True),
+                   WsTiles(128, 128, 2, 168, 40, persistent=True, queries_in_rows=True,
+                           rotated_walk=True))
+# The fastest configuration measured on the H200 (0.440 ms at batch 32; the module
 # docstring): the launch the deterministic attention of the stock route uses.
-FASTEST_TILES = WsTiles(64, 128, 3, 168, grad_q_swizzle=128, persistent=True)
+FASTEST_TILES = WsTiles(128, 128, 2, 168, 40, persistent=True, queries_in_rows=True,
+                        rotated_walk=True)
 
 
 def _shared_layout(block_shape, dtype):
@@ -166,7 +185,13 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
         raise ValueError(f"q's batch * heads * seq_len (seq_len rounded up to whole "
                          f"{tiles.block_m}-query tiles) must be below 2**31, got "
                          f"{list(q.shape)}")
-    if tiles.block_n not in (64, 128) or tiles.block_m != 64 or tiles.kv_buffers not in (1, 2):
+    if tiles.queries_in_rows:
+        if (tiles.block_m, tiles.block_n) != (128, 128) or tiles.kv_buffers not in (1, 2):
+            raise ValueError(f"tiles with queries in rows must have block_m and block_n "
+                             f"128 and kv_buffers 1 or 2, got {tiles}")
+        if tiles.rotated_walk and not tiles.persistent:
+            raise ValueError(f"a rotated walk needs a persistent grid, got {tiles}")
+    elif tiles.block_n not in (64, 128) or tiles.block_m != 64 or tiles.kv_buffers not in (1, 2):
         raise ValueError(f"tiles must have block_m 64, block_n 64 or 128 and kv_buffers 1 "
                          f"or 2, got {tiles}")
 
@@ -207,6 +232,10 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs
     sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                 if tiles.persistent else None)
     grid = (program_count(tiles, num_items, sm_count, programs),)
+    if tiles.rotated_walk and grid[0] < -(-seq_len // tiles.block_n):
+        # a block waits on every other block of its head: all must be running
+        raise ValueError(f"a rotated walk needs at least as many programs as key blocks "
+                         f"per head ({-(-seq_len // tiles.block_n)}), got {grid[0]}")
     attention_bwd_ws_kernel[grid](
         _descriptor(q, heads_in_rows, tiles.block_m, head_dim),
         _descriptor(k, heads_in_rows, tiles.block_n, head_dim),
@@ -223,7 +252,9 @@ def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
     return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
                 KV_BUFFERS=tiles.kv_buffers, HEADS_IN_ROWS=heads_in_rows,
-                WORKER_REGISTERS=tiles.worker_registers, num_warps=tiles.num_warps)
+                WORKER_REGISTERS=tiles.worker_registers,
+                QUERIES_IN_ROWS=tiles.queries_in_rows, GRAD_Q_BUFFERS=tiles.grad_q_buffers,
+                ROTATED_WALK=tiles.rotated_walk, num_warps=tiles.num_warps)
 
 
 def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bfloat16,

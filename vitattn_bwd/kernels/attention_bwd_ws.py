@@ -28,20 +28,44 @@ in a grid of one program per item), in three partitions:
 Five products per tile, the minimum (two passes recompute S and dP twice: seven), with
 three waits per tile, each leaving one or two products in flight.
 
-dQ is deterministic: the key blocks of a head add their dQ_m tiles in key-block order,
-enforced by one int32 semaphore per (head, query tile) that counts the blocks already
-added (SEMAPHORES, cleared by attention_delta_kernel). Block 0 stores its tile into a
-float32 sum with a TMA copy, the other blocks wait for their turn and add theirs with a
-TMA add (cp.reduce.async.bulk.tensor, one block at a time), each waiting until its copy
-is performed in global memory before it counts itself on the semaphore; the last block
-then loads the sum back by TMA and stores dQ, scaled, in the operands' dtype: the sum's
-order is fixed, so the result is bitwise reproducible. A head's key blocks are
-consecutive items, so a block waits only on lower items, which their programs take
-before any higher one: every wait ends provided all programs run at once (a grid of one
-program per item launches in item order; a persistent grid is a cooperative launch).
-Rows past the sequence end: TMA reads the next rows of the tensor (zeros past its end);
-P^T and dS^T are 0 there, so their dQ rows are 0 (added into the sum's padding rows)
-and nothing is stored for them in the outputs.
+With QUERIES_IN_ROWS the tiles are 128 x 128 and the consumers hold S and dP [BM,BN]
+(one warpgroup per 64 queries); P and dS go through shared memory, which frees the
+registers that [BN,BM] operands in registers would pin (at 128 x 128 the layout above
+would need ~290 registers a thread, this one fits 240):
+
+        issue  S_m  = q_m @ k^T,  dP_m = dO_m @ v^T          [BM,BN]
+        wait   for S_m (dK of tile m-1 done too: give slot m-1 back)
+               P = exp(S * scale - lse) into shared memory
+        issue  dV  += P^T @ dO_m                              [BN,D]
+        wait   for dP_m: dS = P * (dP - delta) into shared memory
+        issue  dQ_m = dS @ k,  dK += dS^T @ q_m               [BM,D], [BN,D]
+        wait   for dQ_m (dK in flight): hand it to the dQ writer
+
+and with ROTATED_WALK (a persistent grid, as many key blocks as query tiles) key block
+b walks the query tiles from tile b on, wrapping around, so that the blocks of a head
+reach each tile at different steps; the fixed order of the dQ adds is then the order
+of arrival (a block's step) rather than the block index.
+
+dQ is deterministic: the key blocks of a head add their dQ_m tiles in a fixed order of
+turns (the key-block order; with ROTATED_WALK the order of arrival, a block's step),
+enforced by one int32 semaphore per (head, query tile) that counts the turns already
+taken (SEMAPHORES, cleared by attention_delta_kernel). The first turn stores its tile
+into a float32 sum with a TMA copy, the others wait for their turn and add theirs with
+a TMA add (cp.reduce.async.bulk.tensor, one block at a time), each giving its buffer
+back once the copy has read it and counting itself on the semaphore once the copy is
+performed in global memory; the last turn then loads the sum back by TMA and stores dQ,
+scaled, in the operands' dtype: the sum's order is fixed, so the result is bitwise
+reproducible. A head's key blocks are consecutive items. In key-block order a block
+waits only on lower items, which their programs take before any higher one: every wait
+ends provided all programs run at once (a grid of one program per item launches in
+item order; a persistent grid is a cooperative launch). The rotated walk makes a block
+wait on any block of its head, so it runs on a persistent grid of at least as many
+programs as a head has blocks: a head's blocks then run on different programs, and a
+head whose items wrap from the last program to the first waits only on items the first
+programs take next, after items whose own waits end by the same argument one round
+earlier. Rows past the sequence end: TMA reads the next rows of the tensor (zeros past
+its end); P and dS are 0 there, so their dQ rows are 0 (added into the sum's padding
+rows) and nothing is stored for them in the outputs.
 
 delta = rowsum(dO * O) [B,H,S] float32 comes from attention_delta_kernel, a pass over dO
 and O before the main kernel, which zeroes the semaphores too.
@@ -49,7 +73,7 @@ and O before the main kernel, which zeroes the semaphores too.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
-                                                              warpgroup_mma,
+                                                              tma, warpgroup_mma,
                                                               warpgroup_mma_init,
                                                               warpgroup_mma_wait)
 
@@ -90,11 +114,22 @@ def work_item(item, SEQ_LEN: gl.constexpr, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def walk_tile(step, block, NUM_TILES: gl.constexpr, ROTATED_WALK: gl.constexpr):
+    """The query tile that key block `block` takes at `step` of its walk: tile `step`,
+    or with ROTATED_WALK tile (step + block) % NUM_TILES, so that at every step the
+    key blocks of a head (as many as query tiles) each take a different tile."""
+    if ROTATED_WALK:
+        return (step + block) % NUM_TILES
+    return step
+
+
+@gluon.jit
 def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
                    grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
                    NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   KV_BUFFERS: gl.constexpr, HEADS_IN_ROWS: gl.constexpr):
+                   KV_BUFFERS: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
+                   ROTATED_WALK: gl.constexpr):
     """The producer: for each work item its k, v tiles into the next of KV_BUFFERS
     buffers (once the consumers are done with the item that last used it), then every
     query tile's q and dO through the ring. With two buffers the next item's k and v
@@ -112,8 +147,9 @@ def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_r
         mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
         tma_load(k_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_bar, k_tiles.index(buffer))
         tma_load(v_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_bar, v_tiles.index(buffer))
-        for m_tile in range(NUM_TILES):
-            tile_count = earlier * NUM_TILES + m_tile      # this program's tiles so far
+        for step in range(NUM_TILES):
+            m_tile = walk_tile(step, block, NUM_TILES, ROTATED_WALK)
+            tile_count = earlier * NUM_TILES + step        # this program's tiles so far
             slot = tile_count % NUM_STAGES
             mbarrier.wait(empty.index(slot), ((tile_count // NUM_STAGES) & 1) ^ 1)
             bar = ready.index(slot)
@@ -167,29 +203,34 @@ def store_grad_q(grad_q_tile, batch_head, m_tile, GRAD_QKV, scale, NUM_HEADS: gl
 
 
 @gluon.jit
-def grad_q_partition(grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty, sum_ready,
+def grad_q_partition(grad_q_ring, grad_q_full, grad_q_empty, sum_ready,
                      grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale, num_items,
                      NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+                     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                     GRAD_Q_BUFFERS: gl.constexpr, ROTATED_WALK: gl.constexpr):
     """The dQ writer (one warp): takes each query tile's dQ [BM,D] from shared memory and
     adds it to the head's dQ in key-block order (module docstring) by TMA, giving the
-    buffer back as soon as the copy is done; the last block loads the sum by TMA and
-    stores dQ * scale into GRAD_QKV [B,S,3E]'s dQ columns."""
+    buffer back as soon as the copy has read it; the last block loads the sum by TMA
+    into the same buffer and stores dQ * scale into GRAD_QKV [B,S,3E]'s dQ columns."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     last: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N - 1
     sums_loaded = 0                    # this program's loads of a sum (sum_ready's phase)
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         block, batch_head, earlier = work_item(item, SEQ_LEN, BLOCK_N)
-        for m_tile in range(NUM_TILES):
-            tile_count = earlier * NUM_TILES + m_tile
-            buffer = tile_count % 2
-            mbarrier.wait(grad_q_full.index(buffer), (tile_count // 2) & 1)
+        for step in range(NUM_TILES):
+            m_tile = walk_tile(step, block, NUM_TILES, ROTATED_WALK)
+            # this block's turn among the head's blocks adding into tile m_tile: the
+            # block index, or with ROTATED_WALK the step (that of its arrival)
+            turn = step if ROTATED_WALK else block
+            tile_count = earlier * NUM_TILES + step
+            buffer = tile_count % GRAD_Q_BUFFERS
+            mbarrier.wait(grad_q_full.index(buffer), (tile_count // GRAD_Q_BUFFERS) & 1)
             grad_q_tile = grad_q_ring.index(buffer)                         # [BM,D]
             semaphore = SEMAPHORES + batch_head * NUM_TILES + m_tile
             sum_row = (batch_head * NUM_TILES + m_tile) * BLOCK_M
-            if block > 0:              # wait for blocks 0 .. block-1 to have added theirs
+            if turn > 0:               # wait for the turns before this one
                 added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
-                while added != block:
+                while added != turn:
                     added = gl.atomic_add(semaphore, 0, sem="acquire", scope="gpu")
                 async_proxy_fence()
             if last == 0:              # one key block: its tile is dQ
@@ -197,36 +238,59 @@ def grad_q_partition(grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty, su
                              SEQ_LEN, HEAD_DIM, BLOCK_M)
                 mbarrier.arrive(grad_q_empty.index(buffer), count=1)
             else:
-                if block == 0:
+                if turn == 0:
                     tma_store(grad_q_sum_desc, [sum_row, 0], grad_q_tile)
                 else:
                     tma_add(grad_q_sum_desc, [sum_row, 0], grad_q_tile)
-                bulk_writes_done()     # the copy has read grad_q_tile, and is performed
-                mbarrier.arrive(grad_q_empty.index(buffer), count=1)
-                if block == last:      # the sum of every block, back by TMA
-                    fence_async_shared()   # each lane's reads of the last sum before it,
+                if turn == last:       # the sum of every block, back by TMA
+                    bulk_writes_done()     # the add is performed in global memory
                     cta_barrier()          # for every lane, before the load
                     mbarrier.expect(sum_ready, grad_q_sum_desc.block_type.nbytes)
-                    tma_load(grad_q_sum_desc, [sum_row, 0], sum_ready, grad_q_sum_tile)
+                    tma_load(grad_q_sum_desc, [sum_row, 0], sum_ready, grad_q_tile)
                     mbarrier.wait(sum_ready, sums_loaded & 1)
                     sums_loaded += 1
-                    store_grad_q(grad_q_sum_tile, batch_head, m_tile, GRAD_QKV, scale,
+                    store_grad_q(grad_q_tile, batch_head, m_tile, GRAD_QKV, scale,
                                  NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M)
+                    cta_barrier()          # every lane has read the sum
+                    mbarrier.arrive(grad_q_empty.index(buffer), count=1)
                 else:
-                    cta_barrier()      # the issuing thread's copy is done
+                    tma.store_wait(0)      # the copy has read grad_q_tile:
+                    cta_barrier()          # the consumers may refill it
+                    mbarrier.arrive(grad_q_empty.index(buffer), count=1)
+                    bulk_writes_done()     # the copy is performed in global memory
+                    cta_barrier()          # (the issuing thread's), before it counts
                     gl.atomic_add(semaphore, 1, sem="release", scope="gpu")
 
 
 @gluon.jit
-def hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full, grad_q_empty):
+def hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full, grad_q_empty,
+                     GRAD_Q_BUFFERS: gl.constexpr):
     """Put the finished dQ tile of this program's tile_count-th query tile into the
-    writer's double buffer."""
-    buffer = tile_count % 2
-    mbarrier.wait(grad_q_empty.index(buffer), ((tile_count // 2) & 1) ^ 1)
+    writer's next buffer (of GRAD_Q_BUFFERS)."""
+    buffer = tile_count % GRAD_Q_BUFFERS
+    mbarrier.wait(grad_q_empty.index(buffer), ((tile_count // GRAD_Q_BUFFERS) & 1) ^ 1)
     grad_q_ring.index(buffer).store(grad_q)
     fence_async_shared()               # visible to the writer's TMA copy
     cta_barrier()                      # every consumer thread's part is stored
     mbarrier.arrive(grad_q_full.index(buffer), count=1)
+
+
+@gluon.jit
+def store_grad_kv(grad_k, grad_v, block, batch_head, GRAD_QKV, scale,
+                  NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                  BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
+    """dK * scale and dV [BN,D] of key block `block` into GRAD_QKV [B,S,3E] (dK at
+    column E + head * D, dV at 2E + head * D; the rows before the sequence end)."""
+    EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
+    rows = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    batch = batch_head // NUM_HEADS
+    head = batch_head % NUM_HEADS
+    out = (GRAD_QKV + (batch * SEQ_LEN + rows).to(gl.int64)[:, None] * 3 * EMBED
+           + EMBED + head * HEAD_DIM + cols[None, :])
+    in_rows = (rows < SEQ_LEN)[:, None]
+    gl.store(out, (grad_k * scale).to(GRAD_QKV.dtype.element_ty), mask=in_rows)
+    gl.store(out + EMBED, grad_v.to(GRAD_QKV.dtype.element_ty), mask=in_rows)
 
 
 @gluon.jit
@@ -235,7 +299,8 @@ def compute_partition(k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, gra
                       DELTA, GRAD_QKV, scale, num_items, NUM_HEADS: gl.constexpr,
                       SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                       BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      KV_BUFFERS: gl.constexpr, num_warps: gl.constexpr):
+                      KV_BUFFERS: gl.constexpr, GRAD_Q_BUFFERS: gl.constexpr,
+                      num_warps: gl.constexpr):
     """The consumers: for each work item, the five products per query tile (module
     docstring), dQ handed to the writer, then dK and dV into GRAD_QKV [B,S,3E] (dK at
     column E + head * D, dV at 2E + head * D). dQ of tile m is issued in tile m+1, after its
@@ -243,7 +308,6 @@ def compute_partition(k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, gra
     ptxas serializes every wgmma of a kernel that reads an accumulator across a loop
     iteration's in-flight products (its C7514)."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
-    EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     dtype: gl.constexpr = k_tiles.dtype
     tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)      # [BN,BM]: S^T, dP^T
     acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # [BN,D]: dK, dV
@@ -305,7 +369,7 @@ def compute_partition(k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, gra
             grad_q = warpgroup_mma_wait(1, deps=(grad_q,))                  # dV on
             if m_tile > 0:
                 hand_over_grad_q(grad_q, tile_count - 1, grad_q_ring, grad_q_full,
-                                 grad_q_empty)
+                                 grad_q_empty, GRAD_Q_BUFFERS)
             grad_k = warpgroup_mma(grad_s_t_op, q, grad_k, is_async=True)    # [BN,D]
             grad_s_tile.store(grad_s_t)    # dQ of tile m_tile-1 is done reading it
             fence_async_shared()
@@ -320,17 +384,91 @@ def compute_partition(k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, gra
                         count=1)
         mbarrier.arrive(kv_empty.index(buffer), count=1)
         hand_over_grad_q(grad_q, (earlier + 1) * NUM_TILES - 1, grad_q_ring, grad_q_full,
-                         grad_q_empty)
+                         grad_q_empty, GRAD_Q_BUFFERS)
+        store_grad_kv(grad_k, grad_v, block, batch_head, GRAD_QKV, scale, NUM_HEADS,
+                      SEQ_LEN, HEAD_DIM, BLOCK_N, acc_layout)
 
-        rows = n_start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
-        batch = batch_head // NUM_HEADS
-        head = batch_head % NUM_HEADS
-        out = (GRAD_QKV + (batch * SEQ_LEN + rows).to(gl.int64)[:, None] * 3 * EMBED
-               + EMBED + head * HEAD_DIM + cols[None, :])
-        in_rows = (rows < SEQ_LEN)[:, None]
-        gl.store(out, (grad_k * scale).to(GRAD_QKV.dtype.element_ty), mask=in_rows)
-        gl.store(out + EMBED, grad_v.to(GRAD_QKV.dtype.element_ty), mask=in_rows)
+
+@gluon.jit
+def compute_partition_queries_in_rows(
+        k_tiles, v_tiles, q_ring, grad_attn_ring, probs_tile, grad_s_tile, grad_q_ring,
+        kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE, DELTA, GRAD_QKV,
+        scale, num_items, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+        HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+        NUM_STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr,
+        GRAD_Q_BUFFERS: gl.constexpr, ROTATED_WALK: gl.constexpr, num_warps: gl.constexpr):
+    """The consumers with S and dP [BM,BN] in their registers (queries in rows, one
+    warpgroup per 64 queries): P and dS go through shared memory as the A operands of
+    dV += P^T @ dO and dK += dS^T @ q, and dS as that of dQ = dS @ k."""
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
+    dtype: gl.constexpr = k_tiles.dtype
+    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)      # [BM,BN]: S, dP
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # dK, dV, dQ
+    query_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
+    key_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
+    logit_scale = scale * LOG2E
+    zeros_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=tile_layout)
+    zeros_grad_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=acc_layout)
+
+    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        block, batch_head, earlier = work_item(item, SEQ_LEN, BLOCK_N)
+        keys = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=key_vector)
+        in_keys = keys < SEQ_LEN
+        grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32,
+                                             layout=acc_layout))
+        grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32,
+                                             layout=acc_layout))
+        buffer = earlier % KV_BUFFERS
+        k_tile = k_tiles.index(buffer)                                      # [BN,D]
+        v_tile = v_tiles.index(buffer)                                      # [BN,D]
+        mbarrier.wait(kv_ready.index(buffer), (earlier // KV_BUFFERS) & 1)
+        for step in range(NUM_TILES):
+            m_tile = walk_tile(step, block, NUM_TILES, ROTATED_WALK)
+            tile_count = earlier * NUM_TILES + step
+            slot = tile_count % NUM_STAGES
+            queries = m_tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_vector)
+            in_queries = queries < SEQ_LEN
+            row_stats = batch_head * SEQ_LEN + queries
+            lse = gl.load(LSE + row_stats, mask=in_queries, other=0.0) * LOG2E
+            delta = gl.load(DELTA + row_stats, mask=in_queries, other=0.0)
+            mbarrier.wait(ready.index(slot), (tile_count // NUM_STAGES) & 1)
+            q = q_ring.index(slot)                                          # [BM,D]
+            grad_attn = grad_attn_ring.index(slot)                          # [BM,D]
+            # in flight: dK of the previous step
+            logits = warpgroup_mma(q, k_tile.permute((1, 0)), zeros_tile, use_acc=False,
+                                   is_async=True)                           # [BM,BN]
+            grad_p = warpgroup_mma(grad_attn, v_tile.permute((1, 0)), zeros_tile,
+                                   use_acc=False, is_async=True)            # [BM,BN]
+            logits = warpgroup_mma_wait(1, deps=(logits,))
+            if step > 0:               # dV, dK of the previous step are done with its slot
+                cta_barrier()
+                mbarrier.arrive(empty.index((tile_count - 1) % NUM_STAGES), count=1)
+            valid = in_queries[:, None] & in_keys[None, :]
+            probs = gl.where(valid, gl.exp2(logits * logit_scale - lse[:, None]), 0.0)
+            probs_tile.store(probs.to(dtype))        # the previous dV is done with it
+            fence_async_shared()
+            cta_barrier()
+            grad_v = warpgroup_mma(probs_tile.permute((1, 0)), grad_attn, grad_v,
+                                   is_async=True)                           # [BN,D]
+            grad_p = warpgroup_mma_wait(1, deps=(grad_p,))                  # dV on
+            grad_s = (probs * (grad_p - delta[:, None])).to(dtype)          # [BM,BN]
+            grad_s_tile.store(grad_s)      # the previous dK, dQ are done with it
+            fence_async_shared()
+            cta_barrier()
+            grad_q = warpgroup_mma(grad_s_tile, k_tile, zeros_grad_q, use_acc=False,
+                                   is_async=True)                           # [BM,D]
+            grad_k = warpgroup_mma(grad_s_tile.permute((1, 0)), q, grad_k,
+                                   is_async=True)                           # [BN,D]
+            grad_q = warpgroup_mma_wait(1, deps=(grad_q,))                  # dK on
+            hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full, grad_q_empty,
+                             GRAD_Q_BUFFERS)
+        grad_k, grad_v = warpgroup_mma_wait(0, deps=(grad_k, grad_v))
+        cta_barrier()
+        mbarrier.arrive(empty.index(((earlier + 1) * NUM_TILES - 1) % NUM_STAGES),
+                        count=1)
+        mbarrier.arrive(kv_empty.index(buffer), count=1)
+        store_grad_kv(grad_k, grad_v, block, batch_head, GRAD_QKV, scale, NUM_HEADS,
+                      SEQ_LEN, HEAD_DIM, BLOCK_N, acc_layout)
 
 
 @gluon.jit
@@ -340,7 +478,9 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             KV_BUFFERS: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
-                            WORKER_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+                            WORKER_REGISTERS: gl.constexpr, QUERIES_IN_ROWS: gl.constexpr,
+                            GRAD_Q_BUFFERS: gl.constexpr, ROTATED_WALK: gl.constexpr,
+                            num_warps: gl.constexpr):
     """dQ | dK | dV into GRAD_QKV [B,S,3E] (the operands' dtype; head h's columns at
     h * D, E + h * D and 2E + h * D: a QKV projection's layout) of the work items this
     program takes (module docstring) of num_items = ceil(S / BLOCK_N) * B * NUM_HEADS,
@@ -356,26 +496,35 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
     BLOCK_N = 16 * num_warps (one consumer warpgroup per 64 keys); KV_BUFFERS (1 or 2)
     buffers of k and v tiles; the producer and the dQ writer, one warp each, keep
     WORKER_REGISTERS registers per thread."""
-    gl.static_assert(BLOCK_N == 16 * num_warps, "one consumer warpgroup per 64 keys")
+    if QUERIES_IN_ROWS:
+        gl.static_assert(BLOCK_M == 16 * num_warps, "one consumer warpgroup per 64 queries")
+    else:
+        gl.static_assert(BLOCK_N == 16 * num_warps, "one consumer warpgroup per 64 keys")
+        gl.static_assert(not ROTATED_WALK, "the rotated walk takes queries in rows")
+    if ROTATED_WALK:
+        gl.static_assert(BLOCK_M == BLOCK_N, "as many key blocks as query tiles")
     dtype: gl.constexpr = q_desc.dtype
     k_tiles = gl.allocate_shared_memory(dtype, [KV_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
     v_tiles = gl.allocate_shared_memory(dtype, [KV_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     grad_attn_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM],
                                                grad_attn_desc.layout)
-    grad_s_tile = gl.allocate_shared_memory(
-        dtype, [BLOCK_N, BLOCK_M], gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M],
-                                                                        dtype))
-    grad_q_ring = gl.allocate_shared_memory(gl.float32, [2, BLOCK_M, HEAD_DIM],
+    if QUERIES_IN_ROWS:
+        score_shape: gl.constexpr = [BLOCK_M, BLOCK_N]
+    else:
+        score_shape: gl.constexpr = [BLOCK_N, BLOCK_M]
+    score_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(score_shape, dtype)
+    grad_s_tile = gl.allocate_shared_memory(dtype, score_shape, score_layout)
+    grad_q_ring = gl.allocate_shared_memory(gl.float32, [GRAD_Q_BUFFERS, BLOCK_M, HEAD_DIM],
                                             grad_q_sum_desc.layout)
-    grad_q_sum_tile = gl.allocate_shared_memory(gl.float32, [BLOCK_M, HEAD_DIM],
-                                                grad_q_sum_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    grad_q_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    grad_q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    grad_q_full = gl.allocate_shared_memory(gl.int64, [GRAD_Q_BUFFERS, 1],
+                                            mbarrier.MBarrierLayout())
+    grad_q_empty = gl.allocate_shared_memory(gl.int64, [GRAD_Q_BUFFERS, 1],
+                                             mbarrier.MBarrierLayout())
     sum_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(sum_ready, count=1)
     for buffer in gl.static_range(KV_BUFFERS):
@@ -384,25 +533,45 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
     for stage in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(stage), count=1)
         mbarrier.init(empty.index(stage), count=1)
-    for buffer in gl.static_range(2):
+    for buffer in gl.static_range(GRAD_Q_BUFFERS):
         mbarrier.init(grad_q_full.index(buffer), count=1)
         mbarrier.init(grad_q_empty.index(buffer), count=1)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (compute_partition, (k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile,
-                             grad_q_ring, kv_ready, kv_empty, ready, empty, grad_q_full,
-                             grad_q_empty, LSE, DELTA, GRAD_QKV, scale, num_items, NUM_HEADS,
-                             SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, KV_BUFFERS,
-                             num_warps)),
-        (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
-                          grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
-                          NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                          KV_BUFFERS, HEADS_IN_ROWS)),
-        (grad_q_partition, (grad_q_ring, grad_q_sum_tile, grad_q_full, grad_q_empty,
-                            sum_ready, grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale,
-                            num_items, NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N)),
-    ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
+    if QUERIES_IN_ROWS:
+        probs_tile = gl.allocate_shared_memory(dtype, score_shape, score_layout)
+        gl.warp_specialize([
+            (compute_partition_queries_in_rows, (
+                k_tiles, v_tiles, q_ring, grad_attn_ring, probs_tile, grad_s_tile,
+                grad_q_ring, kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty,
+                LSE, DELTA, GRAD_QKV, scale, num_items, NUM_HEADS, SEQ_LEN, HEAD_DIM,
+                BLOCK_M, BLOCK_N, NUM_STAGES, KV_BUFFERS, GRAD_Q_BUFFERS, ROTATED_WALK,
+                num_warps)),
+            (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
+                              grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
+                              NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                              KV_BUFFERS, HEADS_IN_ROWS, ROTATED_WALK)),
+            (grad_q_partition, (grad_q_ring, grad_q_full, grad_q_empty, sum_ready,
+                                grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale, num_items,
+                                NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                GRAD_Q_BUFFERS, ROTATED_WALK)),
+        ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
+    else:
+        gl.warp_specialize([
+            (compute_partition, (
+                k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, grad_q_ring,
+                kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE, DELTA,
+                GRAD_QKV, scale, num_items, NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                NUM_STAGES, KV_BUFFERS, GRAD_Q_BUFFERS, num_warps)),
+            (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
+                              grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
+                              NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                              KV_BUFFERS, HEADS_IN_ROWS, ROTATED_WALK)),
+            (grad_q_partition, (grad_q_ring, grad_q_full, grad_q_empty, sum_ready,
+                                grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale, num_items,
+                                NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                GRAD_Q_BUFFERS, ROTATED_WALK)),
+        ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
 
 
 @gluon.jit
