@@ -129,6 +129,19 @@ def test_the_grid_is_one_program_per_item_unless_persistent():
     assert attention_bwd_ws.program_count(persistent, 30, sm_count=132) == 30
 
 
+def test_a_rotated_walk_needs_a_program_per_key_block_of_a_head():
+    """With the rotated walk a key block waits on every other block of its head, so a
+    grid with fewer programs than a head's key blocks is refused before any launch."""
+    rotated = attention_bwd_ws.FASTEST_TILES
+    assert rotated.rotated_walk and rotated.persistent
+    assert attention_bwd_ws.program_count(rotated, 960, 132, programs=5,
+                                          blocks_per_head=5) == 5
+    assert attention_bwd_ws.program_count(rotated, 5, 132, blocks_per_head=5) == 5
+    with pytest.raises(ValueError, match=r"^a rotated walk needs at least as many programs "
+                                         r"as key blocks per head \(5\), got 4"):
+        attention_bwd_ws.program_count(rotated, 960, 132, programs=4, blocks_per_head=5)
+
+
 def test_the_fastest_launch_is_one_the_gpu_tests_and_timings_cover():
     """The deterministic attention's launch is one of the candidates that
     tests/test_gpu_attention_bwd_ws.py checks and scripts/time_core_ws.py times."""

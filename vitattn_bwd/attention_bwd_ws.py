@@ -146,17 +146,21 @@ def _sum_descriptor(grad_q_sums, tiles):
                             [tiles.block_m, grad_q_sums.shape[1]], _sum_layout(tiles))
 
 
-def program_count(tiles, num_items, sm_count, programs=None):
+def program_count(tiles, num_items, sm_count, programs=None, blocks_per_head=1):
     """The grid: one program per (head, key block) item, or for a persistent
     configuration `programs` (default: one per SM), at most one per item. ValueError
     for `programs` given without a persistent configuration or not positive (fewer
-    programs than items deadlock unless all are resident: a cooperative launch)."""
+    programs than items deadlock unless all are resident: a cooperative launch), and for
+    a rotated walk on fewer programs than a head's blocks_per_head key blocks (a block
+    waits on every other block of its head: all must be running)."""
     if programs is not None and (not tiles.persistent or programs < 1):
         raise ValueError(f"programs must be a positive count for a persistent "
                          f"configuration, got {programs} with {tiles}")
-    if not tiles.persistent:
-        return num_items
-    return min(num_items, programs or sm_count)
+    count = min(num_items, programs or sm_count) if tiles.persistent else num_items
+    if tiles.rotated_walk and count < blocks_per_head:
+        raise ValueError(f"a rotated walk needs at least as many programs as key blocks "
+                         f"per head ({blocks_per_head}), got {count}")
+    return count
 
 
 def _check(q, k, v, grad_attn, attn_output, lse, tiles):
@@ -222,20 +226,17 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs
     _check(q, k, v, grad_attn, attn_output, lse, tiles)
     heads_in_rows = _heads_in_rows(q)
     batch, heads, seq_len, head_dim = q.shape
+    key_blocks = -(-seq_len // tiles.block_n)                   # per head
+    num_items = key_blocks * batch * heads                      # (head, key block) pairs
+    sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                if tiles.persistent else None)
+    grid = (program_count(tiles, num_items, sm_count, programs, key_blocks),)
     delta, semaphores = launch_delta(grad_attn, attn_output, heads, tiles.block_m)
     # float32 dQ sums, one [BM,D] tile per (head, query tile), padded past S
     query_tiles = semaphores.shape[1]
     grad_q_sums = buffers.output_buffer(q, batch * heads * query_tiles * tiles.block_m,
                                         head_dim, dtype=torch.float32)
     grad_qkv = buffers.output_buffer(q, batch, seq_len, 3 * heads * head_dim)
-    num_items = -(-seq_len // tiles.block_n) * batch * heads     # (head, key block) pairs
-    sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                if tiles.persistent else None)
-    grid = (program_count(tiles, num_items, sm_count, programs),)
-    if tiles.rotated_walk and grid[0] < -(-seq_len // tiles.block_n):
-        # a block waits on every other block of its head: all must be running
-        raise ValueError(f"a rotated walk needs at least as many programs as key blocks "
-                         f"per head ({-(-seq_len // tiles.block_n)}), got {grid[0]}")
     attention_bwd_ws_kernel[grid](
         _descriptor(q, heads_in_rows, tiles.block_m, head_dim),
         _descriptor(k, heads_in_rows, tiles.block_n, head_dim),
