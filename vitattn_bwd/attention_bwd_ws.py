@@ -215,7 +215,7 @@ def launch_delta(grad_attn, attn_output, num_heads, block_m=64):
     return delta, semaphores
 
 
-def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=TILES[0], programs=None):
+def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, programs=None):
     """grad_qkv [B,S,3E] = dQ | dK | dV in q's dtype (a QKV projection's layout: head
     h's columns at h * D, E + h * D, 2E + h * D): the attention core's backward
     (module docstring), bitwise the same on every call and for any grid. A persistent
