@@ -76,22 +76,27 @@ def test_bitwise_reproducible(tiles):
     assert torch.equal(first, copies)
 
 
-@pytest.mark.parametrize("kv_buffers", [1, 2])
+@pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize("programs", [None, 8])
-def test_persistent_programs_walk_many_items_to_the_same_bits(programs, kv_buffers):
+def test_persistent_programs_walk_many_items_to_the_same_bits(programs, rotated):
     """Batch 12 x 16 heads: 960 (head, key block) items walked by one program per SM
     (about 7 items each on a 132-SM GPU) or by 8 (120 each), each program's ring, k / v
-    buffers, dQ buffers and barriers carried from item to item: the same bits as one
-    program per item (the adds' order is the semaphores', not the schedule's), and as
-    close to float64 as SDPA's flash backward's."""
-    tiles = next(t for t in attention_bwd_ws.CANDIDATE_TILES
-                 if t.persistent and t.kv_buffers == kv_buffers)
+    tiles, dQ buffers and barriers carried from item to item: the same bits as one
+    program per item, or with the rotated walk as 5 programs, one per key block of a
+    head (the adds' order is the semaphores', not the schedule's), and as close to
+    float64 as SDPA's flash backward's."""
+    tiles = attention_bwd_ws.FASTEST_TILES if rotated else next(
+        t for t in attention_bwd_ws.CANDIDATE_TILES if t.persistent and not t.rotated_walk)
     q, k, v, grad_attn, attn_output, lse = _inputs(12, 16, 577, torch.bfloat16, seed=12)
     walked = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE, tiles,
                                      programs=programs)
-    one_each = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE,
-                                       tiles._replace(persistent=False))
-    assert torch.equal(walked, one_each)
+    if rotated:
+        other = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE, tiles,
+                                        programs=5)
+    else:
+        other = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE,
+                                        tiles._replace(persistent=False))
+    assert torch.equal(walked, other)
     q1, k1, v1 = (t[:1] for t in (q, k, v))                 # float64 at batch 1 (memory)
     ref = attention_core.attention_backward_math(
         *(t.double() for t in (attention_core.probabilities(

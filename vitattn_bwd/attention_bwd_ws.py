@@ -11,11 +11,10 @@ contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_o
 [B,S,E] contiguous; lse [B,H,S] float32, the natural-log log-sum-exp of the scaled
 logits. One product per matmul, P recomputed from lse (the module's half-precision
 path). Not an autotune choice of the registered lowerings: on the H200, at batch 32,
-577 tokens, 16 heads of 64, its fastest configuration (FASTEST_TILES: 128 x 128 tiles
-with queries in rows, a persistent grid, the rotated walk) measured 0.440 ms with its
-delta kernel, against 0.443-0.445 for cuDNN's non-deterministic backward, 0.597 for the
-two-pass Gluon kernels and 0.588 for the fastest configuration with keys in rows, in
-the same runs; the same tiles without the rotated walk 0.544-0.579
+577 tokens, 16 heads of 64, its fastest configuration (FASTEST_TILES: a persistent grid,
+the rotated walk) measured 0.440 ms with its delta kernel, against 0.443-0.445 for
+cuDNN's non-deterministic backward, 0.597 for the two-pass Gluon kernels and 0.588 for
+the keys-in-rows form of this kernel that it replaced, in the same runs
 (scripts/time_core_ws.py; docs/performance.md, "The warp-specialized core").
 """
 import functools
@@ -28,70 +27,45 @@ from .precision import HALF_DTYPES
 
 
 class WsTiles(NamedTuple):
-    """One launch configuration: BLOCK_M queries per tile of the walk, BLOCK_N keys per
-    work item (one consumer warpgroup per 64 keys, num_warps = BLOCK_N // 16; with
-    queries_in_rows per 64 queries, num_warps = BLOCK_M // 16), NUM_STAGES slots
-    of q and dO tiles in the ring, the registers per thread the launch asks for
-    (maxnreg), those the producer and dQ-writer warps keep (setmaxnreg; the
-    consumers get the rest), the byte width of the swizzle of the float32 dQ tiles in
-    shared memory (0: rows as they lie, which the consumers store with 8-way bank
-    conflicts; or 128), and whether the grid is one program per SM, each walking its
-    share of the (head, key block) items (persistent, a cooperative launch), or one
-    program per item; kv_buffers (1 or 2) buffers of k and v tiles (with 2 a persistent
-    program loads its next item's while it works on the current one); queries_in_rows:
-    the consumers hold S and dP with queries in rows and pass P and dS through shared
-    memory (128 x 128 tiles; False: S^T and dP^T, keys in rows); grad_q_buffers (1 or 2)
-    dQ tiles handed to the writer at once; rotated_walk: key block b walks the query
-    tiles from tile b on (queries in rows, a persistent grid; the kernel's docstring)."""
+    """One launch configuration: BLOCK_M queries per tile of the walk and BLOCK_N keys per
+    work item (both 128: one consumer warpgroup per 64 queries, num_warps = BLOCK_M //
+    16), NUM_STAGES slots of q and dO tiles in the ring, the registers per thread the
+    launch asks for (maxnreg), those the producer and dQ-writer warps keep (setmaxnreg;
+    the consumers get the rest), whether the grid is one program per SM, each walking its share of the (head, key block) items (persistent, a cooperative
+    launch), or one program per item; grad_q_buffers (1 or 2) dQ tiles handed to the
+    writer at once; rotated_walk: key block b walks the query tiles from tile b on (a
+    persistent grid; the kernel's docstring)."""
     block_m: int
     block_n: int
     num_stages: int
     maxnreg: int
-    worker_registers: int = 56
-    grad_q_swizzle: int = 0
+    worker_registers: int = 40
     persistent: bool = False
-    kv_buffers: int = 1
-    queries_in_rows: bool = False
     grad_q_buffers: int = 2
     rotated_walk: bool = False
 
     @property
     def num_warps(self):
-        return (self.block_m if self.queries_in_rows else self.block_n) // 16
+        return self.block_m // 16
 
 
-# One consumer warpgroup (64 keys) at 152 registers, 2 or 3 stages: one program per SM,
-# compiled for sm_90 without spills and with its wgmmas unserialized under triton 3.6.0,
-# 3.7.1, 3.8.0 and 3.9.0 (tests/test_attention_bwd_ws.py; with the dQ tiles in the
-# 128-byte swizzle 3.8.0 spilled 8 bytes of the consumers').
-TILES = (WsTiles(64, 64, 2, 152), WsTiles(64, 64, 3, 152))
-# Timed beside TILES (scripts/time_core_ws.py), each spilling a few words under some
-# triton: two consumer warpgroups (docs/performance.md). 384 threads leave at most 170
-# registers each; with keys in rows at 168 ptxas spills 0-16 bytes of the consumers'
-# with unswizzled dQ tiles, 4-32 with the 128-byte swizzle (triton 3.6.0-3.9.0).
-CANDIDATE_TILES = (WsTiles(64, 128, 2, 168), WsTiles(64, 128, 3, 168),
-                   WsTiles(64, 128, 2, 168, grad_q_swizzle=128),
-                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128),
-                   WsTiles(64, 128, 2, 168, grad_q_swizzle=128, persistent=True),
-                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128, persistent=True),
-                   WsTiles(64, 128, 2, 168, grad_q_swizzle=128, persistent=True,
-                           kv_buffers=2),
-                   WsTiles(64, 128, 3, 168, grad_q_swizzle=128, persistent=True,
-                           kv_buffers=2),
-                   # queries in rows: 2 stages (3 with one dQ buffer fit shared memory
-                   # too, and ran no faster), the workers at 40 registers (at 24 the
-                   # producer and the writer spilled 140 bytes); 4-20 bytes spilled
-                   # under triton 3.6.0, 12 under 3.9.0, none with the rotated walk
-                   WsTiles(128, 128, 2, 168, 40, persistent=True, queries_in_rows=True,
-                           grad_q_buffers=1),
-                   WsTiles(128, 128, 2, 168, 40, persistent=True, queries_in_rows=True),
-                   WsTiles(128, 128, 2, 168, 40, queries_in_rows=True),
-                   WsTiles(128, 128, 2, 168, 40, persistent=True, queries_in_rows=True,
-                           rotated_walk=True))
 # The fastest configuration measured on the H200 (0.440 ms at batch 32; the module
-# docstring): the launch the deterministic attention of the stock route uses.
-FASTEST_TILES = WsTiles(128, 128, 2, 168, 40, persistent=True, queries_in_rows=True,
-                        rotated_walk=True)
+# docstring), the launch the deterministic attention of the stock route uses: two
+# consumer warpgroups and two worker warps (384 threads with the padding warps: at most
+# 170 registers each at launch; the consumers get 240), 2 stages (3 with one dQ buffer
+# fit shared memory too, and ran no faster), the workers at 40 registers (at 24 the
+# producer and the writer spilled 140 bytes). No spills under triton 3.6.0 and 3.9.0.
+FASTEST_TILES = WsTiles(128, 128, 2, 168, persistent=True, rotated_walk=True)
+# Compiled for sm_90 without spills and with its wgmmas unserialized
+# (tests/test_attention_bwd_ws.py, with the installed triton and the newest).
+TILES = (FASTEST_TILES,)
+# Timed beside TILES (scripts/time_core_ws.py): without the rotated walk, 0.544-0.579 ms
+# (two or one dQ buffers, one program per item); each spills 4-20 bytes of the workers'
+# under triton 3.6.0, 12 under 3.9.0. (The 128-byte swizzle of the dQ tiles, 0.542 ms in
+# order and 0.444 rotated, spilled up to 68 bytes and is not kept.)
+CANDIDATE_TILES = (WsTiles(128, 128, 2, 168, persistent=True),
+                   WsTiles(128, 128, 2, 168, persistent=True, grad_q_buffers=1),
+                   WsTiles(128, 128, 2, 168))
 
 
 def _shared_layout(block_shape, dtype):
@@ -132,18 +106,18 @@ def _descriptor(t, heads_in_rows, block_rows, head_dim):
                             _shared_layout(block, _gl_dtype(t.dtype)))
 
 
-def _sum_layout(tiles):
-    """The shared-memory layout of the float32 dQ tiles that the TMA copies move."""
+def _sum_layout():
+    """The shared-memory layout of the float32 dQ tiles that the TMA copies move: rows as
+    they lie (the 128-byte swizzle ran no faster with the rotated walk)."""
     from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout(swizzle_byte_width=tiles.grad_q_swizzle,
-                                element_bitwidth=32, rank=2)
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
 
 
 def _sum_descriptor(grad_q_sums, tiles):
     """A TMA descriptor of [BM,D] tiles of the float32 dQ sums [rows, D]."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     return TensorDescriptor(grad_q_sums, list(grad_q_sums.shape), list(grad_q_sums.stride()),
-                            [tiles.block_m, grad_q_sums.shape[1]], _sum_layout(tiles))
+                            [tiles.block_m, grad_q_sums.shape[1]], _sum_layout())
 
 
 def program_count(tiles, num_items, sm_count, programs=None, blocks_per_head=1):
@@ -189,15 +163,11 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
         raise ValueError(f"q's batch * heads * seq_len (seq_len rounded up to whole "
                          f"{tiles.block_m}-query tiles) must be below 2**31, got "
                          f"{list(q.shape)}")
-    if tiles.queries_in_rows:
-        if (tiles.block_m, tiles.block_n) != (128, 128) or tiles.kv_buffers not in (1, 2):
-            raise ValueError(f"tiles with queries in rows must have block_m and block_n "
-                             f"128 and kv_buffers 1 or 2, got {tiles}")
-        if tiles.rotated_walk and not tiles.persistent:
-            raise ValueError(f"a rotated walk needs a persistent grid, got {tiles}")
-    elif tiles.block_n not in (64, 128) or tiles.block_m != 64 or tiles.kv_buffers not in (1, 2):
-        raise ValueError(f"tiles must have block_m 64, block_n 64 or 128 and kv_buffers 1 "
-                         f"or 2, got {tiles}")
+    if (tiles.block_m, tiles.block_n) != (128, 128) or tiles.grad_q_buffers not in (1, 2):
+        raise ValueError(f"tiles must have block_m and block_n 128 and grad_q_buffers 1 or "
+                         f"2, got {tiles}")
+    if tiles.rotated_walk and not tiles.persistent:
+        raise ValueError(f"a rotated walk needs a persistent grid, got {tiles}")
 
 
 def launch_delta(grad_attn, attn_output, num_heads, block_m=64):
@@ -252,10 +222,9 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, pro
 def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
     return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
-                KV_BUFFERS=tiles.kv_buffers, HEADS_IN_ROWS=heads_in_rows,
-                WORKER_REGISTERS=tiles.worker_registers,
-                QUERIES_IN_ROWS=tiles.queries_in_rows, GRAD_Q_BUFFERS=tiles.grad_q_buffers,
-                ROTATED_WALK=tiles.rotated_walk, num_warps=tiles.num_warps)
+                HEADS_IN_ROWS=heads_in_rows, WORKER_REGISTERS=tiles.worker_registers,
+                GRAD_Q_BUFFERS=tiles.grad_q_buffers, ROTATED_WALK=tiles.rotated_walk,
+                num_warps=tiles.num_warps)
 
 
 def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bfloat16,
@@ -275,7 +244,7 @@ def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bflo
                      v_desc=descriptor(tiles.block_n),
                      grad_attn_desc=descriptor(tiles.block_m), LSE="*fp32", DELTA="*fp32",
                      grad_q_sum_desc=(f"tensordesc<fp32[{tiles.block_m}, {head_dim}],"
-                                      f"{_sum_layout(tiles)!r}>"),
+                                      f"{_sum_layout()!r}>"),
                      SEMAPHORES="*i32", GRAD_QKV=f"*{element}", scale="fp32",
                      num_items="i32")
     signature.update({name: "constexpr" for name in constexprs})

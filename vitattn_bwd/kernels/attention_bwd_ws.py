@@ -2,49 +2,39 @@
 Hopper (sm_90): one product per matmul of bf16 / fp16 operands, P recomputed from the
 forward's log-sum-exp.
 
-A work item is BLOCK_N keys of one (batch, head); a program walks every query tile of
-an item, and takes items p, p + P, p + 2P, ... of its grid's P programs (one item each
-in a grid of one program per item), in three partitions:
+A work item is BLOCK_N = 128 keys of one (batch, head); a program walks every query tile
+(BLOCK_M = 128 queries) of an item, and takes items p, p + P, p + 2P, ... of its grid's
+P programs (one item each in a grid of one program per item), in three partitions:
 
     producer (one warp, few registers), per item:
-        TMA  k, v [BN,D] into one of KV_BUFFERS buffers (once the consumers are done
-             with the item that last used it); then
-             q_m, dO_m [BM,D] into a NUM_STAGES-deep ring, each slot guarded by a ready
-             and an empty mbarrier
-    consumers (one warpgroup per 64 keys, the registers the workers gave up), tile m:
-        issue  S^T_m  = k @ q_m^T                     [BN,BM]
-        issue  dP^T_m = v @ dO_m^T                    [BN,BM]
-        issue  dQ_m-1 = dS_m-1 @ k                    [BM,D]   (A: dS^T's transposed view
-                                                               in shared memory)
-        wait   for S^T_m (dV, dK of tile m-1 done too: give slot m-1 back to the producer)
-               P^T = exp(S^T * scale - lse)   (0 for rows / columns past S)
-        issue  dV   += P^T @ dO_m                     [BN,D]   (A from registers)
-        wait   for dP^T_m: dS^T = P^T * (dP^T - delta)
-        wait   for dQ_m-1 (dV in flight): hand it to the dQ writer in shared memory
-        issue  dK   += dS^T @ q_m                     [BN,D]   (A from registers)
-        store  dS^T into shared memory (dQ_m-1 has read it)
+        TMA  k, v [BN,D] into shared memory (once the consumers are done with the item
+             before); then q_m, dO_m [BM,D] into a NUM_STAGES-deep ring, each slot
+             guarded by a ready and an empty mbarrier
+    consumers (two warpgroups, one per 64 queries, the registers the workers gave up),
+    tile m:
+        issue  S_m  = q_m @ k^T,  dP_m = dO_m @ v^T          [BM,BN]
+        wait   for S_m (dK of tile m-1 done too: give slot m-1 back to the producer)
+               P = exp(S * scale - lse)  (0 for rows / columns past S), into shared
+               memory
+        issue  dV  += P^T @ dO_m                              [BN,D]
+        wait   for dP_m: dS = P * (dP - delta), into shared memory
+        issue  dQ_m = dS @ k,  dK += dS^T @ q_m               [BM,D], [BN,D]
+        wait   for dQ_m (dK in flight): hand it to the dQ writer in shared memory
     dQ writer (one warp): adds each dQ_m into the head's dQ (below)
 
 Five products per tile, the minimum (two passes recompute S and dP twice: seven), with
-three waits per tile, each leaving one or two products in flight.
+three waits per tile, each leaving a product in flight. S and dP stay in the consumers'
+registers with queries in rows (224 accumulator registers a thread with dQ, dK and dV;
+they get 240), and P and dS reach the products as shared-memory operands: with keys in
+rows (S^T, dP^T in registers as the A operands of dV and dK) the same tiles would need
+~290 registers. dQ is issued and waited in its own tile: carried into the next, its
+accumulator made ptxas serialize the wgmmas for want of registers.
 
-With QUERIES_IN_ROWS the tiles are 128 x 128 and the consumers hold S and dP [BM,BN]
-(one warpgroup per 64 queries); P and dS go through shared memory, which frees the
-registers that [BN,BM] operands in registers would pin (at 128 x 128 the layout above
-would need ~290 registers a thread, this one fits 240):
-
-        issue  S_m  = q_m @ k^T,  dP_m = dO_m @ v^T          [BM,BN]
-        wait   for S_m (dK of tile m-1 done too: give slot m-1 back)
-               P = exp(S * scale - lse) into shared memory
-        issue  dV  += P^T @ dO_m                              [BN,D]
-        wait   for dP_m: dS = P * (dP - delta) into shared memory
-        issue  dQ_m = dS @ k,  dK += dS^T @ q_m               [BM,D], [BN,D]
-        wait   for dQ_m (dK in flight): hand it to the dQ writer
-
-and with ROTATED_WALK (a persistent grid, as many key blocks as query tiles) key block
-b walks the query tiles from tile b on, wrapping around, so that the blocks of a head
-reach each tile at different steps; the fixed order of the dQ adds is then the order
-of arrival (a block's step) rather than the block index.
+With ROTATED_WALK (a persistent grid; as many key blocks as query tiles) key block b
+walks the query tiles from tile b on, wrapping around, so that at every step the blocks
+of a head work on different tiles: in key-block order they reach a tile at the same
+step, and each waits for the adds of the blocks before it (docs/performance.md measured
+0.566 ms at batch 32 in order, 0.440 rotated).
 
 dQ is deterministic: the key blocks of a head add their dQ_m tiles in a fixed order of
 turns (the key-block order; with ROTATED_WALK the order of arrival, a block's step),
@@ -81,16 +71,6 @@ from .gluon_compat import cta_barrier, tma_add, tma_load, tma_store
 from .softmax_bwd_gluon import LOG2E, wgmma_layout
 
 
-@gluon.constexpr_function
-def split_columns_layout(num_warps, columns):
-    """The layout of a [64, columns] wgmma accumulator spread over num_warps warps: one
-    warpgroup per columns / (num_warps // 4) columns (dQ's tile with two consumer
-    warpgroups)."""
-    groups = num_warps // 4
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, groups],
-                                     instr_shape=[16, columns // groups, 16])
-
-
 @gluon.jit
 def head_coordinates(batch_head, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
                      HEAD_DIM: gl.constexpr, HEADS_IN_ROWS: gl.constexpr):
@@ -124,29 +104,25 @@ def walk_tile(step, block, NUM_TILES: gl.constexpr, ROTATED_WALK: gl.constexpr):
 
 
 @gluon.jit
-def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
+def load_partition(q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
                    grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
                    NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   KV_BUFFERS: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
-                   ROTATED_WALK: gl.constexpr):
-    """The producer: for each work item its k, v tiles into the next of KV_BUFFERS
-    buffers (once the consumers are done with the item that last used it), then every
-    query tile's q and dO through the ring. With two buffers the next item's k and v
-    load while the consumers work on the current one."""
+                   HEADS_IN_ROWS: gl.constexpr, ROTATED_WALK: gl.constexpr):
+    """The producer: for each work item its k, v tiles (once the consumers are done with
+    the item before), then every query tile's q and dO through the ring, in the order
+    of the item's walk."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
         block, batch_head, earlier = work_item(item, SEQ_LEN, BLOCK_N)
         qkv_row, qkv_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM,
                                             HEADS_IN_ROWS)
         do_row, do_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM, False)
-        buffer = earlier % KV_BUFFERS
-        kv_bar = kv_ready.index(buffer)
         # a fresh mbarrier counts as having completed the phase before phase 0
-        mbarrier.wait(kv_empty.index(buffer), ((earlier // KV_BUFFERS) & 1) ^ 1)
-        mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes)
-        tma_load(k_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_bar, k_tiles.index(buffer))
-        tma_load(v_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_bar, v_tiles.index(buffer))
+        mbarrier.wait(kv_empty, (earlier & 1) ^ 1)
+        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+        tma_load(k_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_ready, k_tile)
+        tma_load(v_desc, [qkv_row + block * BLOCK_N, qkv_col], kv_ready, v_tile)
         for step in range(NUM_TILES):
             m_tile = walk_tile(step, block, NUM_TILES, ROTATED_WALK)
             tile_count = earlier * NUM_TILES + step        # this program's tiles so far
@@ -294,114 +270,19 @@ def store_grad_kv(grad_k, grad_v, block, batch_head, GRAD_QKV, scale,
 
 
 @gluon.jit
-def compute_partition(k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, grad_q_ring,
-                      kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE,
-                      DELTA, GRAD_QKV, scale, num_items, NUM_HEADS: gl.constexpr,
-                      SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      KV_BUFFERS: gl.constexpr, GRAD_Q_BUFFERS: gl.constexpr,
-                      num_warps: gl.constexpr):
-    """The consumers: for each work item, the five products per query tile (module
-    docstring), dQ handed to the writer, then dK and dV into GRAD_QKV [B,S,3E] (dK at
-    column E + head * D, dV at 2E + head * D). dQ of tile m is issued in tile m+1, after its
-    S^T and dP^T, and read once only the products of that same tile are in flight:
-    ptxas serializes every wgmma of a kernel that reads an accumulator across a loop
-    iteration's in-flight products (its C7514)."""
-    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
-    dtype: gl.constexpr = k_tiles.dtype
-    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)      # [BN,BM]: S^T, dP^T
-    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # [BN,D]: dK, dV
-    grad_q_layout: gl.constexpr = split_columns_layout(num_warps, HEAD_DIM)  # [BM,D]
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                 k_width=2)
-    query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
-    key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
-    logit_scale = scale * LOG2E
-    zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
-    zeros_grad_q = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, layout=grad_q_layout)
-
-    for item in range(gl.program_id(0), num_items, gl.num_programs(0)):
-        block, batch_head, earlier = work_item(item, SEQ_LEN, BLOCK_N)
-        n_start = block * BLOCK_N
-        grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32,
-                                             layout=acc_layout))
-        grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32,
-                                             layout=acc_layout))
-        p_t_op = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=a_layout)
-        grad_s_t_op = p_t_op
-        buffer = earlier % KV_BUFFERS
-        k_tile = k_tiles.index(buffer)                                      # [BN,D]
-        v_tile = v_tiles.index(buffer)                                      # [BN,D]
-        mbarrier.wait(kv_ready.index(buffer), (earlier // KV_BUFFERS) & 1)
-        for m_tile in range(NUM_TILES):
-            tile_count = earlier * NUM_TILES + m_tile      # this program's tiles so far
-            slot = tile_count % NUM_STAGES
-            queries = m_tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_vector)
-            in_queries = queries < SEQ_LEN
-            row_stats = batch_head * SEQ_LEN + queries                  # into [B*H*S]
-            lse = gl.load(LSE + row_stats, mask=in_queries, other=0.0) * LOG2E
-            delta = gl.load(DELTA + row_stats, mask=in_queries, other=0.0)
-            mbarrier.wait(ready.index(slot), (tile_count // NUM_STAGES) & 1)
-            q = q_ring.index(slot)                                          # [BM,D]
-            grad_attn = grad_attn_ring.index(slot)                          # [BM,D]
-            # in flight: dV, dK of tile m_tile-1
-            logits_t = warpgroup_mma(k_tile, q.permute((1, 0)), zeros_tile, use_acc=False,
-                                     is_async=True)                         # [BN,BM]
-            grad_p_t = warpgroup_mma(v_tile, grad_attn.permute((1, 0)), zeros_tile,
-                                     use_acc=False, is_async=True)          # [BN,BM]
-            # dQ of tile m_tile-1 from its dS^T (at tile 0: a product nobody reads)
-            grad_q = warpgroup_mma(grad_s_tile.permute((1, 0)), k_tile, zeros_grad_q,
-                                   use_acc=False, is_async=True)            # [BM,D]
-            # dV, dK of tile m_tile-1 are done reading their register operands too
-            logits_t, p_t_op, grad_s_t_op = warpgroup_mma_wait(
-                2, deps=(logits_t, p_t_op, grad_s_t_op))
-            if m_tile > 0:             # dV, dK of tile m_tile-1 are done with its slot
-                cta_barrier()
-                mbarrier.arrive(empty.index((tile_count - 1) % NUM_STAGES), count=1)
-            keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
-            valid = (keys < SEQ_LEN)[:, None] & in_queries[None, :]
-            p_t = gl.where(valid, gl.exp2(logits_t * logit_scale - lse[None, :]), 0.0)
-            p_t_op = gl.convert_layout(p_t.to(dtype), a_layout)
-            grad_v = warpgroup_mma(p_t_op, grad_attn, grad_v, is_async=True)  # [BN,D]
-            grad_p_t = warpgroup_mma_wait(2, deps=(grad_p_t,))              # dQ, dV on
-            grad_s_t = (p_t * (grad_p_t - delta[None, :])).to(dtype)        # [BN,BM]
-            grad_s_t_op = gl.convert_layout(grad_s_t, a_layout)
-            grad_q = warpgroup_mma_wait(1, deps=(grad_q,))                  # dV on
-            if m_tile > 0:
-                hand_over_grad_q(grad_q, tile_count - 1, grad_q_ring, grad_q_full,
-                                 grad_q_empty, GRAD_Q_BUFFERS)
-            grad_k = warpgroup_mma(grad_s_t_op, q, grad_k, is_async=True)    # [BN,D]
-            grad_s_tile.store(grad_s_t)    # dQ of tile m_tile-1 is done reading it
-            fence_async_shared()
-            cta_barrier()                  # all of dS^T is in shared memory
-        grad_q = warpgroup_mma(grad_s_tile.permute((1, 0)), k_tile, zeros_grad_q,
-                               use_acc=False, is_async=True)
-        grad_q, grad_k, grad_v, p_t_op, grad_s_t_op = warpgroup_mma_wait(
-            0, deps=(grad_q, grad_k, grad_v, p_t_op, grad_s_t_op))
-        # the last tile's slot, and k and v, are free for the next item's loads
-        cta_barrier()
-        mbarrier.arrive(empty.index(((earlier + 1) * NUM_TILES - 1) % NUM_STAGES),
-                        count=1)
-        mbarrier.arrive(kv_empty.index(buffer), count=1)
-        hand_over_grad_q(grad_q, (earlier + 1) * NUM_TILES - 1, grad_q_ring, grad_q_full,
-                         grad_q_empty, GRAD_Q_BUFFERS)
-        store_grad_kv(grad_k, grad_v, block, batch_head, GRAD_QKV, scale, NUM_HEADS,
-                      SEQ_LEN, HEAD_DIM, BLOCK_N, acc_layout)
-
-
-@gluon.jit
-def compute_partition_queries_in_rows(
-        k_tiles, v_tiles, q_ring, grad_attn_ring, probs_tile, grad_s_tile, grad_q_ring,
+def compute_partition(
+        k_tile, v_tile, q_ring, grad_attn_ring, probs_tile, grad_s_tile, grad_q_ring,
         kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE, DELTA, GRAD_QKV,
         scale, num_items, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-        NUM_STAGES: gl.constexpr, KV_BUFFERS: gl.constexpr,
-        GRAD_Q_BUFFERS: gl.constexpr, ROTATED_WALK: gl.constexpr, num_warps: gl.constexpr):
-    """The consumers with S and dP [BM,BN] in their registers (queries in rows, one
-    warpgroup per 64 queries): P and dS go through shared memory as the A operands of
-    dV += P^T @ dO and dK += dS^T @ q, and dS as that of dQ = dS @ k."""
+        NUM_STAGES: gl.constexpr, GRAD_Q_BUFFERS: gl.constexpr,
+        ROTATED_WALK: gl.constexpr, num_warps: gl.constexpr):
+    """The consumers: for each work item, the five products per query tile (module
+    docstring) with S and dP [BM,BN] in registers and P and dS [BM,BN] through shared
+    memory (the A operands of dV += P^T @ dO, dK += dS^T @ q and dQ = dS @ k), dQ handed
+    to the writer, then dK and dV into GRAD_QKV [B,S,3E]."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
-    dtype: gl.constexpr = k_tiles.dtype
+    dtype: gl.constexpr = k_tile.dtype
     tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)      # [BM,BN]: S, dP
     acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # dK, dV, dQ
     query_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
@@ -418,10 +299,7 @@ def compute_partition_queries_in_rows(
                                              layout=acc_layout))
         grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_DIM], gl.float32,
                                              layout=acc_layout))
-        buffer = earlier % KV_BUFFERS
-        k_tile = k_tiles.index(buffer)                                      # [BN,D]
-        v_tile = v_tiles.index(buffer)                                      # [BN,D]
-        mbarrier.wait(kv_ready.index(buffer), (earlier // KV_BUFFERS) & 1)
+        mbarrier.wait(kv_ready, earlier & 1)                    # k, v [BN,D]
         for step in range(NUM_TILES):
             m_tile = walk_tile(step, block, NUM_TILES, ROTATED_WALK)
             tile_count = earlier * NUM_TILES + step
@@ -466,7 +344,7 @@ def compute_partition_queries_in_rows(
         cta_barrier()
         mbarrier.arrive(empty.index(((earlier + 1) * NUM_TILES - 1) % NUM_STAGES),
                         count=1)
-        mbarrier.arrive(kv_empty.index(buffer), count=1)
+        mbarrier.arrive(kv_empty, count=1)
         store_grad_kv(grad_k, grad_v, block, batch_head, GRAD_QKV, scale, NUM_HEADS,
                       SEQ_LEN, HEAD_DIM, BLOCK_N, acc_layout)
 
@@ -477,8 +355,7 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
                             num_items, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                            KV_BUFFERS: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
-                            WORKER_REGISTERS: gl.constexpr, QUERIES_IN_ROWS: gl.constexpr,
+                            HEADS_IN_ROWS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
                             GRAD_Q_BUFFERS: gl.constexpr, ROTATED_WALK: gl.constexpr,
                             num_warps: gl.constexpr):
     """dQ | dK | dV into GRAD_QKV [B,S,3E] (the operands' dtype; head h's columns at
@@ -493,32 +370,25 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
     a TMA descriptor of [BM,D] tiles of the float32 dQ sums [B*H * ceil(S / BM) * BM, D]
     (scratch, never zeroed: tile m of a head at row (head * ceil(S / BM) + m) * BM);
     SEMAPHORES [B*H, ceil(S / BM)] int32 zeros (attention_delta_kernel clears them).
-    BLOCK_N = 16 * num_warps (one consumer warpgroup per 64 keys); KV_BUFFERS (1 or 2)
-    buffers of k and v tiles; the producer and the dQ writer, one warp each, keep
-    WORKER_REGISTERS registers per thread."""
-    if QUERIES_IN_ROWS:
-        gl.static_assert(BLOCK_M == 16 * num_warps, "one consumer warpgroup per 64 queries")
-    else:
-        gl.static_assert(BLOCK_N == 16 * num_warps, "one consumer warpgroup per 64 keys")
-        gl.static_assert(not ROTATED_WALK, "the rotated walk takes queries in rows")
+    BLOCK_M = 16 * num_warps (one consumer warpgroup per 64 queries); GRAD_Q_BUFFERS (1
+    or 2) dQ tiles handed to the writer at once; the producer and the dQ writer, one
+    warp each, keep WORKER_REGISTERS registers per thread."""
+    gl.static_assert(BLOCK_M == 16 * num_warps, "one consumer warpgroup per 64 queries")
     if ROTATED_WALK:
         gl.static_assert(BLOCK_M == BLOCK_N, "as many key blocks as query tiles")
     dtype: gl.constexpr = q_desc.dtype
-    k_tiles = gl.allocate_shared_memory(dtype, [KV_BUFFERS, BLOCK_N, HEAD_DIM], k_desc.layout)
-    v_tiles = gl.allocate_shared_memory(dtype, [KV_BUFFERS, BLOCK_N, HEAD_DIM], v_desc.layout)
+    k_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_tile = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
     q_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM], q_desc.layout)
     grad_attn_ring = gl.allocate_shared_memory(dtype, [NUM_STAGES, BLOCK_M, HEAD_DIM],
                                                grad_attn_desc.layout)
-    if QUERIES_IN_ROWS:
-        score_shape: gl.constexpr = [BLOCK_M, BLOCK_N]
-    else:
-        score_shape: gl.constexpr = [BLOCK_N, BLOCK_M]
-    score_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for(score_shape, dtype)
-    grad_s_tile = gl.allocate_shared_memory(dtype, score_shape, score_layout)
+    score_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N],
+                                                                      dtype)
+    grad_s_tile = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], score_layout)
     grad_q_ring = gl.allocate_shared_memory(gl.float32, [GRAD_Q_BUFFERS, BLOCK_M, HEAD_DIM],
                                             grad_q_sum_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
-    kv_empty = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     grad_q_full = gl.allocate_shared_memory(gl.int64, [GRAD_Q_BUFFERS, 1],
@@ -527,9 +397,8 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
                                              mbarrier.MBarrierLayout())
     sum_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(sum_ready, count=1)
-    for buffer in gl.static_range(KV_BUFFERS):
-        mbarrier.init(kv_ready.index(buffer), count=1)
-        mbarrier.init(kv_empty.index(buffer), count=1)
+    mbarrier.init(kv_ready, count=1)
+    mbarrier.init(kv_empty, count=1)
     for stage in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(stage), count=1)
         mbarrier.init(empty.index(stage), count=1)
@@ -537,41 +406,23 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
         mbarrier.init(grad_q_full.index(buffer), count=1)
         mbarrier.init(grad_q_empty.index(buffer), count=1)
     fence_async_shared()
+    probs_tile = gl.allocate_shared_memory(dtype, [BLOCK_M, BLOCK_N], score_layout)
 
-    if QUERIES_IN_ROWS:
-        probs_tile = gl.allocate_shared_memory(dtype, score_shape, score_layout)
-        gl.warp_specialize([
-            (compute_partition_queries_in_rows, (
-                k_tiles, v_tiles, q_ring, grad_attn_ring, probs_tile, grad_s_tile,
-                grad_q_ring, kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty,
-                LSE, DELTA, GRAD_QKV, scale, num_items, NUM_HEADS, SEQ_LEN, HEAD_DIM,
-                BLOCK_M, BLOCK_N, NUM_STAGES, KV_BUFFERS, GRAD_Q_BUFFERS, ROTATED_WALK,
-                num_warps)),
-            (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
-                              grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
-                              NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                              KV_BUFFERS, HEADS_IN_ROWS, ROTATED_WALK)),
-            (grad_q_partition, (grad_q_ring, grad_q_full, grad_q_empty, sum_ready,
-                                grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale, num_items,
-                                NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                GRAD_Q_BUFFERS, ROTATED_WALK)),
-        ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
-    else:
-        gl.warp_specialize([
-            (compute_partition, (
-                k_tiles, v_tiles, q_ring, grad_attn_ring, grad_s_tile, grad_q_ring,
-                kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE, DELTA,
-                GRAD_QKV, scale, num_items, NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
-                NUM_STAGES, KV_BUFFERS, GRAD_Q_BUFFERS, num_warps)),
-            (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tiles, v_tiles, q_ring,
-                              grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
-                              NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
-                              KV_BUFFERS, HEADS_IN_ROWS, ROTATED_WALK)),
-            (grad_q_partition, (grad_q_ring, grad_q_full, grad_q_empty, sum_ready,
-                                grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale, num_items,
-                                NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                GRAD_Q_BUFFERS, ROTATED_WALK)),
-        ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
+    gl.warp_specialize([
+        (compute_partition, (k_tile, v_tile, q_ring, grad_attn_ring, probs_tile, grad_s_tile,
+                             grad_q_ring, kv_ready, kv_empty, ready, empty, grad_q_full,
+                             grad_q_empty, LSE, DELTA, GRAD_QKV, scale, num_items, NUM_HEADS,
+                             SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, GRAD_Q_BUFFERS,
+                             ROTATED_WALK, num_warps)),
+        (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
+                          grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
+                          NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                          HEADS_IN_ROWS, ROTATED_WALK)),
+        (grad_q_partition, (grad_q_ring, grad_q_full, grad_q_empty, sum_ready,
+                            grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale, num_items,
+                            NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, GRAD_Q_BUFFERS,
+                            ROTATED_WALK)),
+    ], [1, 1], [WORKER_REGISTERS, WORKER_REGISTERS])
 
 
 @gluon.jit
