@@ -31,10 +31,11 @@ class WsTiles(NamedTuple):
     work item (both 128: one consumer warpgroup per 64 queries, num_warps = BLOCK_M //
     16), NUM_STAGES slots of q and dO tiles in the ring, the registers per thread the
     launch asks for (maxnreg), those the producer and dQ-writer warps keep (setmaxnreg;
-    the consumers get the rest), whether the grid is one program per SM, each walking its share of the (head, key block) items (persistent, a cooperative
-    launch), or one program per item; grad_q_buffers (1 or 2) dQ tiles handed to the
-    writer at once; rotated_walk: key block b walks the query tiles from tile b on (a
-    persistent grid; the kernel's docstring)."""
+    the consumers get the rest), whether the grid is one program per SM, each walking
+    its share of the (head, key block) items (persistent, a cooperative launch), or one
+    program per item; grad_q_buffers (1 or 2) dQ tiles handed to the writer at once;
+    rotated_walk: key block b walks the query tiles from tile b on (a persistent grid;
+    the kernel's docstring)."""
     block_m: int
     block_n: int
     num_stages: int
