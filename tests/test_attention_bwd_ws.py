@@ -79,6 +79,8 @@ def _inputs(dtype=torch.bfloat16, batch=1, heads=2, seq_len=5, head_dim=64):
      "q, k, v must be contiguous"),
     (lambda i: dict(i, grad_attn=i["grad_attn"][:, :-1]), "grad_attn must be contiguous"),
     (lambda i: dict(i, lse=i["lse"].double()), "lse must be contiguous float32"),
+    (lambda i: _inputs(head_dim=128), "head_dim must be 64, got 128"),
+    (lambda i: _inputs(head_dim=48), "head_dim must be 64, got 48"),
 ])
 def test_bad_arguments_are_named(change, message):
     with pytest.raises(ValueError, match=message):
