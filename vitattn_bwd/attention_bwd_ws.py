@@ -175,7 +175,7 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
         raise ValueError(f"a rotated walk needs a persistent grid, got {tiles}")
 
 
-def launch_delta(grad_attn, attn_output, num_heads, block_m=64):
+def launch_delta(grad_attn, attn_output, num_heads, block_m):
     """(delta [B,H,S] float32 = rowsum(dO * O) per head, from grad_attn, attn_output
     [B,S,E]; the main kernel's semaphores [B*H, ceil(S / block_m)] int32, zeroed)."""
     from .kernels.attention_bwd_ws import attention_delta_kernel
@@ -232,7 +232,7 @@ def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
                 num_warps=tiles.num_warps)
 
 
-def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=64, dtype=torch.bfloat16,
+def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=HEAD_DIM, dtype=torch.bfloat16,
                  heads_in_rows=False):
     """The main kernel compiled for sm_90 (triton's CompiledKernel: .asm["cubin"],
     .asm["ptx"], .metadata.shared), as `launch` would run it, launching nothing."""

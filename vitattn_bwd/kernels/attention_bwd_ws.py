@@ -185,9 +185,10 @@ def grad_q_partition(grad_q_ring, grad_q_full, grad_q_empty, sum_ready,
                      HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                      GRAD_Q_BUFFERS: gl.constexpr, ROTATED_WALK: gl.constexpr):
     """The dQ writer (one warp): takes each query tile's dQ [BM,D] from shared memory and
-    adds it to the head's dQ in key-block order (module docstring) by TMA, giving the
-    buffer back as soon as the copy has read it; the last block loads the sum by TMA
-    into the same buffer and stores dQ * scale into GRAD_QKV [B,S,3E]'s dQ columns."""
+    adds it to the head's dQ in its fixed order of turns (module docstring) by TMA,
+    giving the buffer back as soon as the copy has read it; the last turn loads the sum
+    by TMA into the same buffer and stores dQ * scale into GRAD_QKV [B,S,3E]'s dQ
+    columns."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
     last: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N - 1
     sums_loaded = 0                    # this program's loads of a sum (sum_ready's phase)
