@@ -41,10 +41,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vitattn_bwd import attention_bwd_ws  # noqa: E402
 
 
+def walk_spills(sass):
+    """Local-memory loads and stores (spills) in the SASS loop around the first HGMMA:
+    the consumers' walk over a work item's query tiles, the kernel's innermost loop."""
+    lines = [(int(m[1], 16), m[2]) for m in re.finditer(
+        r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    first_product = next(address for address, text in lines if "HGMMA" in text)
+    loops = [(int(target, 16), address) for address, text in lines
+             for target in re.findall(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
+             if int(target, 16) <= first_product <= address]
+    start, end = min(loops, key=lambda loop: loop[1] - loop[0])
+    return sum(1 for address, text in lines
+               if start <= address <= end and re.search(r"\b(?:STL|LDL)\b", text))
+
+
 def sm90_report():
-    """[(tiles, {shared_bytes, threads, spill_stores, hgmma, waits, setmaxnreg,
-    serialized})]
-    of each configuration compiled for sm_90."""
+    """[(tiles, {shared_bytes, threads, spill_stores, walk_spills, hgmma, waits,
+    setmaxnreg, serialized})] of each configuration compiled for sm_90."""
     from kernel_resources import ptxas_report_and_sass
     report = []
     for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
@@ -54,6 +67,7 @@ def sm90_report():
             shared_bytes=compiled.metadata.shared,
             threads=int(re.search(r"\.reqntid (\d+)", compiled.asm["ptx"])[1]),
             spill_stores=int(re.search(r"(\d+) bytes spill stores", notes)[1]),
+            walk_spills=walk_spills(sass),
             hgmma=len(re.findall(r"\bHGMMA\b", sass)),
             waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
             setmaxnreg=sorted({int(n) for n in re.findall(
@@ -201,7 +215,7 @@ def gpu_main(batch, out_dir):
                 print(json.dumps({f"batch {b}, {name}": checks[name]}), flush=True)
         if b == batch:
             ms = bench(lambda: attention_bwd_ws.launch_delta(
-                grad_attn, attn_output, H, attention_bwd_ws.FASTEST_TILES.block_m))
+                grad_attn, attn_output, lse, H, attention_bwd_ws.FASTEST_TILES.block_m))
             table.append(("ws delta kernel alone", "-", ms, float("nan")))
         try:                                 # gluon_core's kernels, as they are today
             (rows, cols), current = ours(q, k, v, grad_attn, attn_output, lse,

@@ -46,18 +46,25 @@ def test_registers_move_from_the_workers_to_the_consumers(resources):
 SM_REGISTERS = 65536
 
 
-def test_configured_tiles_fit_without_spills(resources):
+def test_configured_tiles_fit_without_spills_in_the_walk(resources, request):
     """Every configuration's launch fits the register file (maxnreg x threads; at 184
     registers the 384 threads of two consumer warpgroups did not launch), and as many
     programs as its registers allow on an SM fit its shared memory with their 2 or 3
-    ring stages. The configured tiles spill nothing; the candidates a few words (of the
-    workers')."""
+    ring stages. The configured tiles spill nothing in the consumers' walk over the
+    query tiles with the installed triton (two local loads a tile, L1 hits, with the
+    newest, whose ptxas chooses other values to reload), and at most 8 words in all
+    (shared-memory addresses computed once, reloaded once per work item); the
+    candidates a few words more."""
+    walk_spills = 0 if request.node.callspec.params["resources"] == "installed triton" else 2
     for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
         r = resources[tiles]
         programs_per_sm = SM_REGISTERS // (tiles.maxnreg * r["threads"])
         assert programs_per_sm >= 1 and tiles.num_stages >= 2, (tiles, r)
         assert programs_per_sm * r["shared_bytes"] <= H200_SHARED_MEMORY, (tiles, r)
-        assert r["spill_stores"] <= (0 if tiles in attention_bwd_ws.TILES else 64), (tiles, r)
+        if tiles in attention_bwd_ws.TILES:
+            assert r["walk_spills"] <= walk_spills and r["spill_stores"] <= 32, (tiles, r)
+        else:
+            assert r["spill_stores"] <= 64, (tiles, r)
 
 
 def _inputs(dtype=torch.bfloat16, batch=1, heads=2, seq_len=5, head_dim=64):
@@ -105,9 +112,10 @@ def test_rows_past_32_bit_indexing_are_refused():
 def test_tiles_outside_the_family_are_refused():
     for tiles in (attention_bwd_ws.WsTiles(64, 128, 2, 168),
                   attention_bwd_ws.WsTiles(128, 64, 2, 168),
-                  attention_bwd_ws.WsTiles(128, 128, 2, 168, grad_q_buffers=3)):
-        with pytest.raises(ValueError, match="^tiles must have block_m and block_n 128 "
-                                             "and grad_q_buffers 1 or 2"):
+                  attention_bwd_ws.WsTiles(128, 128, 2, 168, grad_q_buffers=3),
+                  attention_bwd_ws.WsTiles(128, 128, 2, 168, grad_q_swizzle=16)):
+        with pytest.raises(ValueError, match="^tiles must have block_m and block_n 128, "
+                                             "grad_q_buffers 1 or 2 and grad_q_swizzle"):
             attention_bwd_ws.launch(**_inputs(), tiles=tiles)
     with pytest.raises(ValueError, match="^a rotated walk needs a persistent grid"):
         attention_bwd_ws.launch(**_inputs(), tiles=attention_bwd_ws.WsTiles(

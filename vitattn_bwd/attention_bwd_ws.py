@@ -12,10 +12,9 @@ contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_o
 logits. One product per matmul, P recomputed from lse (the module's half-precision
 path). Not an autotune choice of the registered lowerings: on the H200, at batch 32,
 577 tokens, 16 heads of 64, its fastest configuration (FASTEST_TILES: a persistent grid,
-the rotated walk) measured 0.440 ms with its delta kernel, against 0.443-0.445 for
-cuDNN's non-deterministic backward, 0.597 for the two-pass Gluon kernels and 0.588 for
-the keys-in-rows form of this kernel that it replaced, in the same runs
-(scripts/time_core_ws.py; docs/performance.md, "The warp-specialized core").
+the rotated walk) measured 0.408-0.413 ms with its delta kernel, against 0.446 for
+cuDNN's non-deterministic backward and 0.599 for the two-pass Gluon kernels in the same
+run (scripts/time_core_ws.py; docs/performance.md, "The warp-specialized core").
 """
 import functools
 from typing import NamedTuple
@@ -35,7 +34,9 @@ class WsTiles(NamedTuple):
     its share of the (head, key block) items (persistent, a cooperative launch), or one
     program per item; grad_q_buffers (1 or 2) dQ tiles handed to the writer at once;
     rotated_walk: key block b walks the query tiles from tile b on (a persistent grid;
-    the kernel's docstring)."""
+    the kernel's docstring); grad_q_swizzle: the swizzle in bytes (0, 32, 64 or 128) of
+    the dQ tiles in shared memory; deferred_grad_q: each dQ tile handed to the writer at
+    the next tile's first barrier rather than with a fence and barrier of its own."""
     block_m: int
     block_n: int
     num_stages: int
@@ -44,6 +45,8 @@ class WsTiles(NamedTuple):
     persistent: bool = False
     grad_q_buffers: int = 2
     rotated_walk: bool = False
+    grad_q_swizzle: int = 0
+    deferred_grad_q: bool = False
 
     @property
     def num_warps(self):
@@ -54,23 +57,29 @@ class WsTiles(NamedTuple):
 # 64 (229,740 bytes of 232,448 compiled for sm_90) and no more; Gluon's tiles take
 # powers of two only (48 and 96 do not compile), and 16 and 32 have not run on a GPU.
 HEAD_DIM = 64
-# The fastest configuration measured on the H200 (0.440 ms at batch 32; the module
-# docstring), the launch the deterministic attention of the stock route uses: two
+# The fastest configuration measured on the H200 (the module docstring), the launch the deterministic attention of the stock route uses: two
 # consumer warpgroups and two worker warps (384 threads with the padding warps: at most
 # 170 registers each at launch; the consumers get 240), 2 stages (3 with one dQ buffer
 # fit shared memory too, and ran no faster), the workers at 40 registers (at 24 the
-# producer and the writer spilled 140 bytes). No spills under triton 3.6.0 and 3.9.0.
+# producer and the writer spilled 140 bytes). No spills in the consumers' walk under
+# triton 3.6.0 (two reloads a tile under 3.9.0); 20 bytes of addresses reloaded once per
+# work item, since dK and dV are stored through shared memory.
 FASTEST_TILES = WsTiles(128, 128, 2, 168, persistent=True, rotated_walk=True)
-# Compiled for sm_90 without spills and with its wgmmas unserialized
+# Compiled for sm_90 without spills in the walk and with its wgmmas unserialized
 # (tests/test_attention_bwd_ws.py, with the installed triton and the newest).
 TILES = (FASTEST_TILES,)
 # Timed beside TILES (scripts/time_core_ws.py): without the rotated walk, 0.544-0.579 ms
-# (two or one dQ buffers, one program per item); each spills 4-20 bytes of the workers'
-# under triton 3.6.0, 12 under 3.9.0. (The 128-byte swizzle of the dQ tiles, 0.542 ms in
-# order and 0.444 rotated, spilled up to 68 bytes and is not kept.)
+# (two or one dQ buffers, one program per item, before dK and dV went through shared
+# memory); the dQ tiles swizzled, or handed over at the next tile's barrier (ncu had the
+# hand-over 22% of the consumers' stall samples; docs/performance.md).
 CANDIDATE_TILES = (WsTiles(128, 128, 2, 168, persistent=True),
                    WsTiles(128, 128, 2, 168, persistent=True, grad_q_buffers=1),
-                   WsTiles(128, 128, 2, 168))
+                   WsTiles(128, 128, 2, 168),
+                   FASTEST_TILES._replace(deferred_grad_q=True),
+                   FASTEST_TILES._replace(grad_q_swizzle=128),
+                   FASTEST_TILES._replace(grad_q_swizzle=128, deferred_grad_q=True),
+                   FASTEST_TILES._replace(deferred_grad_q=True, grad_q_buffers=1,
+                                          num_stages=3))
 
 
 def _shared_layout(block_shape, dtype):
@@ -111,18 +120,19 @@ def _descriptor(t, heads_in_rows, block_rows, head_dim):
                             _shared_layout(block, _gl_dtype(t.dtype)))
 
 
-def _sum_layout():
-    """The shared-memory layout of the float32 dQ tiles that the TMA copies move: rows as
-    they lie (the 128-byte swizzle ran no faster with the rotated walk)."""
+def _sum_layout(tiles):
+    """The shared-memory layout of the float32 dQ tiles that the TMA copies move, with
+    the configuration's swizzle (0: rows as they lie)."""
     from triton.experimental.gluon import language as gl
-    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+    return gl.NVMMASharedLayout(swizzle_byte_width=tiles.grad_q_swizzle, element_bitwidth=32,
+                                rank=2)
 
 
 def _sum_descriptor(grad_q_sums, tiles):
     """A TMA descriptor of [BM,D] tiles of the float32 dQ sums [rows, D]."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     return TensorDescriptor(grad_q_sums, list(grad_q_sums.shape), list(grad_q_sums.stride()),
-                            [tiles.block_m, grad_q_sums.shape[1]], _sum_layout())
+                            [tiles.block_m, grad_q_sums.shape[1]], _sum_layout(tiles))
 
 
 def program_count(tiles, num_items, sm_count, programs=None, blocks_per_head=1):
@@ -168,26 +178,29 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
         raise ValueError(f"q's batch * heads * seq_len (seq_len rounded up to whole "
                          f"{tiles.block_m}-query tiles) must be below 2**31, got "
                          f"{list(q.shape)}")
-    if (tiles.block_m, tiles.block_n) != (128, 128) or tiles.grad_q_buffers not in (1, 2):
-        raise ValueError(f"tiles must have block_m and block_n 128 and grad_q_buffers 1 or "
-                         f"2, got {tiles}")
+    if ((tiles.block_m, tiles.block_n) != (128, 128) or tiles.grad_q_buffers not in (1, 2)
+            or tiles.grad_q_swizzle not in (0, 32, 64, 128)):
+        raise ValueError(f"tiles must have block_m and block_n 128, grad_q_buffers 1 or 2 "
+                         f"and grad_q_swizzle 0, 32, 64 or 128, got {tiles}")
     if tiles.rotated_walk and not tiles.persistent:
         raise ValueError(f"a rotated walk needs a persistent grid, got {tiles}")
 
 
-def launch_delta(grad_attn, attn_output, num_heads, block_m):
+def launch_delta(grad_attn, attn_output, lse, num_heads, block_m):
     """(delta [B,H,S] float32 = rowsum(dO * O) per head, from grad_attn, attn_output
-    [B,S,E]; the main kernel's semaphores [B*H, ceil(S / block_m)] int32, zeroed)."""
+    [B,S,E]; lse [B,H,S] * log2(e); the main kernel's semaphores [B*H, ceil(S /
+    block_m)] int32, zeroed)."""
     from .kernels.attention_bwd_ws import attention_delta_kernel
     batch, seq_len, embed_dim = grad_attn.shape
     delta = buffers.output_buffer(grad_attn, batch, num_heads, seq_len, dtype=torch.float32)
     query_tiles = -(-seq_len // block_m)
     semaphores = buffers.output_buffer(grad_attn, batch * num_heads, query_tiles,
                                        dtype=torch.int32)
+    lse_log2 = buffers.output_buffer(grad_attn, batch, num_heads, seq_len, dtype=torch.float32)
     attention_delta_kernel[(batch * num_heads, query_tiles)](
-        grad_attn, attn_output, delta, semaphores, NUM_HEADS=num_heads, SEQ_LEN=seq_len,
+        grad_attn, attn_output, lse, delta, lse_log2, semaphores, NUM_HEADS=num_heads, SEQ_LEN=seq_len,
         HEAD_DIM=embed_dim // num_heads, BLOCK=block_m, num_warps=4)
-    return delta, semaphores
+    return delta, lse_log2, semaphores
 
 
 def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, programs=None):
@@ -206,7 +219,8 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, pro
     sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                 if tiles.persistent else None)
     grid = (program_count(tiles, num_items, sm_count, programs, key_blocks),)
-    delta, semaphores = launch_delta(grad_attn, attn_output, heads, tiles.block_m)
+    delta, lse_log2, semaphores = launch_delta(grad_attn, attn_output, lse, heads,
+                                               tiles.block_m)
     # float32 dQ sums, one [BM,D] tile per (head, query tile), padded past S
     query_tiles = semaphores.shape[1]
     grad_q_sums = buffers.output_buffer(q, batch * heads * query_tiles * tiles.block_m,
@@ -217,7 +231,7 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, pro
         _descriptor(k, heads_in_rows, tiles.block_n, head_dim),
         _descriptor(v, heads_in_rows, tiles.block_n, head_dim),
         _descriptor(grad_attn, False, tiles.block_m, head_dim),
-        lse, delta, _sum_descriptor(grad_q_sums, tiles), semaphores, grad_qkv, scale,
+        lse_log2, delta, _sum_descriptor(grad_q_sums, tiles), semaphores, grad_qkv, scale,
         num_items,
         **kernel_constexprs(heads, seq_len, head_dim, tiles, heads_in_rows),
         maxnreg=tiles.maxnreg, launch_cooperative_grid=tiles.persistent)
@@ -229,6 +243,7 @@ def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
                 HEADS_IN_ROWS=heads_in_rows, WORKER_REGISTERS=tiles.worker_registers,
                 GRAD_Q_BUFFERS=tiles.grad_q_buffers, ROTATED_WALK=tiles.rotated_walk,
+                DEFERRED_GRAD_Q=tiles.deferred_grad_q,
                 num_warps=tiles.num_warps)
 
 
@@ -247,9 +262,10 @@ def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=HEAD_DIM, dtype=torc
         return f"tensordesc<{element}[{rows}, {head_dim}],{layout!r}>"
     signature = dict(q_desc=descriptor(tiles.block_m), k_desc=descriptor(tiles.block_n),
                      v_desc=descriptor(tiles.block_n),
-                     grad_attn_desc=descriptor(tiles.block_m), LSE="*fp32", DELTA="*fp32",
+                     grad_attn_desc=descriptor(tiles.block_m), LSE_LOG2="*fp32",
+                     DELTA="*fp32",
                      grad_q_sum_desc=(f"tensordesc<fp32[{tiles.block_m}, {head_dim}],"
-                                      f"{_sum_layout()!r}>"),
+                                      f"{_sum_layout(tiles)!r}>"),
                      SEMAPHORES="*i32", GRAD_QKV=f"*{element}", scale="fp32",
                      num_items="i32")
     signature.update({name: "constexpr" for name in constexprs})

@@ -58,7 +58,8 @@ its end); P and dS are 0 there, so their dQ rows are 0 (added into the sum's pad
 rows) and nothing is stored for them in the outputs.
 
 delta = rowsum(dO * O) [B,H,S] float32 comes from attention_delta_kernel, a pass over dO
-and O before the main kernel, which zeroes the semaphores too.
+and O before the main kernel, which scales the log-sum-exp to base 2 and zeroes the
+semaphores too.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -253,31 +254,44 @@ def hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full, grad_q_empty,
 
 
 @gluon.jit
-def store_grad_kv(grad_k, grad_v, block, batch_head, GRAD_QKV, scale,
+def store_grad_kv(grad_k, grad_v, staging, block, batch_head, GRAD_QKV, scale,
                   NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                  BLOCK_N: gl.constexpr, acc_layout: gl.constexpr):
+                  BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
     """dK * scale and dV [BN,D] of key block `block` into GRAD_QKV [B,S,3E] (dK at
-    column E + head * D, dV at 2E + head * D; the rows before the sequence end)."""
+    column E + head * D, dV at 2E + head * D; the rows before the sequence end),
+    through the two column halves of `staging` [BN,2D] (the P tile, free once the
+    item's last dV is done): from the accumulators' layout, a thread's stores would be
+    4 bytes each, 2 columns of a row; read back from shared memory they are 16 bytes,
+    8 columns (docs/performance.md measured the item's end 6% of the kernel's time
+    before)."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
-    rows = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, acc_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+    grad_k_tile = staging.slice(0, HEAD_DIM, dim=1)                    # [BN,D]
+    grad_v_tile = staging.slice(HEAD_DIM, HEAD_DIM, dim=1)             # [BN,D]
+    grad_k_tile.store((grad_k * scale).to(staging.dtype))
+    grad_v_tile.store(grad_v.to(staging.dtype))
+    cta_barrier()
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
+                                            [num_warps, 1], [1, 0])
+    rows = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     batch = batch_head // NUM_HEADS
     head = batch_head % NUM_HEADS
     out = (GRAD_QKV + (batch * SEQ_LEN + rows).to(gl.int64)[:, None] * 3 * EMBED
            + EMBED + head * HEAD_DIM + cols[None, :])
     in_rows = (rows < SEQ_LEN)[:, None]
-    gl.store(out, (grad_k * scale).to(GRAD_QKV.dtype.element_ty), mask=in_rows)
-    gl.store(out + EMBED, grad_v.to(GRAD_QKV.dtype.element_ty), mask=in_rows)
+    gl.store(out, grad_k_tile.load(layout), mask=in_rows)
+    gl.store(out + EMBED, grad_v_tile.load(layout), mask=in_rows)
+    cta_barrier()                      # read before the next item's P is stored
 
 
 @gluon.jit
 def compute_partition(
         k_tile, v_tile, q_ring, grad_attn_ring, probs_tile, grad_s_tile, grad_q_ring,
-        kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE, DELTA, GRAD_QKV,
-        scale, num_items, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+        kv_ready, kv_empty, ready, empty, grad_q_full, grad_q_empty, LSE_LOG2, DELTA,
+        GRAD_QKV, scale, num_items, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
         HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
         NUM_STAGES: gl.constexpr, GRAD_Q_BUFFERS: gl.constexpr,
-        ROTATED_WALK: gl.constexpr, num_warps: gl.constexpr):
+        ROTATED_WALK: gl.constexpr, DEFERRED_GRAD_Q: gl.constexpr, num_warps: gl.constexpr):
     """The consumers: for each work item, the five products per query tile (module
     docstring) with S and dP [BM,BN] in registers and P and dS [BM,BN] through shared
     memory (the A operands of dV += P^T @ dO, dK += dS^T @ q and dQ = dS @ k), dQ handed
@@ -308,7 +322,7 @@ def compute_partition(
             queries = m_tile * BLOCK_M + gl.arange(0, BLOCK_M, layout=query_vector)
             in_queries = queries < SEQ_LEN
             row_stats = batch_head * SEQ_LEN + queries
-            lse = gl.load(LSE + row_stats, mask=in_queries, other=0.0) * LOG2E
+            lse = gl.load(LSE_LOG2 + row_stats, mask=in_queries, other=0.0)
             delta = gl.load(DELTA + row_stats, mask=in_queries, other=0.0)
             mbarrier.wait(ready.index(slot), (tile_count // NUM_STAGES) & 1)
             q = q_ring.index(slot)                                          # [BM,D]
@@ -320,8 +334,13 @@ def compute_partition(
                                    use_acc=False, is_async=True)            # [BM,BN]
             logits = warpgroup_mma_wait(1, deps=(logits,))
             if step > 0:               # dV, dK of the previous step are done with its slot
+                if DEFERRED_GRAD_Q:
+                    fence_async_shared()   # the previous dQ, for the writer's TMA copy
                 cta_barrier()
                 mbarrier.arrive(empty.index((tile_count - 1) % NUM_STAGES), count=1)
+                if DEFERRED_GRAD_Q:
+                    mbarrier.arrive(grad_q_full.index((tile_count - 1) % GRAD_Q_BUFFERS),
+                                    count=1)
             valid = in_queries[:, None] & in_keys[None, :]
             probs = gl.where(valid, gl.exp2(logits * logit_scale - lse[:, None]), 0.0)
             probs_tile.store(probs.to(dtype))        # the previous dV is done with it
@@ -339,26 +358,36 @@ def compute_partition(
             grad_k = warpgroup_mma(grad_s_tile.permute((1, 0)), q, grad_k,
                                    is_async=True)                           # [BN,D]
             grad_q = warpgroup_mma_wait(1, deps=(grad_q,))                  # dK on
-            hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full, grad_q_empty,
-                             GRAD_Q_BUFFERS)
+            if DEFERRED_GRAD_Q:        # stored now, handed over at the next tile's barrier
+                buffer = tile_count % GRAD_Q_BUFFERS
+                mbarrier.wait(grad_q_empty.index(buffer),
+                              ((tile_count // GRAD_Q_BUFFERS) & 1) ^ 1)
+                grad_q_ring.index(buffer).store(grad_q)
+            else:
+                hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full,
+                                 grad_q_empty, GRAD_Q_BUFFERS)
         grad_k, grad_v = warpgroup_mma_wait(0, deps=(grad_k, grad_v))
+        if DEFERRED_GRAD_Q:
+            fence_async_shared()
         cta_barrier()
-        mbarrier.arrive(empty.index(((earlier + 1) * NUM_TILES - 1) % NUM_STAGES),
-                        count=1)
+        last_tile = (earlier + 1) * NUM_TILES - 1
+        mbarrier.arrive(empty.index(last_tile % NUM_STAGES), count=1)
+        if DEFERRED_GRAD_Q:
+            mbarrier.arrive(grad_q_full.index(last_tile % GRAD_Q_BUFFERS), count=1)
         mbarrier.arrive(kv_empty, count=1)
-        store_grad_kv(grad_k, grad_v, block, batch_head, GRAD_QKV, scale, NUM_HEADS,
-                      SEQ_LEN, HEAD_DIM, BLOCK_N, acc_layout)
+        store_grad_kv(grad_k, grad_v, probs_tile, block, batch_head, GRAD_QKV, scale,
+                      NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_N, num_warps)
 
 
 @gluon.jit
-def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
+def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE_LOG2, DELTA,
                             grad_q_sum_desc, SEMAPHORES, GRAD_QKV, scale,
                             num_items, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                             HEADS_IN_ROWS: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
                             GRAD_Q_BUFFERS: gl.constexpr, ROTATED_WALK: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            DEFERRED_GRAD_Q: gl.constexpr, num_warps: gl.constexpr):
     """dQ | dK | dV into GRAD_QKV [B,S,3E] (the operands' dtype; head h's columns at
     h * D, E + h * D and 2E + h * D: a QKV projection's layout) of the work items this
     program takes (module docstring) of num_items = ceil(S / BLOCK_N) * B * NUM_HEADS,
@@ -366,8 +395,9 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
     + head) = i // ceil(S / BLOCK_N); a 1-D grid of one program per item, or of fewer
     all resident at once (a cooperative launch: module docstring). q_desc,
     grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D] tiles
-    (head_coordinates says where a head lies). LSE, DELTA [B,H,S] float32
-    (natural-log log-sum-exp of the logits * scale, rowsum(dO * O)); grad_q_sum_desc:
+    (head_coordinates says where a head lies). LSE_LOG2, DELTA [B,H,S] float32
+    (base-2 log-sum-exp of the logits * scale, rowsum(dO * O): attention_delta_kernel's);
+    grad_q_sum_desc:
     a TMA descriptor of [BM,D] tiles of the float32 dQ sums [B*H * ceil(S / BM) * BM, D]
     (scratch, never zeroed: tile m of a head at row (head * ceil(S / BM) + m) * BM);
     SEMAPHORES [B*H, ceil(S / BM)] int32 zeros (attention_delta_kernel clears them).
@@ -412,9 +442,10 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
     gl.warp_specialize([
         (compute_partition, (k_tile, v_tile, q_ring, grad_attn_ring, probs_tile, grad_s_tile,
                              grad_q_ring, kv_ready, kv_empty, ready, empty, grad_q_full,
-                             grad_q_empty, LSE, DELTA, GRAD_QKV, scale, num_items, NUM_HEADS,
+                             grad_q_empty, LSE_LOG2, DELTA, GRAD_QKV, scale, num_items,
+                             NUM_HEADS,
                              SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, GRAD_Q_BUFFERS,
-                             ROTATED_WALK, num_warps)),
+                             ROTATED_WALK, DEFERRED_GRAD_Q, num_warps)),
         (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
                           grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
                           NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
@@ -427,12 +458,15 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE, DELTA,
 
 
 @gluon.jit
-def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, DELTA, SEMAPHORES, NUM_HEADS: gl.constexpr,
-                           SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
-                           BLOCK: gl.constexpr, num_warps: gl.constexpr):
+def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, LSE, DELTA, LSE_LOG2, SEMAPHORES,
+                           NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
+                           num_warps: gl.constexpr):
     """What attention_bwd_ws_kernel reads and nothing computes before it: DELTA [B,H,S]
-    float32 = rowsum(dO * O) per head, from GRAD_ATTN and ATTN_OUT [B,S,E], and its
-    SEMAPHORES [B*H, ceil(S / BLOCK)] set to 0 (BLOCK: the main kernel's BLOCK_M), so
+    float32 = rowsum(dO * O) per head, from GRAD_ATTN and ATTN_OUT [B,S,E]; LSE_LOG2
+    [B,H,S] = LSE * log2(e), the log-sum-exp in base 2 (scaled here, the main kernel
+    has no multiply waiting for its load before it issues a tile's first products:
+    docs/performance.md measured 2% of its time); and its SEMAPHORES [B*H, ceil(S / BLOCK)] set to 0 (BLOCK: the main kernel's BLOCK_M), so
     that no launch of its own clears them. Program ids (batch * NUM_HEADS + head, row
     block): B * H in the grid's first dimension, which has no 65,535 limit."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK - 1) // BLOCK
@@ -449,6 +483,8 @@ def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, DELTA, SEMAPHORES, NUM_HEADS: gl
     in_rows = (rows < SEQ_LEN)[:, None]
     grad_attn = gl.load(GRAD_ATTN + offsets, mask=in_rows, other=0.0).to(gl.float32)
     attn_output = gl.load(ATTN_OUT + offsets, mask=in_rows, other=0.0).to(gl.float32)
-    gl.store(DELTA + batch_head.to(gl.int64) * SEQ_LEN + rows,
-             gl.sum(grad_attn * attn_output, axis=1), mask=rows < SEQ_LEN)
+    stats = batch_head.to(gl.int64) * SEQ_LEN + rows
+    gl.store(DELTA + stats, gl.sum(grad_attn * attn_output, axis=1), mask=rows < SEQ_LEN)
+    gl.store(LSE_LOG2 + stats, gl.load(LSE + stats, mask=rows < SEQ_LEN) * LOG2E,
+             mask=rows < SEQ_LEN)
     gl.store(SEMAPHORES + batch_head * NUM_TILES + row_block, 0)
