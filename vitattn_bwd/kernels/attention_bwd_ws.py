@@ -20,6 +20,9 @@ P programs (one item each in a grid of one program per item), in three partition
         wait   for dP_m: dS = P * (dP - delta), into shared memory
         issue  dQ_m = dS @ k,  dK += dS^T @ q_m               [BM,D], [BN,D]
         wait   for dQ_m (dK in flight): hand it to the dQ writer in shared memory
+               (or, with DEFERRED_GRAD_Q, store it there and hand it over at tile
+               m+1's first barrier)
+    at the item's end: dK, dV through the P tile in shared memory to GRAD_QKV
     dQ writer (one warp): adds each dQ_m into the head's dQ (below)
 
 Five products per tile, the minimum (two passes recompute S and dP twice: seven), with
