@@ -57,13 +57,14 @@ class WsTiles(NamedTuple):
 # 64 (229,740 bytes of 232,448 compiled for sm_90) and no more; Gluon's tiles take
 # powers of two only (48 and 96 do not compile), and 16 and 32 have not run on a GPU.
 HEAD_DIM = 64
-# The fastest configuration measured on the H200 (the module docstring), the launch the deterministic attention of the stock route uses: two
-# consumer warpgroups and two worker warps (384 threads with the padding warps: at most
-# 170 registers each at launch; the consumers get 240), 2 stages (3 with one dQ buffer
-# fit shared memory too, and ran no faster), the workers at 40 registers (at 24 the
-# producer and the writer spilled 140 bytes). No spills in the consumers' walk under
-# triton 3.6.0 (two reloads a tile under 3.9.0); 20 bytes of addresses reloaded once per
-# work item, since dK and dV are stored through shared memory.
+# The fastest configuration measured on the H200 (the module docstring), the launch the
+# deterministic attention of the stock route uses: two consumer warpgroups and two
+# worker warps (384 threads with the padding warps: at most 170 registers each at
+# launch; the consumers get 240), 2 stages (3 with one dQ buffer fit shared memory too,
+# and ran no faster), the workers at 40 registers (at 24 the producer and the writer
+# spilled 140 bytes). No spills in the consumers' walk under triton 3.6.0 (two reloads a
+# tile under 3.9.0); 20 bytes of addresses reloaded once per work item, since dK and dV
+# are stored through shared memory.
 FASTEST_TILES = WsTiles(128, 128, 2, 168, persistent=True, rotated_walk=True)
 # Compiled for sm_90 without spills in the walk and with its wgmmas unserialized
 # (tests/test_attention_bwd_ws.py, with the installed triton and the newest).
@@ -196,10 +197,11 @@ def launch_delta(grad_attn, attn_output, lse, num_heads, block_m):
     query_tiles = -(-seq_len // block_m)
     semaphores = buffers.output_buffer(grad_attn, batch * num_heads, query_tiles,
                                        dtype=torch.int32)
-    lse_log2 = buffers.output_buffer(grad_attn, batch, num_heads, seq_len, dtype=torch.float32)
+    lse_log2 = buffers.output_buffer(grad_attn, batch, num_heads, seq_len,
+                                     dtype=torch.float32)
     attention_delta_kernel[(batch * num_heads, query_tiles)](
-        grad_attn, attn_output, lse, delta, lse_log2, semaphores, NUM_HEADS=num_heads, SEQ_LEN=seq_len,
-        HEAD_DIM=embed_dim // num_heads, BLOCK=block_m, num_warps=4)
+        grad_attn, attn_output, lse, delta, lse_log2, semaphores, NUM_HEADS=num_heads,
+        SEQ_LEN=seq_len, HEAD_DIM=embed_dim // num_heads, BLOCK=block_m, num_warps=4)
     return delta, lse_log2, semaphores
 
 

@@ -265,8 +265,7 @@ def store_grad_kv(grad_k, grad_v, staging, block, batch_head, GRAD_QKV, scale,
     through the two column halves of `staging` [BN,2D] (the P tile, free once the
     item's last dV is done): from the accumulators' layout, a thread's stores would be
     4 bytes each, 2 columns of a row; read back from shared memory they are 16 bytes,
-    8 columns (docs/performance.md measured the item's end 6% of the kernel's time
-    before)."""
+    8 columns (6% of the kernel's time at batch 32: docs/performance.md)."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     grad_k_tile = staging.slice(0, HEAD_DIM, dim=1)                    # [BN,D]
     grad_v_tile = staging.slice(HEAD_DIM, HEAD_DIM, dim=1)             # [BN,D]
@@ -400,8 +399,8 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE_LOG2, DE
     grad_attn_desc: TMA descriptors of [BM,D] tiles; k_desc, v_desc of [BN,D] tiles
     (head_coordinates says where a head lies). LSE_LOG2, DELTA [B,H,S] float32
     (base-2 log-sum-exp of the logits * scale, rowsum(dO * O): attention_delta_kernel's);
-    grad_q_sum_desc:
-    a TMA descriptor of [BM,D] tiles of the float32 dQ sums [B*H * ceil(S / BM) * BM, D]
+    grad_q_sum_desc: a TMA descriptor of [BM,D] tiles of the float32 dQ sums
+    [B*H * ceil(S / BM) * BM, D]
     (scratch, never zeroed: tile m of a head at row (head * ceil(S / BM) + m) * BM);
     SEMAPHORES [B*H, ceil(S / BM)] int32 zeros (attention_delta_kernel clears them).
     BLOCK_M = 16 * num_warps (one consumer warpgroup per 64 queries); GRAD_Q_BUFFERS (1
@@ -446,9 +445,8 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE_LOG2, DE
         (compute_partition, (k_tile, v_tile, q_ring, grad_attn_ring, probs_tile, grad_s_tile,
                              grad_q_ring, kv_ready, kv_empty, ready, empty, grad_q_full,
                              grad_q_empty, LSE_LOG2, DELTA, GRAD_QKV, scale, num_items,
-                             NUM_HEADS,
-                             SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, GRAD_Q_BUFFERS,
-                             ROTATED_WALK, DEFERRED_GRAD_Q, num_warps)),
+                             NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             GRAD_Q_BUFFERS, ROTATED_WALK, DEFERRED_GRAD_Q, num_warps)),
         (load_partition, (q_desc, k_desc, v_desc, grad_attn_desc, k_tile, v_tile, q_ring,
                           grad_attn_ring, kv_ready, kv_empty, ready, empty, num_items,
                           NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
@@ -469,8 +467,9 @@ def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, LSE, DELTA, LSE_LOG2, SEMAPHORES
     float32 = rowsum(dO * O) per head, from GRAD_ATTN and ATTN_OUT [B,S,E]; LSE_LOG2
     [B,H,S] = LSE * log2(e), the log-sum-exp in base 2 (scaled here, the main kernel
     has no multiply waiting for its load before it issues a tile's first products:
-    docs/performance.md measured 2% of its time); and its SEMAPHORES [B*H, ceil(S / BLOCK)] set to 0 (BLOCK: the main kernel's BLOCK_M), so
-    that no launch of its own clears them. Program ids (batch * NUM_HEADS + head, row
+    docs/performance.md measured 2% of its time); and its SEMAPHORES [B*H, ceil(S /
+    BLOCK)] set to 0 (BLOCK: the main kernel's BLOCK_M), so that no launch of its own
+    clears them. Program ids (batch * NUM_HEADS + head, row
     block): B * H in the grid's first dimension, which has no 65,535 limit."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK - 1) // BLOCK
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
