@@ -65,7 +65,8 @@ HEAD_DIM = 64
 # spilled 140 bytes). No spills in the consumers' walk under triton 3.6.0 (two reloads a
 # tile under 3.9.0); 20 bytes of addresses reloaded once per work item, since dK and dV
 # are stored through shared memory.
-FASTEST_TILES = WsTiles(128, 128, 2, 168, persistent=True, rotated_walk=True)
+FASTEST_TILES = WsTiles(128, 128, 2, 168, persistent=True, rotated_walk=True,
+                        grad_q_swizzle=128, deferred_grad_q=True)
 # Compiled for sm_90 without spills in the walk and with its wgmmas unserialized
 # (tests/test_attention_bwd_ws.py, with the installed triton and the newest).
 TILES = (FASTEST_TILES,)
@@ -76,11 +77,10 @@ TILES = (FASTEST_TILES,)
 CANDIDATE_TILES = (WsTiles(128, 128, 2, 168, persistent=True),
                    WsTiles(128, 128, 2, 168, persistent=True, grad_q_buffers=1),
                    WsTiles(128, 128, 2, 168),
-                   FASTEST_TILES._replace(deferred_grad_q=True),
-                   FASTEST_TILES._replace(grad_q_swizzle=128),
-                   FASTEST_TILES._replace(grad_q_swizzle=128, deferred_grad_q=True),
-                   FASTEST_TILES._replace(deferred_grad_q=True, grad_q_buffers=1,
-                                          num_stages=3))
+                   FASTEST_TILES._replace(grad_q_swizzle=0, deferred_grad_q=False),
+                   FASTEST_TILES._replace(grad_q_swizzle=0),
+                   FASTEST_TILES._replace(deferred_grad_q=False),
+                   FASTEST_TILES._replace(grad_q_swizzle=0, grad_q_buffers=1, num_stages=3))
 
 
 def _shared_layout(block_shape, dtype):
