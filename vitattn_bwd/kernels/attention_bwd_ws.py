@@ -244,16 +244,15 @@ def grad_q_partition(grad_q_ring, grad_q_full, grad_q_empty, sum_ready,
 
 
 @gluon.jit
-def hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full, grad_q_empty,
-                     GRAD_Q_BUFFERS: gl.constexpr):
-    """Put the finished dQ tile of this program's tile_count-th query tile into the
-    writer's next buffer (of GRAD_Q_BUFFERS)."""
+def stage_grad_q(grad_q, tile_count, grad_q_ring, grad_q_empty,
+                 GRAD_Q_BUFFERS: gl.constexpr):
+    """Store the finished dQ tile of this program's tile_count-th query tile into the
+    writer's next buffer (of GRAD_Q_BUFFERS), once the writer is done with it. The
+    caller hands it over: fence_async_shared (visible to the writer's TMA copy),
+    cta_barrier (every consumer thread's part stored), then an arrive on grad_q_full."""
     buffer = tile_count % GRAD_Q_BUFFERS
     mbarrier.wait(grad_q_empty.index(buffer), ((tile_count // GRAD_Q_BUFFERS) & 1) ^ 1)
     grad_q_ring.index(buffer).store(grad_q)
-    fence_async_shared()               # visible to the writer's TMA copy
-    cta_barrier()                      # every consumer thread's part is stored
-    mbarrier.arrive(grad_q_full.index(buffer), count=1)
 
 
 @gluon.jit
@@ -360,14 +359,11 @@ def compute_partition(
             grad_k = warpgroup_mma(grad_s_tile.permute((1, 0)), q, grad_k,
                                    is_async=True)                           # [BN,D]
             grad_q = warpgroup_mma_wait(1, deps=(grad_q,))                  # dK on
-            if DEFERRED_GRAD_Q:        # stored now, handed over at the next tile's barrier
-                buffer = tile_count % GRAD_Q_BUFFERS
-                mbarrier.wait(grad_q_empty.index(buffer),
-                              ((tile_count // GRAD_Q_BUFFERS) & 1) ^ 1)
-                grad_q_ring.index(buffer).store(grad_q)
-            else:
-                hand_over_grad_q(grad_q, tile_count, grad_q_ring, grad_q_full,
-                                 grad_q_empty, GRAD_Q_BUFFERS)
+            stage_grad_q(grad_q, tile_count, grad_q_ring, grad_q_empty, GRAD_Q_BUFFERS)
+            if not DEFERRED_GRAD_Q:    # else handed over at the next tile's barrier
+                fence_async_shared()
+                cta_barrier()
+                mbarrier.arrive(grad_q_full.index(tile_count % GRAD_Q_BUFFERS), count=1)
         grad_k, grad_v = warpgroup_mma_wait(0, deps=(grad_k, grad_v))
         if DEFERRED_GRAD_Q:
             fence_async_shared()
