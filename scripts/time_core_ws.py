@@ -15,7 +15,9 @@ over 3 calls and between the QKV views and contiguous copies. Each configuration
 first calls run under a 120 s deadline that ends the process (exit status 3, "HANG"
 printed) if they never finish. At --batch: the median time (L2 flushed) of each
 configuration's whole backward (delta kernel, which zeroes the semaphores, then the
-main kernel), of the delta kernel alone, of the current rows + cols, and of SDPA's raw
+main kernel); of each delta kernel configuration (DELTA_TILES, DELTA_CANDIDATE_TILES)
+alone and before the fastest main kernel, with whether its outputs are bitwise
+DELTA_TILES'; of the current rows + cols, and of SDPA's raw
 flash and cuDNN backward operators (from their own forwards; cuDNN's adds dQ with
 atomics), with TFLOP/s of 5 products of 2*B*H*S^2*D each; and the forwards the
 deterministic attention could run (torch's flash and cuDNN's, with their log-sum-exp:
@@ -177,6 +179,35 @@ def gpu_main(batch, out_dir):
                 torch.use_deterministic_algorithms(was[0], warn_only=was[1])
         return checks
 
+    def delta_kernels(grad_attn, attn_output, lse, q, k, v):
+        """Each delta kernel configuration (DELTA_TILES, DELTA_CANDIDATE_TILES) timed
+        alone and with the main kernel at FASTEST_TILES; whether its outputs (delta, the
+        base-2 lse, the zeroed semaphores) are bitwise DELTA_TILES'."""
+        fastest = attention_bwd_ws.FASTEST_TILES
+        expected = attention_bwd_ws.launch_delta(grad_attn, attn_output, lse, H,
+                                                 fastest.block_m)
+        checks = {}
+        for delta_tiles in (attention_bwd_ws.DELTA_TILES,
+                            *attention_bwd_ws.DELTA_CANDIDATE_TILES):
+            try:
+                got = attention_bwd_ws.launch_delta(grad_attn, attn_output, lse, H,
+                                                    fastest.block_m, delta_tiles)
+                checks[str(tuple(delta_tiles))] = dict(
+                    bitwise_delta_tiles=all(torch.equal(a, g) for a, g in zip(expected, got)),
+                    semaphores_zero=bool((got[2] == 0).all()))
+                ms = bench(lambda: attention_bwd_ws.launch_delta(  # noqa: B023
+                    grad_attn, attn_output, lse, H, fastest.block_m, delta_tiles))
+                table.append(("ws delta kernel alone", tuple(delta_tiles), ms, float("nan")))
+                ms = bench(lambda: attention_bwd_ws.launch(  # noqa: B023
+                    q, k, v, grad_attn, attn_output, lse, SCALE, fastest,
+                    delta_tiles=delta_tiles))
+                table.append(("ws, this delta kernel", tuple(delta_tiles), ms,
+                              flops / ms / 1e9))
+            except Exception as error:      # report and go on to the next configuration
+                checks[str(tuple(delta_tiles))] = repr(error)[:300]
+        print(json.dumps({"delta kernels": checks}), flush=True)
+        return checks
+
     for b in dict.fromkeys((1, batch)):
         q, k, v, grad_attn, attn_output, lse = make_inputs(b, torch.bfloat16, seed=b)
         if b == batch:
@@ -214,9 +245,7 @@ def gpu_main(batch, out_dir):
                 checks[name] = repr(error)[:300]
                 print(json.dumps({f"batch {b}, {name}": checks[name]}), flush=True)
         if b == batch:
-            ms = bench(lambda: attention_bwd_ws.launch_delta(
-                grad_attn, attn_output, lse, H, attention_bwd_ws.FASTEST_TILES.block_m))
-            table.append(("ws delta kernel alone", "-", ms, float("nan")))
+            checks["delta kernels"] = delta_kernels(grad_attn, attn_output, lse, q, k, v)
         try:                                 # gluon_core's kernels, as they are today
             (rows, cols), current = ours(q, k, v, grad_attn, attn_output, lse,
                                          gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from vitattn_bwd import (VisionAttentionBlock, attention_bwd_ws, attention_fwd,
-                         deterministic_sdpa)
+                         deterministic_sdpa, routing)
 from vitattn_bwd.layout import merge_heads, split_heads
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 17, 4, 64
@@ -89,11 +89,13 @@ def _step(block, x, requires_grad=True):
 
 @pytest.mark.usefixtures("deterministic")
 def test_the_operators_run_only_where_a_deterministic_backward_is_asked_for(
-        attention_calls):
+        attention_calls, monkeypatch):
     """Under the flag, with gradients to compute: the operators, in the autocast dtype.
     Not under warn_only (SDPA's faster backward then only warns), without gradients
     (no_grad, or nothing requiring grad), for an empty batch (flash refuses zero
-    tokens), or for a float64 block (autocast leaves float64 alone)."""
+    tokens), or for a float64 block (autocast leaves float64 alone). (Batches too small
+    for the operators without the flag, as the test's own.)"""
+    monkeypatch.setattr(routing, "OUR_ATTENTION_MIN_BATCH", BATCH + 1)
     torch.manual_seed(0)
     block = VisionAttentionBlock(EMBED, HEADS)
     x = torch.randn(BATCH, SEQ, EMBED)
@@ -113,6 +115,24 @@ def test_the_operators_run_only_where_a_deterministic_backward_is_asked_for(
     assert attention_calls == []
 
 
+@pytest.mark.parametrize("min_batch", [BATCH, BATCH + 1])
+def test_without_the_flag_the_operators_run_in_bf16_training_steps_from_a_batch_size(
+        attention_calls, monkeypatch, min_batch):
+    """Without the flag: the operators in bf16 autocast training steps of at least
+    routing.OUR_ATTENTION_MIN_BATCH images (where they were measured faster than SDPA's
+    backward); SDPA in fp16 (not measured), without gradients, and below that batch."""
+    monkeypatch.setattr(routing, "OUR_ATTENTION_MIN_BATCH", min_batch)
+    torch.manual_seed(0)
+    block = VisionAttentionBlock(EMBED, HEADS)
+    x = torch.randn(BATCH, SEQ, EMBED)
+    _step(block, x)
+    with torch.no_grad():
+        _step(block, x)
+    with torch.autocast("cpu", dtype=torch.float16):
+        block(x.clone().requires_grad_()).float().sum().backward()
+    assert attention_calls == ([torch.bfloat16] if BATCH >= min_batch else [])
+
+
 @pytest.mark.usefixtures("deterministic")
 @pytest.mark.parametrize("warn_only", [False, True])
 def test_under_the_flag_the_block_stays_one_graph(attention_calls, warn_only):
@@ -127,7 +147,8 @@ def test_under_the_flag_the_block_stays_one_graph(attention_calls, warn_only):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         explained = torch._dynamo.explain(block)(x)
     assert explained.graph_break_count == 0, explained.break_reasons
-    assert attention_calls == ([] if warn_only else [torch.bfloat16])
+    assert attention_calls == ([] if warn_only and BATCH < routing.OUR_ATTENTION_MIN_BATCH
+                               else [torch.bfloat16])
 
 
 def test_supported_where_the_warp_specialized_kernel_compiles(monkeypatch):

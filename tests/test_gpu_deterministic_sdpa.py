@@ -2,12 +2,13 @@
 autocast at precision None the block's attention runs deterministic_sdpa's operators
 (torch's cuDNN forward, the warp-specialized backward), repeats bit for bit, is as close
 to float64 as the stock block under the same flag, compiles into one graph, and replays
-in a CUDA graph."""
+in a CUDA graph; without the flag it runs them in bf16 training steps from
+routing.OUR_ATTENTION_MIN_BATCH images."""
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from vitattn_bwd import VisionAttentionBlock, deterministic_sdpa
+from vitattn_bwd import VisionAttentionBlock, deterministic_sdpa, routing
 from vitattn_bwd.attention_fwd import attention_fwd_half, cudnn_forward_runs
 from vitattn_bwd.layout import qkv_heads
 
@@ -82,6 +83,32 @@ def test_compiled_block_under_the_flag_is_one_graph_within_bf16_rounding_of_eage
     for name, err in zip(["y", "x"] + [n for n, _ in block.named_parameters()],
                          relative_errors(got, eager)):
         assert err < 2 ** -8, (name, err)
+
+
+def test_without_the_flag_bf16_training_steps_from_the_batch_threshold_take_the_operators(
+        attention_calls):
+    """Without the flag, at routing.OUR_ATTENTION_MIN_BATCH images under bf16 autocast:
+    the operators, eager (as close to float64 as the stock block) and in the compiled
+    block's one graph; below that batch and in fp16, SDPA."""
+    torch.use_deterministic_algorithms(False)
+    block = _block()
+    batch = routing.OUR_ATTENTION_MIN_BATCH
+    x = torch.randn(batch, SEQ, EMBED, device="cuda")
+    grad_y = torch.randn_like(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got, again, _, errors = block_against_stock(block, x, grad_y)
+        assert attention_calls == [torch.bfloat16] * 2
+        explained = torch._dynamo.explain(block)(x)
+        calls = len(attention_calls)
+        block_step(block, x[:batch - 1], grad_y[:batch - 1])
+    with torch.autocast("cuda", dtype=torch.float16):
+        block_step(block, x, grad_y)
+    assert len(attention_calls) == calls
+    assert all(torch.equal(a, b) for a, b in zip(got, again))
+    for name, g, s, ours, theirs in errors:
+        assert ours <= 1.2 * theirs + 1e-5, (name, ours, theirs)
+    assert explained.graph_break_count == 0
+    assert "sdpa_ws_fwd" in "".join(str(g.graph) for g in explained.graphs)
 
 
 def test_forward_is_cudnns_within_bf16_rounding_of_flash_and_flashs_where_cudnn_is_off():

@@ -14,16 +14,18 @@ F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float1
 
 def _route(dtypes=(F32,), x_dtype=None, autocast=None, precision=None,
            torch_precision="highest", compiling=False, one_product=(BF16, F16),
-           device="cpu", fused_kernels=True, deterministic=False,
+           device="cpu", fused_kernels=True, deterministic=False, backward_batch=None,
            deterministic_attention=(BF16, F16)):
     """routing.route with defaults: a float32 block on the CPU, no autocast, precision
     None, torch at "highest", eager, the one-product path in both half dtypes, without
-    the deterministic flag (deterministic_sdpa's operators in both half dtypes)."""
+    the deterministic flag or a backward to compute (deterministic_sdpa's operators in
+    both half dtypes)."""
     return routing.route(device_type=device, dtypes=set(dtypes),
                          x_dtype=x_dtype or dtypes[0], autocast_dtype=autocast,
                          precision=precision, float32_precision=torch_precision,
                          compiling=compiling, one_product=lambda dtype: dtype in one_product,
                          fused_kernels=fused_kernels, deterministic=deterministic,
+                         backward_batch=backward_batch,
                          deterministic_attention=lambda dtype: dtype in deterministic_attention)
 
 
@@ -197,6 +199,35 @@ def test_the_deterministic_flag_gives_the_stock_route_our_deterministic_attentio
     assert _route(**facts) == STOCK
     other = {BF16: F16, F16: BF16}[half]
     assert _route(**facts, deterministic=True, deterministic_attention=(other,)) == STOCK
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+@pytest.mark.parametrize("dtypes,x_dtype,autocast", [
+    ((F32,), F32, BF16), ((F32, BF16), BF16, BF16), ((BF16,), BF16, None),
+    ((F16,), F16, BF16)])
+def test_bf16_training_steps_take_our_attention_from_a_batch_size(compiling, dtypes,
+                                                                  x_dtype, autocast):
+    """Without the flag, where the stock ops run in bf16 with a backward to compute, our
+    attention from routing.OUR_ATTENTION_MIN_BATCH images on (where deterministic_sdpa
+    runs); SDPA below it, without a backward, where the operators do not run, and in
+    fp16 (not measured)."""
+    facts = dict(dtypes=dtypes, x_dtype=x_dtype, autocast=autocast, compiling=compiling)
+    smallest = routing.OUR_ATTENTION_MIN_BATCH
+    assert _route(**facts, backward_batch=smallest) == STOCK_DETERMINISTIC_ATTENTION
+    assert _route(**facts, backward_batch=smallest + 31) == STOCK_DETERMINISTIC_ATTENTION
+    assert _route(**facts, backward_batch=smallest - 1) == STOCK
+    assert _route(**facts) == STOCK
+    assert _route(**facts, backward_batch=smallest, deterministic_attention=(F16,)) == STOCK
+    fp16 = dict(facts, dtypes=(F16,), x_dtype=F16, autocast=None)
+    assert _route(**fp16, backward_batch=smallest) == STOCK
+    assert _route(**dict(facts, autocast=F16), backward_batch=smallest) == STOCK
+
+
+def test_our_attention_leaves_float64_and_the_fused_paths_alone():
+    assert _route((F64, F32), autocast=BF16, backward_batch=64) == STOCK
+    assert _route(backward_batch=64) == _fused("highest")
+    assert _route(precision="medium", autocast=BF16, backward_batch=64) == _fused(
+        "high", BF16)
 
 
 @pytest.mark.parametrize("dtypes", [(F64,), (F64, F32)])

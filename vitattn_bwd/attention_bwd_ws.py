@@ -18,6 +18,7 @@ and 0.598 for the two-pass Gluon kernels in the same run (scripts/time_core_ws.p
 docs/performance.md, "The warp-specialized core").
 """
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -82,6 +83,24 @@ CANDIDATE_TILES = (WsTiles(128, 128, 2, 168, persistent=True),
                    FASTEST_TILES._replace(grad_q_swizzle=0),
                    FASTEST_TILES._replace(deferred_grad_q=False),
                    FASTEST_TILES._replace(grad_q_swizzle=0, grad_q_buffers=1, num_stages=3))
+
+
+
+class DeltaTiles(NamedTuple):
+    """attention_delta_kernel's launch: `block` rows a program, of `heads` consecutive
+    heads (taken as the largest common divisor with the model's head count), num_warps
+    warps."""
+    block: int
+    heads: int
+    num_warps: int
+
+
+DELTA_TILES = DeltaTiles(128, 1, 4)
+# Timed beside DELTA_TILES (scripts/time_core_ws.py, batch 32, bitwise its outputs): alone
+# 0.033-0.044 ms against its 0.041, but with the main kernel 0.371-0.375 against its
+# 0.372: none faster where it counts (the main kernel then reads dO partly from L2).
+DELTA_CANDIDATE_TILES = (DeltaTiles(64, 1, 4), DeltaTiles(128, 1, 8), DeltaTiles(8, 16, 4),
+                         DeltaTiles(16, 16, 8), DeltaTiles(32, 16, 8))
 
 
 def _shared_layout(block_shape, dtype):
@@ -188,31 +207,41 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
         raise ValueError(f"a rotated walk needs a persistent grid, got {tiles}")
 
 
-def launch_delta(grad_attn, attn_output, lse, num_heads, block_m):
+def launch_delta(grad_attn, attn_output, lse, num_heads, block_m, tiles=None):
     """(delta [B,H,S] float32 = rowsum(dO * O) per head, from grad_attn, attn_output
     [B,S,E]; lse [B,H,S] * log2(e); the main kernel's semaphores [B*H, ceil(S /
-    block_m)] int32, zeroed)."""
+    block_m)] int32, zeroed), by attention_delta_kernel at `tiles` (DeltaTiles; default
+    DELTA_TILES)."""
     from .kernels.attention_bwd_ws import attention_delta_kernel
+    tiles = tiles or DELTA_TILES
     batch, seq_len, embed_dim = grad_attn.shape
+    head_dim = embed_dim // num_heads
+    heads = math.gcd(num_heads, tiles.heads)                   # heads per program
     delta = buffers.output_buffer(grad_attn, batch, num_heads, seq_len, dtype=torch.float32)
     query_tiles = -(-seq_len // block_m)
     semaphores = buffers.output_buffer(grad_attn, batch * num_heads, query_tiles,
                                        dtype=torch.int32)
     lse_log2 = buffers.output_buffer(grad_attn, batch, num_heads, seq_len,
                                      dtype=torch.float32)
-    attention_delta_kernel[(batch * num_heads, query_tiles)](
+    grid = (batch * num_heads // heads, -(-seq_len // tiles.block))
+    attention_delta_kernel[grid](
         grad_attn, attn_output, lse, delta, lse_log2, semaphores, NUM_HEADS=num_heads,
-        SEQ_LEN=seq_len, HEAD_DIM=embed_dim // num_heads, BLOCK=block_m, num_warps=4)
+        SEQ_LEN=seq_len, HEAD_DIM=head_dim, BLOCK=tiles.block, HEADS=heads,
+        THREADS_HEADS=min(heads, 32 // (head_dim // 8)), QUERY_TILES=query_tiles,
+        QUERY_TILES_POW2=1 << (query_tiles - 1).bit_length(), num_warps=tiles.num_warps)
     return delta, lse_log2, semaphores
 
 
-def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, programs=None):
+def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, programs=None,
+           delta_tiles=None):
     """grad_qkv [B,S,3E] = dQ | dK | dV in q's dtype (a QKV projection's layout: head
     h's columns at h * D, E + h * D, 2E + h * D): the attention core's backward
     (module docstring), bitwise the same on every call and for any grid. A persistent
     configuration runs `programs` programs (default: one per SM) as a cooperative launch:
     its programs wait on each other's dQ adds, so all must be resident at once, which
-    CUDA then guarantees or refuses the launch."""
+    CUDA then guarantees or refuses the launch. delta_tiles: the delta kernel's
+    (launch_delta). Everything the main kernel takes is made before the delta kernel is
+    launched, so that the two launches follow each other with no host work between."""
     from .kernels.attention_bwd_ws import attention_bwd_ws_kernel
     _check(q, k, v, grad_attn, attn_output, lse, tiles)
     heads_in_rows = _heads_in_rows(q)
@@ -222,22 +251,23 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, pro
     sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                 if tiles.persistent else None)
     grid = (program_count(tiles, num_items, sm_count, programs, key_blocks),)
-    delta, lse_log2, semaphores = launch_delta(grad_attn, attn_output, lse, heads,
-                                               tiles.block_m)
     # float32 dQ sums, one [BM,D] tile per (head, query tile), padded past S
-    query_tiles = semaphores.shape[1]
+    query_tiles = -(-seq_len // tiles.block_m)
     grad_q_sums = buffers.output_buffer(q, batch * heads * query_tiles * tiles.block_m,
                                         head_dim, dtype=torch.float32)
     grad_qkv = buffers.output_buffer(q, batch, seq_len, 3 * heads * head_dim)
+    descriptors = (_descriptor(q, heads_in_rows, tiles.block_m, head_dim),
+                   _descriptor(k, heads_in_rows, tiles.block_n, head_dim),
+                   _descriptor(v, heads_in_rows, tiles.block_n, head_dim),
+                   _descriptor(grad_attn, False, tiles.block_m, head_dim))
+    sum_descriptor = _sum_descriptor(grad_q_sums, tiles)
+    constexprs = kernel_constexprs(heads, seq_len, head_dim, tiles, heads_in_rows)
+    delta, lse_log2, semaphores = launch_delta(grad_attn, attn_output, lse, heads,
+                                               tiles.block_m, delta_tiles)
     attention_bwd_ws_kernel[grid](
-        _descriptor(q, heads_in_rows, tiles.block_m, head_dim),
-        _descriptor(k, heads_in_rows, tiles.block_n, head_dim),
-        _descriptor(v, heads_in_rows, tiles.block_n, head_dim),
-        _descriptor(grad_attn, False, tiles.block_m, head_dim),
-        lse_log2, delta, _sum_descriptor(grad_q_sums, tiles), semaphores, grad_qkv, scale,
-        num_items,
-        **kernel_constexprs(heads, seq_len, head_dim, tiles, heads_in_rows),
-        maxnreg=tiles.maxnreg, launch_cooperative_grid=tiles.persistent)
+        *descriptors, lse_log2, delta, sum_descriptor, semaphores, grad_qkv, scale,
+        num_items, **constexprs, maxnreg=tiles.maxnreg,
+        launch_cooperative_grid=tiles.persistent)
     return grad_qkv
 
 

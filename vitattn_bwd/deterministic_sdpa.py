@@ -1,6 +1,7 @@
-"""Self-attention for the stock route under torch.use_deterministic_algorithms(True):
-torch's cuDNN attention forward (flash's where cuDNN's is not there) with the
-warp-specialized Gluon backward (attention_bwd_ws.py), as two torch.library operators:
+"""Self-attention for the stock route under torch.use_deterministic_algorithms(True), and
+in bf16 training steps from routing.OUR_ATTENTION_MIN_BATCH images without it: torch's
+cuDNN attention forward (flash's where cuDNN's is not there) with the warp-specialized
+Gluon backward (attention_bwd_ws.py), as two torch.library operators:
 
     torch.ops.vitattn_bwd.sdpa_ws_fwd(qkv, num_heads)
         -> attn [B,S,E] (SDPA of qkv's q, k, v, merged heads), lse [B,H,S] float32
@@ -19,7 +20,8 @@ training step at batch 32 on the H200 (GPU-busy 53.9 -> 60.1 ms; docs/performanc
 "The deterministic flag, eager and compiled"). The warp-specialized backward is
 deterministic by construction (dQ added in a fixed order of turns) and measured
 0.370 ms at that batch per layer against 0.444 for SDPA's cuDNN backward without the
-flag and 0.662 for its flash backward (docs/performance.md, latest runs). It runs
+flag and 0.662 for its flash backward (docs/performance.md, latest runs): faster than
+SDPA's even without the flag, where the step is not host-bound (routing.py). It runs
 where it was tested: Hopper, head dim 64 (`supported`).
 """
 import math

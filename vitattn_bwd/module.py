@@ -26,10 +26,11 @@ precision:
   (`stock_forward`: torch's LayerNorm, Linear and SDPA under the caller's autocast, and
   their autograd), eager and under torch.compile: our one-product path was no faster
   there (a 24-layer Hugging Face CLIP tower 0.76-1.06x stock eager, 0.57-0.85x compiled).
-  Under torch.use_deterministic_algorithms(True) that route's attention runs
-  deterministic_sdpa's operators where they run (torch's cuDNN forward, our
-  deterministic warp-specialized backward; Hopper, head dim 64) instead of the slower
-  deterministic backward the flag gives SDPA.
+  That route's attention runs deterministic_sdpa's operators where they run (torch's
+  cuDNN forward, our deterministic warp-specialized backward; Hopper, head dim 64)
+  under torch.use_deterministic_algorithms(True), instead of the slower deterministic
+  backward the flag gives SDPA, and in bf16 training steps of at least
+  routing.OUR_ATTENTION_MIN_BATCH images, where our backward is the faster one.
   So does a block whose input and parameters are all bfloat16 or all float16 (a
   `.bfloat16()` model, FSDP's bf16 parameters), and, on a GPU, a block whose head dim
   the attention kernels do not take (they take every multiple of 8 up to 128; without
@@ -192,6 +193,8 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     head_dim = x.shape[-1] // num_heads
     autocast = torch.is_autocast_enabled(device.type)
     compiling = torch.compiler.is_compiling()
+    backward = (torch.is_grad_enabled()
+                and any(t.requires_grad for t in (x, *params, *layer_scale)))
     decision = routing.route(
         device_type=device.type, dtypes={t.dtype for t in (x, *params, *layer_scale)},
         x_dtype=x.dtype,
@@ -203,9 +206,8 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         one_product=lambda dtype: one_product_supported(device, dtype, head_dim),
         fused_kernels=routing.fused_kernels_for(device, head_dim),
         deterministic=(torch.are_deterministic_algorithms_enabled()
-                       and not routing.deterministic_warn_only()
-                       and torch.is_grad_enabled()
-                       and any(t.requires_grad for t in (x, *params, *layer_scale))),
+                       and not routing.deterministic_warn_only() and backward),
+        backward_batch=x.shape[0] if backward else None,
         # torch's flash forward refuses zero tokens: an empty batch keeps SDPA
         deterministic_attention=lambda dtype: (
             x.numel() > 0 and deterministic_sdpa.supported(device, dtype, head_dim)))

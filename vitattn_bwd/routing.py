@@ -30,7 +30,13 @@ Under torch.use_deterministic_algorithms(True) the stock route runs its attentio
 deterministic_sdpa's operators where they run (Hopper, bf16 / fp16, head dim 64):
 torch's cuDNN forward with our warp-specialized backward, in place of the deterministic
 backward the flag gives SDPA, which cost a 12-layer tower under bf16 autocast 12% per
-step (docs/performance.md, "The deterministic flag, eager and compiled").
+step (docs/performance.md, "The deterministic flag, eager and compiled"). Without the
+flag it runs them too in bf16 training steps of at least OUR_ATTENTION_MIN_BATCH images,
+where they were measured faster than SDPA: in a 12-layer HF CLIP tower under bf16
+autocast at batch 32, 1.11x stock eager and 1.04x torch.compile(stock) (our backward
+4.49 ms a step against 5.30 for SDPA's cuDNN backward with its two helper kernels). At
+batch 1 and 8, where the step is host-bound, the operators' host time made the same
+tower 0.84-0.92x; batches between 8 and 32 are not measured and keep SDPA.
 
 Inside torch.compile the fused path runs as two torch.library operators (block_ops.py),
 opaque to dynamo, instead of the autograd.Function that eager calls use.
@@ -66,6 +72,12 @@ class Route(NamedTuple):
 
 STOCK = Route(stock=True)
 STOCK_DETERMINISTIC_ATTENTION = Route(stock=True, deterministic_attention=True)
+
+# Without the deterministic flag, the stock route's attention runs as deterministic_sdpa's
+# operators in training steps of at least this many images in these dtypes (module
+# docstring; docs/performance.md has the towers' times by batch).
+OUR_ATTENTION_MIN_BATCH = 32
+OUR_ATTENTION_DTYPES = (torch.bfloat16,)
 
 
 @torch.compiler.assume_constant_result
@@ -122,7 +134,7 @@ def fused_kernels_for(device, head_dim):
 
 def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_precision,
           compiling, one_product, fused_kernels=True, deterministic=False,
-          deterministic_attention=lambda dtype: False):
+          backward_batch=None, deterministic_attention=lambda dtype: False):
     """The Route for a call (module docstring).
 
     device_type: "cpu" or "cuda"; dtypes: the set of the dtypes of x and every
@@ -135,7 +147,8 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
     fused float32 path's attention core has kernels for this device and head dim
     (fused_kernels_for); deterministic: whether a deterministic backward is asked for
     (torch.use_deterministic_algorithms(True) without warn_only, with gradients to
-    compute: otherwise SDPA's faster kernels stay); deterministic_attention(dtype) ->
+    compute: otherwise SDPA's faster kernels stay); backward_batch: the batch size where
+    gradients are to be computed, else None; deterministic_attention(dtype) ->
     bool: whether deterministic_sdpa's operators run for this call's activations in
     that half dtype (deterministic_sdpa.supported, and a non-empty batch). TypeError
     for float64 on a device other than the CPU (the fused backward is float32 there)."""
@@ -144,8 +157,10 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
         if autocast_dtype is not None or native_half or not fused_kernels:
             half = autocast_dtype if autocast_dtype is not None else (
                 x_dtype if native_half else None)
-            if (deterministic and half in HALF_DTYPES and torch.float64 not in dtypes
-                    and deterministic_attention(half)):
+            ours_faster = (half in OUR_ATTENTION_DTYPES and backward_batch is not None
+                           and backward_batch >= OUR_ATTENTION_MIN_BATCH)
+            if ((deterministic or ours_faster) and half in HALF_DTYPES
+                    and torch.float64 not in dtypes and deterministic_attention(half)):
                 return STOCK_DETERMINISTIC_ATTENTION
             return STOCK
         precision = float32_precision

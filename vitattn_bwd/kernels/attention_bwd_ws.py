@@ -457,32 +457,43 @@ def attention_bwd_ws_kernel(q_desc, k_desc, v_desc, grad_attn_desc, LSE_LOG2, DE
 @gluon.jit
 def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, LSE, DELTA, LSE_LOG2, SEMAPHORES,
                            NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, HEADS: gl.constexpr,
+                           THREADS_HEADS: gl.constexpr, QUERY_TILES: gl.constexpr,
+                           QUERY_TILES_POW2: gl.constexpr, num_warps: gl.constexpr):
     """What attention_bwd_ws_kernel reads and nothing computes before it: DELTA [B,H,S]
     float32 = rowsum(dO * O) per head, from GRAD_ATTN and ATTN_OUT [B,S,E]; LSE_LOG2
     [B,H,S] = LSE * log2(e), the log-sum-exp in base 2 (scaled here, the main kernel
     has no multiply waiting for its load before it issues a tile's first products:
-    docs/performance.md measured 2% of its time); and its SEMAPHORES [B*H, ceil(S /
-    BLOCK)] set to 0 (BLOCK: the main kernel's BLOCK_M), so that no launch of its own
-    clears them. Program ids (batch * NUM_HEADS + head, row
-    block): B * H in the grid's first dimension, which has no 65,535 limit."""
-    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK - 1) // BLOCK
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [256 // HEAD_DIM, HEAD_DIM // 8],
-                                            [num_warps, 1], [1, 0])
-    batch_head = gl.program_id(0)
-    batch = batch_head // NUM_HEADS
-    head = batch_head % NUM_HEADS
+    docs/performance.md measured 2% of its time); and its SEMAPHORES [B*H, QUERY_TILES]
+    set to 0, so that no launch of its own clears them. A program takes BLOCK rows of
+    HEADS consecutive heads ([BLOCK, HEADS, D] of each input: with all heads, whole rows
+    of E), THREADS_HEADS of a warp's threads across the heads; program ids (batch *
+    NUM_HEADS // HEADS + head group, row block), the grid's first dimension having no
+    65,535 limit. The programs of the first row block clear their heads' semaphores."""
+    layout: gl.constexpr = gl.BlockedLayout(
+        [1, 1, 8], [256 // (THREADS_HEADS * HEAD_DIM), THREADS_HEADS, HEAD_DIM // 8],
+        [num_warps, 1, 1], [2, 1, 0])
+    stats_layout: gl.constexpr = gl.SliceLayout(2, layout)                 # [BLOCK, HEADS]
+    group = gl.program_id(0)
+    batch = group // (NUM_HEADS // HEADS)
+    first_head = group % (NUM_HEADS // HEADS) * HEADS
     row_block = gl.program_id(1)
-    rows = row_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    offsets = ((batch * SEQ_LEN + rows).to(gl.int64)[:, None] * NUM_HEADS * HEAD_DIM
-               + head * HEAD_DIM + cols[None, :])
-    in_rows = (rows < SEQ_LEN)[:, None]
+    rows = row_block * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, stats_layout))
+    heads = first_head + gl.arange(0, HEADS, layout=gl.SliceLayout(0, stats_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    row_offsets = (batch * SEQ_LEN + rows).to(gl.int64) * (NUM_HEADS * HEAD_DIM)
+    offsets = (gl.expand_dims(gl.expand_dims(row_offsets, 1), 2)
+               + gl.expand_dims(gl.expand_dims(heads * HEAD_DIM, 0), 2)
+               + gl.expand_dims(gl.expand_dims(cols, 0), 1))         # [BLOCK, HEADS, D]
+    in_rows = gl.expand_dims(gl.expand_dims(rows < SEQ_LEN, 1), 2)
     grad_attn = gl.load(GRAD_ATTN + offsets, mask=in_rows, other=0.0).to(gl.float32)
     attn_output = gl.load(ATTN_OUT + offsets, mask=in_rows, other=0.0).to(gl.float32)
-    stats = batch_head.to(gl.int64) * SEQ_LEN + rows
-    gl.store(DELTA + stats, gl.sum(grad_attn * attn_output, axis=1), mask=rows < SEQ_LEN)
-    gl.store(LSE_LOG2 + stats, gl.load(LSE + stats, mask=rows < SEQ_LEN) * LOG2E,
-             mask=rows < SEQ_LEN)
-    gl.store(SEMAPHORES + batch_head * NUM_TILES + row_block, 0)
+    stats = ((batch * NUM_HEADS + heads).to(gl.int64) * SEQ_LEN)[None, :] + rows[:, None]
+    in_stats = (rows < SEQ_LEN)[:, None]
+    gl.store(DELTA + stats, gl.sum(grad_attn * attn_output, axis=2), mask=in_stats)
+    gl.store(LSE_LOG2 + stats, gl.load(LSE + stats, mask=in_stats) * LOG2E, mask=in_stats)
+    tiles = gl.arange(0, QUERY_TILES_POW2, layout=gl.SliceLayout(1, stats_layout))
+    semaphores = ((batch * NUM_HEADS + heads) * QUERY_TILES)[None, :] + tiles[:, None]
+    gl.store(SEMAPHORES + semaphores,                              # [QUERY_TILES_POW2, HEADS]
+             gl.zeros([QUERY_TILES_POW2, HEADS], gl.int32, stats_layout),
+             mask=(tiles < QUERY_TILES)[:, None] & (row_block == 0))
