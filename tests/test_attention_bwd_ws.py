@@ -152,6 +152,28 @@ def test_a_rotated_walk_needs_a_program_per_key_block_of_a_head():
         attention_bwd_ws.program_count(rotated, 960, 132, programs=4, blocks_per_head=5)
 
 
+def test_fits_where_the_launcher_takes_the_shapes():
+    """fits is True exactly where the launch would get past its shape checks: a head's
+    key blocks (128 tokens each) no more than the SMs, rows below 2**31."""
+    fastest = attention_bwd_ws.FASTEST_TILES
+    assert attention_bwd_ws.fits(32, 16, 577, sm_count=132)
+    assert attention_bwd_ws.fits(1, 1, 128 * 132, sm_count=132)
+    assert not attention_bwd_ws.fits(1, 1, 128 * 132 + 1, sm_count=132)
+    assert not attention_bwd_ws.fits(64, 16, 128 * 132 + 1, sm_count=132)
+    assert attention_bwd_ws.fits(1, 1, 128 * 114, sm_count=114)
+    assert not attention_bwd_ws.fits(2**15, 16, 4096, sm_count=132)   # 2**31 rows
+    assert attention_bwd_ws.fits(2**15 - 1, 16, 4096, sm_count=132)
+    for batch, heads, seq_len, sm_count in ((1, 1, 128 * 132 + 1, 132), (2, 3, 700, 4)):
+        key_blocks = -(-seq_len // 128)
+        with pytest.raises(ValueError, match="^a rotated walk needs"):
+            attention_bwd_ws.program_count(fastest, key_blocks * batch * heads, sm_count,
+                                           blocks_per_head=key_blocks)
+        assert not attention_bwd_ws.fits(batch, heads, seq_len, sm_count)
+    assert attention_bwd_ws.fits(2, 3, 640, sm_count=5)
+    one_per_item = attention_bwd_ws.WsTiles(128, 128, 2, 168)
+    assert attention_bwd_ws.fits(1, 1, 128 * 132 + 1, 132, tiles=one_per_item)
+
+
 def test_the_fastest_launch_is_one_the_gpu_tests_and_timings_cover():
     """The deterministic attention's launch is one of the configurations that
     tests/test_gpu_attention_bwd_ws.py checks and scripts/time_core_ws.py times, and one

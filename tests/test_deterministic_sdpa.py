@@ -66,7 +66,8 @@ def test_double_backward_is_refused_by_name():
 @pytest.fixture
 def attention_calls(monkeypatch):
     """Where the stock route would take deterministic_sdpa's operators, as on a Hopper GPU
-    (supported: True), the dtypes of the qkv it hands them, computed here by SDPA."""
+    (supported: True; 132 SMs), the dtypes of the qkv it hands them, computed here by
+    SDPA."""
     calls = []
 
     def recorded(qkv, num_heads):
@@ -74,6 +75,7 @@ def attention_calls(monkeypatch):
         q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))
         return merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
     monkeypatch.setattr(deterministic_sdpa, "supported", lambda *args: True)
+    monkeypatch.setattr(deterministic_sdpa, "_sm_count", lambda device: 132)
     monkeypatch.setattr(deterministic_sdpa, "attention", recorded)
     return calls
 
@@ -113,6 +115,19 @@ def test_the_operators_run_only_where_a_deterministic_backward_is_asked_for(
     assert _step(block, x[:0]).shape == (0, SEQ, EMBED)
     _step(block.double(), x.double())
     assert attention_calls == []
+
+
+@pytest.mark.usefixtures("deterministic")
+def test_sequences_longer_than_the_kernel_takes_keep_sdpa(attention_calls, monkeypatch):
+    """Where the backward's launcher would refuse the shapes (a head's key blocks more
+    than the SMs), the block keeps SDPA, under the flag too, rather than fail in the
+    backward."""
+    monkeypatch.setattr(deterministic_sdpa, "_sm_count", lambda device: 1)
+    block = VisionAttentionBlock(EMBED, HEADS)
+    _step(block, torch.randn(BATCH, 128, EMBED))
+    assert attention_calls == [torch.bfloat16]
+    _step(block, torch.randn(BATCH, 129, EMBED))
+    assert attention_calls == [torch.bfloat16]
 
 
 @pytest.mark.parametrize("min_batch", [BATCH, BATCH + 1])

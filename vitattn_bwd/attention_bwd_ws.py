@@ -156,6 +156,23 @@ def _sum_descriptor(grad_q_sums, tiles):
                             [tiles.block_m, grad_q_sums.shape[1]], _sum_layout(tiles))
 
 
+def padded_rows(batch, heads, seq_len, tiles):
+    """Rows of lse, delta and the dQ sums as the kernels index them (B*H*S, the sums'
+    padded to whole query tiles): in 32 bits, so below 2**31."""
+    return batch * heads * -(-seq_len // tiles.block_m) * tiles.block_m
+
+
+def fits(batch, heads, seq_len, sm_count, tiles=FASTEST_TILES):
+    """Whether `launch` takes q [batch, heads, seq_len, HEAD_DIM] at `tiles` on a GPU of
+    sm_count SMs, where it would refuse it otherwise (_check, program_count): rows
+    within 32-bit indexing, and for a rotated walk a head's key blocks no more than the
+    programs (one per SM: seq_len up to 128 x 132 = 16,896 tokens on an H200)."""
+    key_blocks = -(-seq_len // tiles.block_n)
+    programs = min(key_blocks * batch * heads, sm_count)
+    return (padded_rows(batch, heads, seq_len, tiles) < 2**31
+            and (not tiles.rotated_walk or programs >= key_blocks))
+
+
 def program_count(tiles, num_items, sm_count, programs=None, blocks_per_head=1):
     """The grid: one program per (head, key block) item, or for a persistent
     configuration `programs` (default: one per SM), at most one per item. ValueError
@@ -195,7 +212,7 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
                          f"{[batch, heads, seq_len]}, got {lse.dtype} {list(lse.shape)}")
     # rows of lse, delta and the dQ sums are indexed in 32 bits (B*H*S rows, padded to
     # whole query tiles); tensors that large (>= 206 GB of q, k, v) fit no GPU today
-    if batch * heads * -(-seq_len // tiles.block_m) * tiles.block_m >= 2**31:
+    if padded_rows(batch, heads, seq_len, tiles) >= 2**31:
         raise ValueError(f"q's batch * heads * seq_len (seq_len rounded up to whole "
                          f"{tiles.block_m}-query tiles) must be below 2**31, got "
                          f"{list(q.shape)}")
@@ -317,5 +334,5 @@ def compile_failure():
     return compile_probe.compile_failure(
         lambda: compile_sm90(FASTEST_TILES),
         "the warp-specialized attention backward's kernels for sm_90",
-        "under torch.use_deterministic_algorithms(True) the stock ops keep SDPA's own "
-        "deterministic backward")
+        "the stock ops keep SDPA's own attention backward (under "
+        "torch.use_deterministic_algorithms(True), its deterministic one)")

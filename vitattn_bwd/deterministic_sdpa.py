@@ -53,6 +53,18 @@ def supported(device, dtype, head_dim):
             and attention_bwd_ws.compile_failure() is None)
 
 
+@torch.compiler.assume_constant_result
+def _sm_count(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def fits(batch, num_heads, seq_len, device):
+    """Whether the backward operator takes these shapes on `device` (where `supported`):
+    attention_bwd_ws.fits at its launch configuration (up to 16,896 tokens on an H200;
+    longer sequences keep SDPA, rather than fail in the backward)."""
+    return attention_bwd_ws.fits(batch, num_heads, seq_len, _sm_count(device))
+
+
 def sdpa_ws_fwd(qkv, num_heads):
     q, k, v = qkv_heads(qkv, num_heads)
     forward = attention_fwd_cudnn if cudnn_forward_runs(qkv.device) else attention_fwd_half

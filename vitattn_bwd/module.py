@@ -210,7 +210,8 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         backward_batch=x.shape[0] if backward else None,
         # torch's flash forward refuses zero tokens: an empty batch keeps SDPA
         deterministic_attention=lambda dtype: (
-            x.numel() > 0 and deterministic_sdpa.supported(device, dtype, head_dim)))
+            x.numel() > 0 and deterministic_sdpa.supported(device, dtype, head_dim)
+            and deterministic_sdpa.fits(x.shape[0], num_heads, x.shape[1], device)))
     if decision.stock:
         return stock_forward(x, *params, num_heads, eps, gamma,
                              decision.deterministic_attention)
