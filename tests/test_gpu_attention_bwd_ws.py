@@ -48,7 +48,8 @@ def _flash_backward(q, k, v, grad_attn):
 
 @pytest.mark.parametrize("tiles", attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES)
 @pytest.mark.parametrize("seq_len, dtype", [(577, torch.bfloat16), (577, torch.float16),
-                                            (100, torch.bfloat16), (200, torch.bfloat16)])
+                                            (100, torch.bfloat16), (200, torch.bfloat16),
+                                            (2, torch.bfloat16)])
 def test_gradients_against_float64(tiles, seq_len, dtype):
     q, k, v, grad_attn, attn_output, lse = _inputs(2, 3, seq_len, dtype, seed=seq_len)
     ref = attention_core.attention_backward_math(
@@ -106,6 +107,28 @@ def test_persistent_programs_walk_many_items_to_the_same_bits(programs, rotated)
     got = walked[:1].chunk(3, dim=-1)
     for name, g, f, r in zip(("dQ", "dK", "dV"), got, flash, ref):
         assert _rel(g, r) <= 2 * _rel(f, r) + 1e-4, (name, _rel(g, r), _rel(f, r))
+
+
+def test_the_longest_sequence_the_rotated_walk_takes():
+    """One head of 128 tokens per SM (a key block per program: the rotated walk's limit,
+    attention_bwd_ws.fits), as close to float64 as SDPA's flash backward; one token
+    more is refused before any launch."""
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    seq_len = 128 * sm_count
+    assert attention_bwd_ws.fits(1, 1, seq_len, sm_count)
+    assert not attention_bwd_ws.fits(1, 1, seq_len + 1, sm_count)
+    q, k, v, grad_attn, attn_output, lse = _inputs(1, 1, seq_len, torch.bfloat16, seed=3)
+    grad_qkv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE)
+    ref = attention_core.attention_backward_math(
+        *(t.double() for t in (attention_core.probabilities(
+            lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
+    flash = _flash_backward(q, k, v, grad_attn)
+    for name, g, f, r in zip(("dQ", "dK", "dV"), grad_qkv.chunk(3, dim=-1), flash, ref):
+        assert _rel(g, r) <= 2 * _rel(f, r) + 1e-4, (name, _rel(g, r), _rel(f, r))
+    del ref
+    q, k, v, grad_attn, attn_output, lse = _inputs(1, 1, seq_len + 1, torch.bfloat16, seed=3)
+    with pytest.raises(ValueError, match="^a rotated walk needs at least as many programs"):
+        attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE)
 
 
 def test_more_heads_than_one_grid_dimension_holds():
