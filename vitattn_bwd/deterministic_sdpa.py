@@ -20,9 +20,10 @@ training step at batch 32 on the H200 (GPU-busy 53.9 -> 60.1 ms; docs/performanc
 "The deterministic flag, eager and compiled"). The warp-specialized backward is
 deterministic by construction (dQ added in a fixed order of turns) and measured
 0.370 ms at that batch per layer against 0.444 for SDPA's cuDNN backward without the
-flag and 0.662 for its flash backward (docs/performance.md, latest runs): faster than
-SDPA's even without the flag, where the step is not host-bound (routing.py). It runs
-where it was tested: Hopper, head dim 64 (`supported`).
+flag and 0.662 for its flash backward (docs/performance.md, "The dQ hand-over:
+swizzled and deferred"): faster than SDPA's even without the flag, where the step is
+not host-bound (routing.py). It runs where it was tested: Hopper, head dim 64
+(`supported`), and where its launcher takes the shapes (`fits`).
 """
 import math
 

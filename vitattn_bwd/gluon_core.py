@@ -65,8 +65,8 @@ COLS_TILES = (TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2))
 # Triton templates' cols tiles it is timed against spill 100-504 bytes there. On the
 # H200 at head dims 72 and 80 these tiles ran 3.08 and 0.59 ms (float32 "high", P
 # given, batch 32) against the Triton kernels' 8.86 and 2.39, and a SigLIP-shaped
-# tower's autotuning chose them (docs/performance.md, "Latest runs"); 104 and 128 are
-# not timed.
+# tower's autotuning chose them (docs/performance.md, "The attention core at head dims
+# 64, 72 and 80"); 104 and 128 are not timed.
 WIDE_ROWS_TILES = (TileConfig(64, 32, 4, 2),)
 WIDE_COLS_TILES = (TileConfig(16, 64, 4, 3),)
 # Every multiple of 8 up to 128 (attention_core.kernel_head_dim): the kernels pad their
