@@ -69,7 +69,7 @@ from bench_integrations import open_clip_tower, timm_tower  # noqa: E402
 from bench_module import compare_times, hf_tower, step_times  # noqa: E402
 from profile_host import host_us  # noqa: E402
 
-from vitattn_bwd import VisionAttentionBlock, reference  # noqa: E402
+from vitattn_bwd import VisionAttentionBlock, reference, routing  # noqa: E402
 from vitattn_bwd.integrations import swap_attention  # noqa: E402
 
 SUITES = ("autocast", "float32", "integrations", "deterministic", "restart", "host")
@@ -486,7 +486,8 @@ def restart_process(args, setting, model_name, cache_dir, extra):
     env.pop("VITATTN_BWD_CACHE", None)
     command = [sys.executable, __file__, "--suite", "restart", "--restart-child",
                "--restart-setting", setting, "--restart-model", model_name,
-               "--layers", str(args.layers), *extra]
+               "--layers", str(args.layers),
+               "--our-attention-from", str(args.our_attention_from), *extra]
     if args.batch_sizes:
         command += ["--batch-sizes", *map(str, args.batch_sizes)]
     start = time.perf_counter()
@@ -689,6 +690,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="default: %(default)s")
     parser.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     parser.add_argument("--out", type=Path, help="default: $OUT, else results/")
+    parser.add_argument("--our-attention-from", type=int,
+                        default=routing.OUR_ATTENTION_MIN_BATCH,
+                        help="routing.OUR_ATTENTION_MIN_BATCH for the run: the swapped "
+                        "towers' stock route takes our attention from this batch on "
+                        "(default: %(default)s)")
     # the restart suite's child processes
     parser.add_argument("--restart-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--restart-setting", choices=SETTINGS, help=argparse.SUPPRESS)
@@ -696,6 +702,7 @@ def main(argv=None):
     parser.add_argument("--save-artifacts", help=argparse.SUPPRESS)
     parser.add_argument("--load-artifacts", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    routing.OUR_ATTENTION_MIN_BATCH = args.our_attention_from
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args.layers = args.layers or (12 if device == "cuda" else 2)
     if args.suite == "deterministic":

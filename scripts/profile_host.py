@@ -2,10 +2,13 @@
 is kept busy (so no call waits for it), the functions ranked by their own time, and the
 host time per call; --module: a VisionAttentionBlock training step (forward, under
 torch.autocast(bfloat16) with --autocast, and backward) instead, whose host time is
-also measured without cProfile, beside the stock block's.
+also measured without cProfile, beside the stock block's. --our-attention-from N sets
+routing.OUR_ATTENTION_MIN_BATCH for the run: under autocast the block's stock route
+takes deterministic_sdpa's operators from N images on (N <= --batch to profile them).
 
     PYTHONPATH=. python3 scripts/profile_host.py --batch 23 [--calls 20] [--rows 30]
                                                  [--module [--autocast]]
+                                                 [--our-attention-from N]
                                                  [--float32-precision high]
 """
 import argparse
@@ -21,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from profile_kernels import module_step  # noqa: E402  (beside this script)
-from vitattn_bwd import contract  # noqa: E402
+from vitattn_bwd import contract, routing  # noqa: E402
 from vitattn_bwd.workloads import make_inputs  # noqa: E402
 
 
@@ -61,8 +64,12 @@ def main():
     parser.add_argument("--float32-precision", choices=("highest", "high"),
                         default="highest",
                         help="torch.set_float32_matmul_precision for the whole run")
+    parser.add_argument("--our-attention-from", type=int,
+                        default=routing.OUR_ATTENTION_MIN_BATCH,
+                        help="routing.OUR_ATTENTION_MIN_BATCH for the run")
     args = parser.parse_args()
     torch.set_float32_matmul_precision(args.float32_precision)
+    routing.OUR_ATTENTION_MIN_BATCH = args.our_attention_from
     if args.module:
         step = module_step(args.batch, args.autocast, stock=False)
         for name, model_step in (("ours", step),

@@ -111,6 +111,22 @@ def test_without_the_flag_bf16_training_steps_from_the_batch_threshold_take_the_
     assert "sdpa_ws_fwd" in "".join(str(g.graph) for g in explained.graphs)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_block_on_a_gpu_that_is_not_the_current_one(attention_calls):
+    """The backward operator launches on its tensors' GPU, not the current one: a block
+    on cuda:1 while cuda:0 is current gives cuda:0's bits."""
+    block = _block()
+    x = torch.randn(BATCH, SEQ, EMBED, device="cuda")
+    grad_y = torch.randn_like(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want = block_step(block, x, grad_y)
+        block.to("cuda:1")                  # cuda:0 stays current; autocast covers both
+        got = block_step(block, x.to("cuda:1"), grad_y.to("cuda:1"))
+    assert attention_calls == [torch.bfloat16, torch.bfloat16]
+    assert all(g.device == torch.device("cuda:1") and torch.equal(g.cpu(), w.cpu())
+               for g, w in zip(got, want))
+
+
 def test_forward_is_cudnns_within_bf16_rounding_of_flash_and_flashs_where_cudnn_is_off():
     """On the H200 the forward operator runs cuDNN's attention: its output within bf16
     rounding of flash's and its log-sum-exp within 1e-5; with cuDNN's SDPA backend

@@ -75,9 +75,12 @@ def sdpa_ws_fwd(qkv, num_heads):
 
 def sdpa_ws_bwd(grad_attn, qkv, attn, lse, num_heads):
     q, k, v = qkv_heads(qkv, num_heads)
-    return attention_bwd_ws.launch(                                    # [B,S,3E]
-        q, k, v, grad_attn.contiguous(), attn, lse, 1.0 / math.sqrt(q.shape[-1]),
-        attention_bwd_ws.FASTEST_TILES)
+    # triton launches on the current device: make it qkv's (an operator gets no device
+    # guard from the dispatcher; Inductor's graphs set one, eager calls do not)
+    with torch.cuda.device(qkv.device):
+        return attention_bwd_ws.launch(                                # [B,S,3E]
+            q, k, v, grad_attn.contiguous(), attn, lse, 1.0 / math.sqrt(q.shape[-1]),
+            attention_bwd_ws.FASTEST_TILES)
 
 
 _LIBRARY.impl("sdpa_ws_fwd", sdpa_ws_fwd, "CUDA")
