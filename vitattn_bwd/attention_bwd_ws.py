@@ -85,7 +85,6 @@ CANDIDATE_TILES = (WsTiles(128, 128, 2, 168, persistent=True),
                    FASTEST_TILES._replace(grad_q_swizzle=0, grad_q_buffers=1, num_stages=3))
 
 
-
 class DeltaTiles(NamedTuple):
     """attention_delta_kernel's launch: `block` rows a program, of `heads` consecutive
     heads (taken as the largest common divisor with the model's head count), num_warps
