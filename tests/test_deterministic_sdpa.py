@@ -130,6 +130,22 @@ def test_sequences_longer_than_the_kernel_takes_keep_sdpa(attention_calls, monke
     assert attention_calls == [torch.bfloat16]
 
 
+def test_where_the_operators_do_not_run_a_dynamic_batch_compiles_once():
+    """On a device without the operators (the CPU here) the route reads no batch size, so
+    a block compiled with a dynamic batch under bf16 autocast is not recompiled across
+    routing.OUR_ATTENTION_MIN_BATCH."""
+    from torch._dynamo.testing import CompileCounter
+    torch.manual_seed(0)
+    block = VisionAttentionBlock(EMBED, HEADS)
+    counter = CompileCounter()
+    compiled = torch.compile(block, backend=counter, dynamic=True)
+    _step(compiled, torch.randn(2, SEQ, EMBED))
+    frames = counter.frame_count
+    for batch in (routing.OUR_ATTENTION_MIN_BATCH + 1, 3):
+        _step(compiled, torch.randn(batch, SEQ, EMBED))
+    assert counter.frame_count == frames
+
+
 @pytest.mark.parametrize("min_batch", [BATCH, BATCH + 1])
 def test_without_the_flag_the_operators_run_in_bf16_training_steps_from_a_batch_size(
         attention_calls, monkeypatch, min_batch):

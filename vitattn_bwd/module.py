@@ -208,9 +208,10 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         deterministic=(torch.are_deterministic_algorithms_enabled()
                        and not routing.deterministic_warn_only() and backward),
         backward_batch=x.shape[0] if backward else None,
-        # torch's flash forward refuses zero tokens: an empty batch keeps SDPA
+        # torch's flash forward refuses zero tokens: an empty batch keeps SDPA (the
+        # shapes are read after `supported`, a constant: no guard where it is False)
         deterministic_attention=lambda dtype: (
-            x.numel() > 0 and deterministic_sdpa.supported(device, dtype, head_dim)
+            deterministic_sdpa.supported(device, dtype, head_dim) and x.numel() > 0
             and deterministic_sdpa.fits(x.shape[0], num_heads, x.shape[1], device)))
     if decision.stock:
         return stock_forward(x, *params, num_heads, eps, gamma,
