@@ -249,10 +249,26 @@ def stage_grad_q(grad_q, tile_count, grad_q_ring, grad_q_empty,
     """Store the finished dQ tile of this program's tile_count-th query tile into the
     writer's next buffer (of GRAD_Q_BUFFERS), once the writer is done with it. The
     caller hands it over: fence_async_shared (visible to the writer's TMA copy),
-    cta_barrier (every consumer thread's part stored), then an arrive on grad_q_full."""
+    cta_barrier (every consumer thread's part stored), then an arrive on grad_q_full,
+    at once or, with DEFERRED_GRAD_Q, in release_slot."""
     buffer = tile_count % GRAD_Q_BUFFERS
     mbarrier.wait(grad_q_empty.index(buffer), ((tile_count // GRAD_Q_BUFFERS) & 1) ^ 1)
     grad_q_ring.index(buffer).store(grad_q)
+
+
+@gluon.jit
+def release_slot(tile_count, empty, grad_q_full, NUM_STAGES: gl.constexpr,
+                 GRAD_Q_BUFFERS: gl.constexpr, DEFERRED_GRAD_Q: gl.constexpr):
+    """Give the ring slot of this program's tile_count-th query tile back to the
+    producer once every consumer thread is past the products that read it (the caller
+    waited for them); with DEFERRED_GRAD_Q, at the same barrier hand that tile's dQ
+    (stored by stage_grad_q) to the writer, fenced for its TMA copy."""
+    if DEFERRED_GRAD_Q:
+        fence_async_shared()
+    cta_barrier()
+    mbarrier.arrive(empty.index(tile_count % NUM_STAGES), count=1)
+    if DEFERRED_GRAD_Q:
+        mbarrier.arrive(grad_q_full.index(tile_count % GRAD_Q_BUFFERS), count=1)
 
 
 @gluon.jit
@@ -335,13 +351,8 @@ def compute_partition(
                                    use_acc=False, is_async=True)            # [BM,BN]
             logits = warpgroup_mma_wait(1, deps=(logits,))
             if step > 0:               # dV, dK of the previous step are done with its slot
-                if DEFERRED_GRAD_Q:
-                    fence_async_shared()   # the previous dQ, for the writer's TMA copy
-                cta_barrier()
-                mbarrier.arrive(empty.index((tile_count - 1) % NUM_STAGES), count=1)
-                if DEFERRED_GRAD_Q:
-                    mbarrier.arrive(grad_q_full.index((tile_count - 1) % GRAD_Q_BUFFERS),
-                                    count=1)
+                release_slot(tile_count - 1, empty, grad_q_full, NUM_STAGES, GRAD_Q_BUFFERS,
+                             DEFERRED_GRAD_Q)
             valid = in_queries[:, None] & in_keys[None, :]
             probs = gl.where(valid, gl.exp2(logits * logit_scale - lse[:, None]), 0.0)
             probs_tile.store(probs.to(dtype))        # the previous dV is done with it
@@ -365,13 +376,8 @@ def compute_partition(
                 cta_barrier()
                 mbarrier.arrive(grad_q_full.index(tile_count % GRAD_Q_BUFFERS), count=1)
         grad_k, grad_v = warpgroup_mma_wait(0, deps=(grad_k, grad_v))
-        if DEFERRED_GRAD_Q:
-            fence_async_shared()
-        cta_barrier()
-        last_tile = (earlier + 1) * NUM_TILES - 1
-        mbarrier.arrive(empty.index(last_tile % NUM_STAGES), count=1)
-        if DEFERRED_GRAD_Q:
-            mbarrier.arrive(grad_q_full.index(last_tile % GRAD_Q_BUFFERS), count=1)
+        release_slot((earlier + 1) * NUM_TILES - 1, empty, grad_q_full, NUM_STAGES,
+                     GRAD_Q_BUFFERS, DEFERRED_GRAD_Q)                  # the item's last
         mbarrier.arrive(kv_empty, count=1)
         store_grad_kv(grad_k, grad_v, probs_tile, block, batch_head, GRAD_QKV, scale,
                       NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_N, num_warps)
