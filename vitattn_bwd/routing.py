@@ -157,13 +157,15 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
         if autocast_dtype is not None or native_half or not fused_kernels:
             half = autocast_dtype if autocast_dtype is not None else (
                 x_dtype if native_half else None)
+            if half not in HALF_DTYPES or torch.float64 in dtypes:
+                return STOCK
+            if deterministic and deterministic_attention(half):
+                return STOCK_DETERMINISTIC_ATTENTION
             # the batch is compared last, once the operators run here at all: under
             # torch.compile each comparison of a dynamic batch is a guard to recompile on
-            if (half in HALF_DTYPES and torch.float64 not in dtypes
-                    and (deterministic or (half in OUR_ATTENTION_DTYPES
-                                           and backward_batch is not None))
+            if (half in OUR_ATTENTION_DTYPES and backward_batch is not None
                     and deterministic_attention(half)
-                    and (deterministic or backward_batch >= OUR_ATTENTION_MIN_BATCH)):
+                    and backward_batch >= OUR_ATTENTION_MIN_BATCH):
                 return STOCK_DETERMINISTIC_ATTENTION
             return STOCK
         precision = float32_precision
