@@ -227,13 +227,11 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
         raise ValueError(f"a rotated walk needs a persistent grid, got {tiles}")
 
 
-def launch_delta(grad_attn, attn_output, lse, num_heads, block_m, tiles=None):
+def launch_delta(grad_attn, attn_output, lse, num_heads, block_m, tiles=DELTA_TILES):
     """(delta [B,H,S] float32 = rowsum(dO * O) per head, from grad_attn, attn_output
     [B,S,E]; lse [B,H,S] * log2(e); the main kernel's semaphores [B*H, ceil(S /
-    block_m)] int32, zeroed), by attention_delta_kernel at `tiles` (DeltaTiles; default
-    DELTA_TILES)."""
+    block_m)] int32, zeroed), by attention_delta_kernel at `tiles` (DeltaTiles)."""
     from .kernels.attention_bwd_ws import attention_delta_kernel
-    tiles = tiles or DELTA_TILES
     batch, seq_len, embed_dim = grad_attn.shape
     head_dim = embed_dim // num_heads
     heads = math.gcd(num_heads, tiles.heads)                   # heads per program
@@ -253,7 +251,7 @@ def launch_delta(grad_attn, attn_output, lse, num_heads, block_m, tiles=None):
 
 
 def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, programs=None,
-           delta_tiles=None):
+           delta_tiles=DELTA_TILES):
     """grad_qkv [B,S,3E] = dQ | dK | dV in q's dtype (a QKV projection's layout: head
     h's columns at h * D, E + h * D, 2E + h * D): the attention core's backward
     (module docstring), bitwise the same on every call and for any grid. A persistent
