@@ -33,10 +33,11 @@ backward the flag gives SDPA, which cost a 12-layer tower under bf16 autocast 12
 step (docs/performance.md, "The deterministic flag, eager and compiled"). Without the
 flag it runs them too in bf16 training steps of at least OUR_ATTENTION_MIN_BATCH images,
 where they were measured faster than SDPA: in a 12-layer HF CLIP tower under bf16
-autocast at batch 32, 1.11x stock eager and 1.04x torch.compile(stock) (our backward
-4.49 ms a step against 5.30 for SDPA's cuDNN backward with its two helper kernels). At
-batch 1 and 8, where the step is host-bound, the operators' host time made the same
-tower 0.84-0.92x; batches between 8 and 32 are not measured and keep SDPA.
+autocast, 1.11x stock eager and 1.05x torch.compile(stock) at batch 24, 1.11x and 1.04x
+at batch 32 (our backward 4.49 ms a step against 5.30 for SDPA's cuDNN backward with its
+two helper kernels). At batch 1, 8 and 16, where the step is host-bound, the operators'
+host time made the same tower 0.84-0.93x, though its GPU time was lower; batches
+between 16 and 24 are not measured and keep SDPA.
 
 Inside torch.compile the fused path runs as two torch.library operators (block_ops.py),
 opaque to dynamo, instead of the autograd.Function that eager calls use.
@@ -76,7 +77,7 @@ STOCK_DETERMINISTIC_ATTENTION = Route(stock=True, deterministic_attention=True)
 # Without the deterministic flag, the stock route's attention runs as deterministic_sdpa's
 # operators in training steps of at least this many images in these dtypes (module
 # docstring; docs/performance.md has the towers' times by batch).
-OUR_ATTENTION_MIN_BATCH = 32
+OUR_ATTENTION_MIN_BATCH = 24
 OUR_ATTENTION_DTYPES = (torch.bfloat16,)
 
 
