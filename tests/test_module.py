@@ -43,6 +43,34 @@ def test_gradients_equal_autograd_of_plain_block(dtype, bound):
         assert err < bound, (name, err)
 
 
+def _layouts(values):
+    """values [B,S,E] in ten memory layouts: row-major, transposed, permuted, sliced,
+    and broadcast along the batch or the tokens (values[:1] / [:, :1] there)."""
+    B, S, E = values.shape
+    wide = torch.zeros(B, S, 2 * E)
+    wide[..., ::2] = values
+    tall = torch.zeros(B, 2 * S, E)
+    tall[:, ::2] = values
+    return [values, values.transpose(0, 1).contiguous().transpose(0, 1),
+            values.transpose(1, 2).contiguous().transpose(1, 2),
+            values.permute(2, 1, 0).contiguous().permute(2, 1, 0),
+            values.permute(1, 2, 0).contiguous().permute(2, 0, 1), wide[..., ::2],
+            tall[:, ::2], values[:1].expand(B, S, E), values[:, :1].expand(B, S, E),
+            values[:1, :1].expand(B, S, E)]
+
+
+def test_inputs_in_any_layout_train_like_float64():
+    """x in ten layouts, one after another into one block: each call's output and
+    gradients as float64 autograd's (every layout once compiled a graph of its own,
+    and the ninth raised dynamo's recompile limit in the backward)."""
+    block = _randomize(VisionAttentionBlock(16, 2))
+    for index, x in enumerate(_layouts(torch.randn(2, 5, 16))):
+        grad_y = torch.randn(2, 5, 16)
+        errors = relative_errors(block_step(block, x, grad_y),
+                                 block_step_float64(block, x, grad_y))
+        assert max(errors) < 1e-5, (index, x.stride(), errors)
+
+
 def test_gradcheck_on_a_tiny_block():
     block = _randomize(VisionAttentionBlock(8, 2, dtype=torch.float64))
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)

@@ -288,7 +288,10 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     bucket keeps each to a graph or two and keeps one bucket's dynamic graph, tuned for
     its sizes, from serving another. fullgraph=True: exceeding the limit raises instead
     of silently running eager code. With cuda_graph, each input signature is replayed as
-    a CUDA graph (cuda_graphs.py)."""
+    a CUDA graph (cuda_graphs.py). Inputs of other strides than row-major ones are
+    copied into row-major tensors first: dynamo guards on strides, so every new layout
+    of a caller's tensor (a transposed or sliced x) would compile a graph of its own,
+    and the ninth would raise."""
     cache.load_env_cache_once()
     from .inductor import compile_options                    # registers the lowerings
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
@@ -303,7 +306,21 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
             if input_name in tensors:
                 torch._dynamo.mark_dynamic(tensors[input_name], 0)
         return compiled(**tensors)
-    return GraphedCall(run) if cuda_graph else run
+    call = GraphedCall(run) if cuda_graph else run
+    return lambda **tensors: call(**{name: _row_major(t) for name, t in tensors.items()})
+
+
+def _row_major(t):
+    """t where its strides are its shape's row-major ones, else a row-major copy (also
+    where only a size-1 dimension's stride differs, which is_contiguous() ignores and
+    dynamo's guards do not)."""
+    stride, strides = 1, []
+    for size in reversed(t.shape):
+        strides.append(stride)
+        stride *= size
+    if t.stride() == tuple(reversed(strides)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 def _with_own_code(fn):
