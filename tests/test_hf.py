@@ -294,6 +294,28 @@ def test_unsupported_layers_are_refused_at_the_swap():
     assert len(swapped_layers(swap_attention(encoder, vision_only=False))) == 2
 
 
+def test_attention_settings_changed_after_the_swap_are_refused_at_the_call():
+    """A scale or (in training) an attention dropout set on a swapped layer's self_attn
+    after the swap: refused at the next call, naming the layer, rather than ignored; a
+    dropout in eval mode applies to neither model, and the swap computes the stock
+    output."""
+    stock, ours = _pair()
+    pixels, _ = _inputs()
+    for model in (stock, ours):
+        for layer in model.modules():
+            if type(layer).__name__.endswith("CLIPEncoderLayer"):
+                layer.self_attn.dropout = 0.5
+    torch.testing.assert_close(ours(pixel_values=pixels).last_hidden_state,
+                               stock(pixel_values=pixels).last_hidden_state)
+    with pytest.raises(ValueError, match=r"encoder\.layers\.0.*attention dropout 0\.5"):
+        ours.train()(pixel_values=pixels)
+    ours.eval()
+    ours.get_submodule([n for n, m in ours.named_modules()
+                        if type(m).__name__.endswith("CLIPEncoderLayer")][1]).self_attn.scale = 1.0
+    with pytest.raises(ValueError, match=r"encoder\.layers\.1.*attention scale 1\.0"):
+        ours(pixel_values=pixels)
+
+
 def test_attention_mask_is_refused():
     """... naming the layer by its path in the model (the swap records it, as the timm
     and OpenCLIP swaps do: integrations._common)."""

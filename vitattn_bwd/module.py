@@ -76,7 +76,8 @@ input are:
   float32 input into a bf16 block), are cast to float32 in the forward; the casts are
   ordinary autograd ops, so every gradient comes back in its own tensor's dtype (a bf16
   parameter gets a bf16 .grad, rounded once from float32);
-- float64 stays float64 on the CPU (all tensors are then promoted to float64); on CUDA
+- float64 stays float64 on the CPU (all tensors are then promoted to float64), outside
+  autocast (inside it, float64 is cast to float32 too, as custom_fwd casts it); on CUDA
   float64 is refused in the forward (TypeError), as is anything but floating point.
 y has x's dtype (the residual stream keeps its dtype, as in the stock block). No error
 is left for the backward: everything the backward checks is checked in the forward.

@@ -29,7 +29,8 @@ the stock classes.
 
 Limits: no attention mask (vision towers pass none; a mask raises ValueError), no
 output_attentions (raises ValueError: the attention maps are never materialized for the
-caller), no attention dropout (a layer with attention dropout > 0 is refused at the swap),
+caller), no attention dropout (a layer with attention dropout > 0 is refused at the swap,
+and a dropout or scale set after the swap at its next call),
 no double backward. Forward hooks registered on `layer_norm1` / `self_attn` (not on the
 layer) no longer fire. A layer whose forward is overridden on the instance (accelerate's
 device_map hooks) is refused at the swap. By default only layers inside a module whose class name contains
@@ -116,19 +117,26 @@ def _check_layer(name, layer, kind):
         raise ValueError(f"{name}: grouped-query attention ({kv_heads} key/value heads "
                          f"for {num_heads} heads) is not supported")
     check_config(E, num_heads, norm.eps)
-    head_dim = E // num_heads
+    _check_attention(name, attn, E // num_heads, training=True)
+    if getattr(attn, "is_causal", False):
+        raise ValueError(f"{name}: causal attention is not supported")
+    return num_heads
+
+
+def _check_attention(name, attn, head_dim, training):
+    """Refuse an attention module's settings our block would not compute: a scale other
+    than 1/sqrt(head_dim), or attention dropout > 0 where it applies (in training; at
+    the swap, always). Checked at the swap and again at every call of a swapped layer,
+    so that a setting changed after the swap is refused too, not ignored."""
     scale = getattr(attn, "scale", None)
     if scale is not None and not math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6):
         raise ValueError(f"{name}: attention scale {scale} is not 1/sqrt(head_dim) "
                          f"= {head_dim ** -0.5}")
     dropout = getattr(attn, "dropout", 0.0)
     dropout = getattr(dropout, "p", dropout)               # a float or an nn.Dropout
-    if isinstance(dropout, (int, float)) and dropout > 0:
+    if training and isinstance(dropout, (int, float)) and dropout > 0:
         raise ValueError(f"{name}: attention dropout {dropout} > 0 is not supported "
                          "(set the config's attention_dropout to 0.0 before loading)")
-    if getattr(attn, "is_causal", False):
-        raise ValueError(f"{name}: causal attention is not supported")
-    return num_heads
 
 
 def _output_collector():
@@ -178,6 +186,7 @@ def _attention_half(layer, hidden_states, conv, num_heads):
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
     E = q.in_features
+    _check_attention(_common._who(layer), attn, E // num_heads, layer.training)
     qkv_weight = torch.cat([q.weight, k.weight, v.weight], dim=0)
     biases = [lin.bias if lin.bias is not None else q.weight.new_zeros(E)
               for lin in (q, k, v)]
