@@ -3,6 +3,10 @@ tower (and a Molmo-style one) against the stock model: outputs, gradients, state
 checkpoints, output_hidden_states, output_attentions, AdamW steps, autocast. Skipped when
 transformers is not installed (`pip install -e ".[hf]"`)."""
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -292,6 +296,37 @@ def test_unsupported_layers_are_refused_at_the_swap():
     with pytest.raises(ValueError, match="vision_only=False"):
         swap_attention(encoder)
     assert len(swapped_layers(swap_attention(encoder, vision_only=False))) == 2
+
+
+_LOAD_IN_A_FRESH_PROCESS = """
+import sys, torch
+from vitattn_bwd.integrations import _common
+model = torch.load(sys.argv[1], weights_only=False)
+pixels = torch.load(sys.argv[2])
+layers = [m for m in model.modules() if _common.is_swapped(m)]
+assert [m._vitattn_precision for m in layers] == ["highest", "highest"], layers
+torch.save(model(pixel_values=pixels).last_hidden_state, sys.argv[3])
+"""
+
+
+def test_a_swapped_model_saved_whole_loads_in_a_fresh_process(tmp_path):
+    """torch.save of a whole swapped model, torch.load in a process that has not swapped
+    (whose integration modules have no fused class yet): its layers come back swapped,
+    with their precision, and compute what they computed; copy.deepcopy the same."""
+    _, ours = _pair()
+    ours = swap_attention(unswap_attention(ours), precision="highest")
+    pixels, _ = _inputs()
+    want = ours(pixel_values=pixels).last_hidden_state
+    torch.save(ours, tmp_path / "model.pt")
+    torch.save(pixels, tmp_path / "pixels.pt")
+    subprocess.run([sys.executable, "-c", _LOAD_IN_A_FRESH_PROCESS, tmp_path / "model.pt",
+                    tmp_path / "pixels.pt", tmp_path / "out.pt"], check=True,
+                   env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), want, rtol=0, atol=0)
+    copied = copy.deepcopy(ours)
+    assert len(swapped_layers(copied)) == 2
+    torch.testing.assert_close(copied(pixel_values=pixels).last_hidden_state, want,
+                               rtol=0, atol=0)
 
 
 def test_attention_settings_changed_after_the_swap_are_refused_at_the_call():

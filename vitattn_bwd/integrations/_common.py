@@ -8,6 +8,7 @@ A library module (hf, timm, open_clip) provides only what differs, three functio
 `_match(layer) -> kind or None`, `_check_layer(path, layer, kind) -> num_heads` (raises
 ValueError naming `path` and the reason) and `_fused_class(stock_cls, kind)`.
 """
+import importlib
 import sys
 
 from torch import nn
@@ -198,18 +199,25 @@ def stock_forward_is(cls, known):
     return any(issubclass(cls, k) and cls.forward is k.forward for k in known)
 
 
-def make_fused_class(stock_cls, forward, module_globals, cache, library, attributes=None):
-    """The subclass of `stock_cls` whose forward is `forward` (and which has the class
-    `attributes`, a dict, if given), made once per class and put in the integration
-    module's namespace (so that pickle finds it after a swap)."""
+def make_fused_class(stock_cls, kind, forward, module_globals, cache, library,
+                     attributes=None):
+    """The subclass of `stock_cls` (a layer of `kind`, the library's _match) whose forward
+    is `forward` (and which has the class `attributes`, a dict, if given), made once per
+    class and put in the integration module's namespace. Its instances pickle as the
+    library's fused class of (stock_cls, kind), made again where they are loaded
+    (_rebuild_swapped): a process that has not swapped has no fused class to find by
+    name."""
     cls = cache.get(stock_cls)
     if cls is None:
         base = f"VitAttn{stock_cls.__name__}"
         name, n = base, 2
         while name in module_globals:            # another stock class of the same name
             name, n = f"{base}{n}", n + 1
+        recipe = (module_globals["__name__"], stock_cls, kind)
         cls = type(name, (stock_cls,), {
             "forward": forward,
+            "__reduce_ex__": lambda self, protocol: (_rebuild_swapped, recipe,
+                                                     self.__getstate__()),
             STOCK_CLASS: stock_cls,
             "__module__": module_globals["__name__"],
             "__qualname__": name,
@@ -220,6 +228,13 @@ def make_fused_class(stock_cls, forward, module_globals, cache, library, attribu
         cache[stock_cls] = cls
         module_globals[name] = cls
     return cls
+
+
+def _rebuild_swapped(library, stock_cls, kind):
+    """An empty instance of `library`'s (a module name) fused class of (stock_cls, kind),
+    for pickle and copy to fill with a swapped layer's state."""
+    cls = importlib.import_module(library)._fused_class(stock_cls, kind)
+    return cls.__new__(cls)
 
 
 def plan_swaps(model, libraries, vision_only):

@@ -239,7 +239,7 @@ def _fused_class(stock_cls, kind):
     positional = [name for name, p in list(signature.parameters.items())[2:]
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     return _common.make_fused_class(
-        stock_cls, _clip_forward if kind == "clip" else _molmo_forward, globals(),
+        stock_cls, kind, _clip_forward if kind == "clip" else _molmo_forward, globals(),
         _FUSED_CLASSES, "Hugging Face",
         dict(_vitattn_legacy=legacy,
              _vitattn_positional=tuple(positional)))    # after self, hidden_states

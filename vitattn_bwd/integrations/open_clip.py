@@ -193,8 +193,8 @@ def _block_forward(self, q_x, k_x=None, v_x=None, attn_mask=None):
 
 
 def _fused_class(stock_cls, kind):
-    return _common.make_fused_class(stock_cls, _block_forward, globals(), _FUSED_CLASSES,
-                                    "OpenCLIP")
+    return _common.make_fused_class(stock_cls, kind, _block_forward, globals(),
+                                    _FUSED_CLASSES, "OpenCLIP")
 
 
 LOOKED_FOR = ("OpenCLIP ResidualAttentionBlocks (ln_1 + attn (nn.MultiheadAttention or "

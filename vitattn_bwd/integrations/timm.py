@@ -140,8 +140,8 @@ def _block_forward(self, x, attn_mask=None, is_causal=False):
 
 
 def _fused_class(stock_cls, kind):
-    return _common.make_fused_class(stock_cls, _block_forward, globals(), _FUSED_CLASSES,
-                                    "timm")
+    return _common.make_fused_class(stock_cls, kind, _block_forward, globals(),
+                                    _FUSED_CLASSES, "timm")
 
 
 LOOKED_FOR = ("timm Blocks (norm1 + attn.qkv/proj + ls1 + drop_path1 + norm2 + mlp of "
