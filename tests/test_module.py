@@ -71,6 +71,30 @@ def test_inputs_in_any_layout_train_like_float64():
         assert max(errors) < 1e-5, (index, x.stride(), errors)
 
 
+@pytest.mark.parametrize("precision", [None, "highest"])
+def test_torch_func_grad_and_vmap_give_autograds_gradients(precision):
+    """torch.func.grad of a functional_call, and per-sample gradients by vmap of it (the
+    stock ops run under the transforms: our autograd.Function has no functorch rules,
+    and raised torch's error): the gradients ordinary autograd gives the block."""
+    block = _randomize(VisionAttentionBlock(16, 2, dtype=torch.float64, precision=precision))
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    params = {name: p.detach() for name, p in block.named_parameters()}
+
+    def loss(params, x):
+        return torch.func.functional_call(block, params, (x,)).square().sum()
+    got = torch.func.grad(loss)(params, x)
+    want = torch.autograd.grad(block(x).square().sum(), list(block.parameters()))
+    for (name, g), w in zip(got.items(), want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
+    per_sample = torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(
+        params, x.unsqueeze(1))                                      # [B,1,S,E] samples
+    for index in range(x.shape[0]):
+        want = torch.autograd.grad(block(x[index:index + 1]).square().sum(),
+                                   list(block.parameters()))
+        for (name, g), w in zip(per_sample.items(), want):
+            torch.testing.assert_close(g[index], w, rtol=1e-10, atol=1e-12, msg=name)
+
+
 def test_gradcheck_on_a_tiny_block():
     block = _randomize(VisionAttentionBlock(8, 2, dtype=torch.float64))
     x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)

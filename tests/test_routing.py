@@ -15,18 +15,19 @@ F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float1
 def _route(dtypes=(F32,), x_dtype=None, autocast=None, precision=None,
            torch_precision="highest", compiling=False, one_product=(BF16, F16),
            device="cpu", fused_kernels=True, deterministic=False, backward_batch=None,
-           deterministic_attention=(BF16, F16)):
+           deterministic_attention=(BF16, F16), torch_func=False):
     """routing.route with defaults: a float32 block on the CPU, no autocast, precision
     None, torch at "highest", eager, the one-product path in both half dtypes, without
     the deterministic flag or a backward to compute (deterministic_sdpa's operators in
-    both half dtypes)."""
+    both half dtypes), outside torch.func transforms."""
     return routing.route(device_type=device, dtypes=set(dtypes),
                          x_dtype=x_dtype or dtypes[0], autocast_dtype=autocast,
                          precision=precision, float32_precision=torch_precision,
                          compiling=compiling, one_product=lambda dtype: dtype in one_product,
                          fused_kernels=fused_kernels, deterministic=deterministic,
                          backward_batch=backward_batch,
-                         deterministic_attention=lambda dtype: dtype in deterministic_attention)
+                         deterministic_attention=lambda dtype: dtype in deterministic_attention,
+                         torch_func=torch_func)
 
 
 def _fused(precision, half_dtype=None, compute=F32, opaque_ops=False):
@@ -114,6 +115,16 @@ def test_float64_on_the_cpu_is_float64_math():
     # inside autocast (an explicit precision): float32, as custom kernels cast
     assert _route((F64,), precision="high", autocast=BF16) == _fused("high")
     assert _route((F64,), autocast=BF16) == STOCK
+
+
+@pytest.mark.parametrize("facts", [
+    dict(), dict(precision="highest"), dict(precision="medium", autocast=BF16),
+    dict(dtypes=(BF16,), deterministic=True), dict(autocast=BF16, backward_batch=64),
+    dict(dtypes=(F64,), device="cuda", precision="high")])
+def test_torch_func_transforms_take_the_stock_ops(facts):
+    """Under torch.func.grad / vmap: the stock ops at any precision and setting (our
+    Function and operators have no functorch rules), float64 on CUDA included."""
+    assert _route(**facts, torch_func=True) == STOCK
 
 
 def test_float64_elsewhere_is_refused():

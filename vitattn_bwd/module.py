@@ -213,7 +213,8 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         # shapes are read after `supported`, a constant: no guard where it is False)
         deterministic_attention=lambda dtype: (
             deterministic_sdpa.supported(device, dtype, head_dim) and x.numel() > 0
-            and deterministic_sdpa.fits(x.shape[0], num_heads, x.shape[1], device)))
+            and deterministic_sdpa.fits(x.shape[0], num_heads, x.shape[1], device)),
+        torch_func=routing.torch_func_transform_active(compiling))
     if decision.stock:
         return stock_forward(x, *params, num_heads, eps, gamma,
                              decision.deterministic_attention)

@@ -133,9 +133,18 @@ def fused_kernels_for(device, head_dim):
                                                                    torch.float32, head_dim)
 
 
+def torch_func_transform_active(compiling):
+    """Whether a torch.func transform (grad, vmap, jvp, ...) runs this call: the top of
+    functorch's interpreter stack (torch's private API, stable since torch 2.0). Not
+    read while torch.compile traces (dynamo then runs the transforms itself; the read
+    would break the graph)."""
+    return not compiling and torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_precision,
           compiling, one_product, fused_kernels=True, deterministic=False,
-          backward_batch=None, deterministic_attention=lambda dtype: False):
+          backward_batch=None, deterministic_attention=lambda dtype: False,
+          torch_func=False):
     """The Route for a call (module docstring).
 
     device_type: "cpu" or "cuda"; dtypes: the set of the dtypes of x and every
@@ -151,8 +160,14 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
     compute: otherwise SDPA's faster kernels stay); backward_batch: the batch size where
     gradients are to be computed, else None; deterministic_attention(dtype) ->
     bool: whether deterministic_sdpa's operators run for this call's activations in
-    that half dtype (deterministic_sdpa.supported, and a non-empty batch). TypeError
-    for float64 on a device other than the CPU (the fused backward is float32 there)."""
+    that half dtype (deterministic_sdpa.supported, and a non-empty batch); torch_func:
+    whether a torch.func transform runs the call (torch_func_transform_active): then the
+    stock ops, at any precision, since they are the only computation here with
+    functorch rules (our autograd.Function and operators have none; torch.func.grad
+    and vmap of the stock block work). TypeError for float64 on a device other than
+    the CPU (the fused backward is float32 there)."""
+    if torch_func:
+        return STOCK
     native_half = len(dtypes) == 1 and x_dtype in HALF_DTYPES
     if precision is None:
         if autocast_dtype is not None or native_half or not fused_kernels:
