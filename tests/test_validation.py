@@ -57,6 +57,36 @@ def test_backward_norm_eps_and_block_eps_are_worded_alike(eps):
     assert backward == (construction[0], "norm_" + construction[1])
 
 
+_WEIGHTS = ("ln_weight", "qkv_weight", "out_weight")                 # no batch, no tokens
+
+
+@pytest.mark.parametrize("empty", ["batch", "tokens", "width"])
+def test_the_backward_refuses_an_empty_batch_sequence_or_width_naming_x(empty):
+    """The contract's backward with B, S or E = 0 (every tensor cut to match): refused
+    by name at the call, as batch 0 was and width 0 was not (it returned empty
+    gradients)."""
+    inputs = make_case(2, 3, H, E // H)
+
+    def cut(name, t):
+        if not torch.is_tensor(t):
+            return t
+        if empty == "batch":
+            return t if name in _WEIGHTS else t[:0]
+        if empty == "tokens":
+            if name in _WEIGHTS:
+                return t
+            return t[:, :, :0] if t.dim() == 4 else t[:, :0]          # [B,H,S,.], [B,S,.]
+        if name in ("x_mean", "x_var", "attn_weights"):
+            return t
+        return t[:0, :0] if name in ("qkv_weight", "out_weight") else t[..., :0]
+    inputs = {name: cut(name, t) for name, t in inputs.items()}
+    if empty == "tokens":
+        inputs["attn_weights"] = inputs["attn_weights"][..., :0]
+    assert _refusal(lambda: vitattn_bwd.attention_block_backward(**inputs, num_heads=H)) == (
+        ValueError, f"x must have batch, sequence length and embed dim >= 1, got "
+                    f"{tuple(inputs['x'].shape)}")
+
+
 def test_every_entry_point_refuses_a_non_tensor_x_with_a_type_error_naming_x():
     inputs = make_case(1, 3, H, E // H)
     params = _block_params()

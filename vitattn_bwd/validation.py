@@ -223,8 +223,9 @@ def check_backward_inputs(tensors, scale, norm_eps, num_heads, ln_grad, precisio
     check_x(x)
     B, S, E = x.shape
     check_heads_divide(E, num_heads, " (x's embed dim)")
-    if min(B, S) < 1:
-        raise ValueError(f"x must have batch and sequence length >= 1, got {tuple(x.shape)}")
+    if min(B, S, E) < 1:
+        raise ValueError(f"x must have batch, sequence length and embed dim >= 1, got "
+                         f"{tuple(x.shape)}")
     check_batch_heads(B, num_heads, x.device.type)
     check_like_x(tensors, x, num_heads)
     if check_finite:
