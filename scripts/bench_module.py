@@ -15,8 +15,9 @@ The block table has a VisionAttentionBlock per precision in --precisions (defaul
 "highest" and "high"; "default" is precision None, which follows torch's float32 matmul
 precision, "highest" unless the process set it) beside the plain block. With --autocast
 every forward runs under torch.autocast(bfloat16) (backward outside it, as in a training
-loop) and the default precisions are None (follows autocast: the one-product path in
-bf16) and "high" (keeps the float32-grade fused path). The tower is swapped with
+loop) and the default precisions are None (the stock ops under autocast; from
+routing.OUR_ATTENTION_MIN_BATCH images with our attention backward) and "high" (keeps the
+float32-grade fused path). The tower is swapped with
 precision None.
 """
 import argparse

@@ -9,8 +9,9 @@ sm_90 that launches nothing (for the CPU checks of its machine code).
 q, k, v [B,H,S,D] bf16 / fp16 with one set of strides and a contiguous last dim:
 contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_output
 [B,S,E] contiguous; lse [B,H,S] float32, the natural-log log-sum-exp of the scaled
-logits. One product per matmul, P recomputed from lse (the module's half-precision
-path). Not an autotune choice of the registered lowerings: on the H200, at batch 32,
+logits. One product per matmul, P recomputed from lse: the backward of the stock
+route's attention (deterministic_sdpa.py), not of the module's one-product path, whose
+graph runs the two-pass kernels. Not an autotune choice of the registered lowerings: on the H200, at batch 32,
 577 tokens, 16 heads of 64, its fastest configuration (FASTEST_TILES: a persistent grid,
 the rotated walk, the dQ tiles swizzled and handed over a tile late) measured 0.370 ms
 with its delta kernel, against 0.444 for cuDNN's non-deterministic backward through SDPA

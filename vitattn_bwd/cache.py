@@ -8,7 +8,7 @@ so `load_compile_cache` refuses a directory whose fingerprint differs.
 
     vitattn_bwd.load_compile_cache("/path/to/cache")   # or VITATTN_BWD_CACHE=/path/...
 
-VITATTN_BWD_CACHE is read at the first compile (graph._compile calls
+VITATTN_BWD_CACHE is read at the first compile (graph.compile_graph calls
 load_env_cache_once), not at import: importing the package changes nothing.
 """
 import ast
@@ -170,7 +170,7 @@ _env_done = False
 
 def load_env_cache_once():
     """Load the cache that VITATTN_BWD_CACHE names, once per process, at the first compile
-    (graph._compile calls this). Does nothing when the variable is unset. Raises the
+    (graph.compile_graph calls this). Does nothing when the variable is unset. Raises the
     RuntimeError of load_compile_cache for a bad cache, and again at every later call
     until a load succeeds. Thread-safe. Returns the cache directory, or None."""
     global _env_done

@@ -18,7 +18,7 @@ gradients' error, docs/performance.md, precision "highest"). cuBLAS float32 GEMM
 what F.linear runs, take about fifteen times as long per FLOP as bf16 ones (at batch 32
 the two projections are ~2.4 ms of float32 GEMM). With split_precision None (the CPU,
 float64) the projections are F.linear in the inputs' dtype. With half_dtype (bf16 or
-fp16: VisionAttentionBlock under autocast or at precision "medium") the LayerNorm is
+fp16: VisionAttentionBlock at precision "medium") the LayerNorm is
 float32 and the projections and the attention are one product each in half_dtype, what
 the stock block computes under autocast: cuBLAS GEMMs and torch's flash-attention
 forward (attention_fwd.attention_fwd_half), qkv and attn_output saved in half_dtype.

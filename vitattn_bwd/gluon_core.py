@@ -109,14 +109,14 @@ def compile_failure(arch):
     """None where both kernels compile for compute capability `arch` (90 for sm_90) with
     the installed triton, else why not, in one line; and then, once per process, a
     RuntimeWarning naming the triton, after which the attention core runs on the Triton
-    templates and the one-product path on the stock ops. Decided by compiling each
+    templates and precision "medium" runs "high". Decided by compiling each
     kernel once (about a second each, cached by triton on disk: little next to the
     autotuning that follows), because Gluon's API moves between triton releases and a
     kernel file that imports may still not compile."""
     return compile_probe.compile_failure(
         lambda: _compile_probe(arch), f"the Gluon kernels for sm_{arch}",
-        "the attention core runs on the Triton templates, and the one-product path "
-        "(autocast, precision 'medium') on the stock ops")
+        "the attention core runs on the Triton templates, and precision 'medium' runs "
+        "'high'")
 
 
 def _compile_probe(arch):

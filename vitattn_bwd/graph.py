@@ -146,7 +146,7 @@ def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
                      attn_weights, forward_output, q, k, v, scale):
     """The products at one product per matmul in the dtype of the module's saved
     half-precision activations (attn_rows, q, k, v: bf16 or fp16; VisionAttentionBlock
-    under autocast or at precision "medium"), with float32 accumulation, as the stock
+    at precision "medium"), with float32 accumulation, as the stock
     block's autocast backward computes them: grad_out_weight, grad_x_norm_parts (two
     float32 [B*S,E] GEMM outputs whose sum is grad_x_norm), grad_qkv_weight,
     grad_qkv_bias, unscale (1). The weight gradients and grad_x_norm leave their GEMMs

@@ -63,7 +63,8 @@ one-product Gluon kernels (P recomputed from the log-sum-exp; deterministic, whe
 torch's attention backwards are not). It runs on Hopper GPUs with Gluon and on the CPU
 (`one_product_supported`). An explicit "highest" or "high" runs the fused float32 path
 everywhere, inside autocast and for half-precision blocks too. On the CPU the fused
-float32 path's products are plain float32 (or float64) matmuls whatever the precision.
+float32 path's products are plain matmuls whatever the precision, in float64 (a float32
+backward computes in float64 and returns float32).
 
 Dtypes of the fused path. The fused backward runs in float32 (float64 too on the CPU),
 or, on the one-product path, on bf16 / fp16 activations of float32 tensors or of a
@@ -252,8 +253,9 @@ class VisionAttentionBlock(nn.Module):
     precision everywhere (see vitattn_bwd.module). On the fused float32 path the math is float32
     (float64 on the CPU for a float64 block), the output has x's dtype and each gradient
     its tensor's dtype; float64 on CUDA is refused in the forward, and double backward
-    (create_graph=True) raises a RuntimeError (the stock path supports it, as the stock
-    block does).
+    (create_graph=True) raises a RuntimeError (the stock path supports it where torch's
+    SDPA backward does; its deterministic_sdpa operators refuse it, as torch's flash
+    backward does).
     """
 
     def __init__(self, embed_dim=1024, num_heads=16, eps=1e-5, device=None, dtype=None,

@@ -11,8 +11,8 @@ tensor [.., 2N] = [hi | lo], that several GEMMs read as it lies: for a weight b,
     a @ b  =  [a_hi | a_lo] @ [b_hi ; b_hi]  +  a_hi @ b_lo              (two GEMMs)
 
 and for a weight gradient a^T @ c summed over many rows (K = B*S), the three products
-are separate GEMMs added small terms first, which stays accurate at large K (CONTRACT.md,
-"Accumulation error at large K"):
+are separate GEMMs added small terms first, which stays accurate at large K (the
+benchmark's contract, "Accumulation error at large K"):
 
     a^T @ c  =  ([a_hi | a_lo]^T @ c_hi  ->  a_hi^T c_hi ; a_lo^T c_hi)  +  a_hi^T @ c_lo
 

@@ -85,9 +85,9 @@ OUR_ATTENTION_DTYPES = (torch.bfloat16,)
 def one_product_supported(device, dtype, head_dim):
     """Where the one-product path (bf16 / fp16 activations, the attention core's
     one-product kernels) runs: on Hopper GPUs with Gluon (gluon_core.available), and on
-    the CPU (the same graph with PyTorch math, for correctness). Elsewhere the block
-    computes with the stock ops instead. Constant for a process, so torch.compile reads
-    it once when tracing."""
+    the CPU (the same graph with PyTorch math, for correctness). Elsewhere precision
+    "medium" runs the fused float32 path at "high" instead (route). Constant for a
+    process, so torch.compile reads it once when tracing."""
     return device.type == "cpu" or gluon_core.available(device, dtype, head_dim)
 
 
@@ -160,7 +160,7 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
     compute: otherwise SDPA's faster kernels stay); backward_batch: the batch size where
     gradients are to be computed, else None; deterministic_attention(dtype) ->
     bool: whether deterministic_sdpa's operators run for this call's activations in
-    that half dtype (deterministic_sdpa.supported, and a non-empty batch); torch_func:
+    that half dtype (deterministic_sdpa.supported and .fits, and a non-empty batch); torch_func:
     whether a torch.func transform runs the call (torch_func_transform_active): then the
     stock ops, at any precision, since they are the only computation here with
     functorch rules (our autograd.Function and operators have none; torch.func.grad
