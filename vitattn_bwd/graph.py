@@ -313,7 +313,10 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
 def _row_major(t):
     """t where its strides are its shape's row-major ones, else a row-major copy (also
     where only a size-1 dimension's stride differs, which is_contiguous() ignores and
-    dynamo's guards do not)."""
+    dynamo's guards do not). Contiguous tensors without size-1 dimensions, the usual
+    case, are passed on after one check."""
+    if t.is_contiguous() and 1 not in t.shape:
+        return t
     stride, strides = 1, []
     for size in reversed(t.shape):
         strides.append(stride)
