@@ -117,26 +117,29 @@ def _check_layer(name, layer, kind):
         raise ValueError(f"{name}: grouped-query attention ({kv_heads} key/value heads "
                          f"for {num_heads} heads) is not supported")
     check_config(E, num_heads, norm.eps)
-    _check_attention(name, attn, E // num_heads, training=True)
+    refusal = _attention_refusal(attn, E // num_heads, training=True)
+    if refusal:
+        raise ValueError(f"{name}: {refusal}")
     if getattr(attn, "is_causal", False):
         raise ValueError(f"{name}: causal attention is not supported")
     return num_heads
 
 
-def _check_attention(name, attn, head_dim, training):
-    """Refuse an attention module's settings our block would not compute: a scale other
-    than 1/sqrt(head_dim), or attention dropout > 0 where it applies (in training; at
-    the swap, always). Checked at the swap and again at every call of a swapped layer,
-    so that a setting changed after the swap is refused too, not ignored."""
+def _attention_refusal(attn, head_dim, training):
+    """Why our block would not compute an attention module's settings, else None: a
+    scale other than 1/sqrt(head_dim), or attention dropout > 0 where it applies (in
+    training; at the swap, always). Checked at the swap and again at every call of a
+    swapped layer, so that a setting changed after the swap is refused too, not
+    ignored; the caller names the layer."""
     scale = getattr(attn, "scale", None)
     if scale is not None and not math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6):
-        raise ValueError(f"{name}: attention scale {scale} is not 1/sqrt(head_dim) "
-                         f"= {head_dim ** -0.5}")
+        return f"attention scale {scale} is not 1/sqrt(head_dim) = {head_dim ** -0.5}"
     dropout = getattr(attn, "dropout", 0.0)
     dropout = getattr(dropout, "p", dropout)               # a float or an nn.Dropout
     if training and isinstance(dropout, (int, float)) and dropout > 0:
-        raise ValueError(f"{name}: attention dropout {dropout} > 0 is not supported "
-                         "(set the config's attention_dropout to 0.0 before loading)")
+        return (f"attention dropout {dropout} > 0 is not supported (set the config's "
+                "attention_dropout to 0.0 before loading)")
+    return None
 
 
 def _output_collector():
@@ -186,7 +189,9 @@ def _attention_half(layer, hidden_states, conv, num_heads):
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
     E = q.in_features
-    _check_attention(_common._who(layer), attn, E // num_heads, layer.training)
+    refusal = _attention_refusal(attn, E // num_heads, layer.training)
+    if refusal:                        # the layer's name is made only to refuse
+        raise ValueError(f"{_common._who(layer)}: {refusal}")
     qkv_weight = torch.cat([q.weight, k.weight, v.weight], dim=0)
     biases = [lin.bias if lin.bias is not None else q.weight.new_zeros(E)
               for lin in (q, k, v)]
