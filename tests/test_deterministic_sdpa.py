@@ -6,7 +6,7 @@ import torch
 
 from vitattn_bwd import (VisionAttentionBlock, attention_bwd_ws, attention_fwd,
                          deterministic_sdpa, routing)
-from vitattn_bwd.layout import merge_heads, split_heads
+from vitattn_bwd.layout import merge_heads, qkv_heads, split_heads
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 17, 4, 64
 EMBED = HEADS * HEAD_DIM
@@ -61,6 +61,66 @@ def test_double_backward_is_refused_by_name():
     derivative)."""
     with torch.enable_grad(), pytest.raises(RuntimeError, match="double backward"):
         deterministic_sdpa._backward(None, None, None)
+
+
+def _sdpa_implementations(calls):
+    """Stand-ins for the operators' CUDA implementations on the CPU (torch's SDPA
+    forward, its autograd for the backward), which record their calls."""
+    def forward(qkv, num_heads):
+        calls.append("forward")
+        q, k, v = qkv_heads(qkv, num_heads)
+        with torch.enable_grad():
+            attn = merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        return attn.detach(), torch.zeros(qkv.shape[0], num_heads, qkv.shape[1])
+
+    def backward(grad_attn, qkv, attn, lse, num_heads):
+        calls.append("backward")
+        leaf = qkv.detach().requires_grad_()
+        with torch.enable_grad():
+            q, k, v = qkv_heads(leaf, num_heads)
+            out = merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+            return torch.autograd.grad(out, leaf, grad_attn)[0]
+    return forward, backward
+
+
+def test_eager_calls_run_the_implementations_through_an_autograd_function(monkeypatch):
+    """An eager call runs the forward and backward implementations directly (an
+    autograd.Function, not the dispatcher: the operators have no CPU kernel, so a call
+    through them would fail here): SDPA's gradient, and double backward refused."""
+    calls = []
+    forward, backward = _sdpa_implementations(calls)
+    monkeypatch.setattr(deterministic_sdpa, "sdpa_ws_fwd", forward)
+    monkeypatch.setattr(deterministic_sdpa, "sdpa_ws_bwd", backward)
+    torch.manual_seed(0)
+    qkv = torch.randn(BATCH, SEQ, 3 * EMBED, dtype=torch.float64, requires_grad=True)
+    grad_attn = torch.randn(BATCH, SEQ, EMBED, dtype=torch.float64)
+    attn = deterministic_sdpa.attention(qkv, HEADS)
+    grad_qkv, = torch.autograd.grad(attn, qkv, grad_attn)
+    q, k, v = qkv_heads(qkv, HEADS)
+    expected = merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    torch.testing.assert_close(attn, expected.detach())
+    torch.testing.assert_close(grad_qkv, torch.autograd.grad(expected, qkv, grad_attn)[0])
+    assert calls == ["forward", "backward"]
+    attn = deterministic_sdpa.attention(qkv, HEADS)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(attn, qkv, grad_attn, create_graph=True)
+
+
+def test_inside_torch_compile_the_forward_is_the_operator():
+    """A compiled caller's graph holds the forward operator (opaque to dynamo, with its
+    fake implementation; traced here on the meta device), not the Function."""
+    graphs = []
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+    qkv = torch.empty(BATCH, SEQ, 3 * EMBED, dtype=torch.bfloat16, device="meta",
+                      requires_grad=True)
+    compiled = torch.compile(lambda t: deterministic_sdpa.attention(t, HEADS) * 2,
+                             backend=backend, fullgraph=True)
+    assert compiled(qkv).shape == (BATCH, SEQ, EMBED)
+    targets = {node.target for node in graphs[0].graph.nodes}
+    assert torch.ops.vitattn_bwd.sdpa_ws_fwd in targets
 
 
 @pytest.fixture

@@ -12,7 +12,10 @@ qkv [B,S,3E] is a QKV projection's output in bf16 or fp16 (q | k | v columns, he
 side by side), as the stock block's F.linear gives it under autocast; the scale is
 SDPA's default, 1/sqrt(D). The forward's autograd formula (torch.library.
 register_autograd) is the backward operator, so that inside a user's torch.compile both
-are opaque operators of the user's graph.
+are opaque operators of the user's graph. Eager calls run the same two implementations
+through a plain torch.autograd.Function (`attention`): the dispatcher's Python kernels
+and the register_autograd wrapper cost host time that decides steps where the host is
+the bound (docs/performance.md, "The deterministic attention's eager calls").
 
 Why: the flag takes SDPA's backward off cuDNN (whose dQ adds race) onto a
 deterministic backward that cost a 12-layer HF CLIP tower under bf16 autocast 12% per
@@ -112,10 +115,15 @@ DOUBLE_BACKWARD_MESSAGE = (
     "graph of its own, as torch's flash-attention backward is")
 
 
-def _backward(ctx, grad_attn, _):
+def _saved_tensors(ctx):
+    """qkv, attn, lse as the forward saved them, for a backward run without grad mode."""
     if torch.is_grad_enabled():          # create_graph=True: no second derivative here
         raise RuntimeError(DOUBLE_BACKWARD_MESSAGE)
-    qkv, attn, lse = ctx.saved_tensors
+    return ctx.saved_tensors
+
+
+def _backward(ctx, grad_attn, _):
+    qkv, attn, lse = _saved_tensors(ctx)
     return torch.ops.vitattn_bwd.sdpa_ws_bwd(grad_attn, qkv, attn, lse, ctx.num_heads), None
 
 
@@ -123,7 +131,28 @@ torch.library.register_autograd("vitattn_bwd::sdpa_ws_fwd", _backward,
                                 setup_context=_setup_context, lib=_LIBRARY)
 
 
+class DeterministicAttentionFunction(torch.autograd.Function):
+    """The operators' implementations for eager calls, without the dispatcher: the same
+    forward and backward kernels, the same saved tensors and refusal of double
+    backward."""
+
+    @staticmethod
+    def forward(ctx, qkv, num_heads):
+        attn, lse = sdpa_ws_fwd(qkv, num_heads)                       # [B,S,E], [B,H,S]
+        ctx.save_for_backward(qkv, attn, lse)
+        ctx.num_heads = num_heads
+        return attn
+
+    @staticmethod
+    def backward(ctx, grad_attn):
+        qkv, attn, lse = _saved_tensors(ctx)
+        return sdpa_ws_bwd(grad_attn, qkv, attn, lse, ctx.num_heads), None
+
+
 def attention(qkv, num_heads):
     """attn [B,S,E]: SDPA of qkv [B,S,3E]'s heads, with the deterministic
-    warp-specialized backward (module docstring)."""
-    return torch.ops.vitattn_bwd.sdpa_ws_fwd(qkv, num_heads)[0]
+    warp-specialized backward (module docstring): the operators inside torch.compile,
+    the autograd.Function in eager calls."""
+    if torch.compiler.is_compiling():
+        return torch.ops.vitattn_bwd.sdpa_ws_fwd(qkv, num_heads)[0]
+    return DeterministicAttentionFunction.apply(qkv, num_heads)
