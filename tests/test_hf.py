@@ -163,6 +163,36 @@ def test_output_hidden_states(first_call_before_swap, spy):
     assert not torch.equal(got[1], got[2])          # the layers' own outputs, not copies
 
 
+def _first_layer(model):
+    return next((name, m) for name, m in model.named_modules()
+                if type(m).__name__ == "CLIPEncoderLayer")
+
+
+@pytest.mark.parametrize("where, register, kind", [
+    ("self_attn", lambda m: m.register_forward_hook(lambda *args: None), "forward"),
+    ("layer_norm1", lambda m: m.register_forward_pre_hook(lambda *args: None), "forward"),
+    ("self_attn.v_proj", lambda m: m.register_full_backward_hook(lambda *args: None),
+     "backward"),
+])
+def test_hooks_on_bypassed_submodules_are_refused_at_the_swap(where, register, kind):
+    """A user's hook on a submodule whose forward the fused block does not call would
+    silently stop firing: refused at the swap, naming it, and nothing is swapped.
+    transformers' own output-capture hooks (on self_attn after a model's first call,
+    test_output_hidden_states) are let through; hooks on the layer itself fire."""
+    model = _clip()
+    name, layer = _first_layer(model)
+    handle = register(layer.get_submodule(where))
+    with pytest.raises(ValueError, match=f"{name}: {where} has {kind} hooks, which "
+                                         "would no longer fire"):
+        swap_attention(model)
+    assert not swapped_layers(model)
+    handle.remove()
+    seen = []
+    layer.register_forward_hook(lambda module, args, output: seen.append(module))
+    swap_attention(model)(pixel_values=_inputs()[0])
+    assert seen == [layer] and len(swapped_layers(model)) == 2
+
+
 def test_output_attentions_is_refused_clearly():
     stock, ours = _pair()
     pixels, _ = _inputs()

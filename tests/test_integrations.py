@@ -678,6 +678,11 @@ def test_timm_hooked_layers_are_refused_and_nothing_is_swapped_half_way():
                                          "no longer fire"):
         swap_attention(model)
     assert not swapped_layers(model)
+    model = _make(TimmStyleVisionTransformer)
+    model.blocks[0].attn.proj.register_full_backward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match="blocks.0: attn.proj has backward hooks, which "
+                                         "would no longer fire"):
+        swap_attention(model)
     model = _make(TimmStyleVisionTransformer)       # hooks on the block itself are fine
     seen = []
     model.blocks[0].register_forward_hook(lambda m, i, o: seen.append(o.shape))

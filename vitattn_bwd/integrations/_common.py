@@ -132,11 +132,13 @@ def check_linear(path, lin, attr, in_features, out_features, what=""):
                          f"not {in_features} -> {out_features}{what}")
 
 
-def check_not_hooked(path, layer, bypassed):
+def check_not_hooked(path, layer, bypassed, library_hook=lambda hook: False):
     """The swapped forward calls neither the layer's stock forward nor the forwards of
     the submodules in `bypassed` (attr -> module): refuse what would silently stop
     working, a forward set on the instance (accelerate's device_map / offload hooks do
-    this) or forward hooks on a bypassed submodule."""
+    this), or forward, forward-pre or backward hooks on a bypassed submodule, except
+    the hooks for which library_hook(hook) is true (a library's own, which the swapped
+    layer serves another way)."""
     if "forward" in vars(layer) or hasattr(layer, "_hf_hook"):
         raise ValueError(f"{path}: its forward is overridden on the instance (accelerate's "
                          "device_map/offload hooks do this), which would bypass the swap; "
@@ -149,10 +151,15 @@ def check_not_hooked(path, layer, bypassed):
                              "(accelerate's device_map/offload hooks do this); the fused "
                              "block would bypass it. Swap a model loaded without "
                              "device_map")
-        if module._forward_hooks or module._forward_pre_hooks:
-            raise ValueError(f"{path}: {attr} has forward hooks, which would no longer "
-                             "fire: the fused block does not call its forward. Remove "
-                             "them before the swap (hooks on the layer itself are fine)")
+        for kind, hooks in (("forward", module._forward_hooks),
+                            ("forward", module._forward_pre_hooks),
+                            ("backward", module._backward_hooks),
+                            ("backward", module._backward_pre_hooks)):
+            if any(not library_hook(hook) for hook in hooks.values()):
+                raise ValueError(f"{path}: {attr} has {kind} hooks, which would no longer "
+                                 "fire: the fused block does not call its forward. Remove "
+                                 "them before the swap (hooks on the layer itself are "
+                                 "fine)")
 
 
 def check_heads_and_eps(path, E, num_heads, eps, head_dim=None, scale=None):

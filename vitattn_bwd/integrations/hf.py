@@ -31,9 +31,12 @@ Limits: no attention mask (vision towers pass none; a mask raises ValueError), n
 output_attentions (raises ValueError: the attention maps are never materialized for the
 caller), no attention dropout (a layer with attention dropout > 0 is refused at the swap,
 and a dropout or scale set after the swap at its next call),
-no double backward. Forward hooks registered on `layer_norm1` / `self_attn` (not on the
-layer) no longer fire. A layer whose forward is overridden on the instance (accelerate's
-device_map hooks) is refused at the swap. By default only layers inside a module whose class name contains
+no double backward. A layer whose forward is overridden on the instance (accelerate's
+device_map hooks), or with forward or backward hooks on `layer_norm1`, `self_attn` or its
+projections (whose forwards the fused block does not call), is refused at the swap;
+hooks on the layer itself work, and transformers 5's own output-capture hooks on
+`self_attn` are let through (they capture attention maps only, which are refused at the
+call). Hooks put on those submodules after the swap do not fire. By default only layers inside a module whose class name contains
 "Vision" are swapped, so a CLIPModel's text tower stays stock.
 
 Works with transformers 4.4x (layers return a tuple and take output_attentions) and 5.x
@@ -95,12 +98,12 @@ def _match(layer):
 def _check_layer(name, layer, kind):
     """Refuse, at the swap, a layer our block would compute differently."""
     conv = _CONVENTIONS[kind]
-    if "forward" in vars(layer):
-        raise ValueError(f"{name}: its forward is overridden on the instance (accelerate's "
-                         "device_map/offload hooks do this), which would bypass the swap; "
-                         "swap a model loaded without device_map")
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
+    _common.check_not_hooked(
+        name, layer, {conv["norm"]: norm, conv["attn"]: attn,
+                      **{f"{conv['attn']}.{p}": getattr(attn, p) for p in conv["proj"]}},
+        library_hook=_is_output_capture_hook)
     E = q.in_features
     if len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != E:
         raise ValueError(f"{name}: {conv['norm']} normalizes {norm.normalized_shape}, "
@@ -123,6 +126,13 @@ def _check_layer(name, layer, kind):
     if getattr(attn, "is_causal", False):
         raise ValueError(f"{name}: causal attention is not supported")
     return num_heads
+
+
+def _is_output_capture_hook(hook):
+    """Whether a forward hook is one of transformers 5's output-capture hooks, which it
+    installs on `self_attn` at a model's first call: inactive unless attention maps are
+    asked for, which the swapped layer refuses at the call (_attentions_requested)."""
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
 def _attention_refusal(attn, head_dim, training):
