@@ -4,7 +4,7 @@ host time per call; --module: a VisionAttentionBlock training step (forward, und
 torch.autocast(bfloat16) with --autocast, and backward) instead, whose host time is
 also measured without cProfile, beside the stock block's. --our-attention-from N sets
 routing.OUR_ATTENTION_MIN_BATCH for the run: under autocast the block's stock route
-takes deterministic_sdpa's operators from N images on (N <= --batch to profile them).
+takes deterministic_sdpa's attention from N images on (N <= --batch to profile it).
 
     PYTHONPATH=. python3 scripts/profile_host.py --batch 23 [--calls 20] [--rows 30]
                                                  [--module [--autocast]]

@@ -1,6 +1,7 @@
-"""deterministic_sdpa's operators where no GPU runs them: the shapes and dtypes their
-fake implementations promise (what torch.compile traces with), where they run, where
-the block takes them, and their refusal of double backward."""
+"""deterministic_sdpa where no GPU runs its kernels: the shapes and dtypes its operators'
+fake implementations promise (what torch.compile traces with), eager calls through its
+autograd.Function, where it runs, where the block takes it, and its refusal of double
+backward."""
 import pytest
 import torch
 
@@ -104,6 +105,33 @@ def test_eager_calls_run_the_implementations_through_an_autograd_function(monkey
     attn = deterministic_sdpa.attention(qkv, HEADS)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad(attn, qkv, grad_attn, create_graph=True)
+
+
+def test_a_backward_traced_by_compiled_autograd_calls_the_backward_operator(monkeypatch):
+    """Under compiled autograd (dynamo tracing the backward of an eager forward) the
+    Function's backward is the backward operator, opaque to dynamo, not the launcher's
+    Python; given a CPU kernel here for the test, it computes SDPA's gradient."""
+    from torch._dynamo import compiled_autograd
+    calls = []
+    forward, backward = _sdpa_implementations(calls)
+    monkeypatch.setattr(deterministic_sdpa, "sdpa_ws_fwd", forward)
+    monkeypatch.setattr(deterministic_sdpa, "sdpa_ws_bwd", backward)
+    cpu_kernel = torch.library.Library("vitattn_bwd", "IMPL")
+    try:
+        cpu_kernel.impl("sdpa_ws_bwd", lambda *args: (calls.append("operator"),
+                                                      backward(*args))[1], "CPU")
+        torch.manual_seed(0)
+        qkv = torch.randn(BATCH, SEQ, 3 * EMBED, requires_grad=True)
+        grad_attn = torch.randn(BATCH, SEQ, EMBED)
+        attn = deterministic_sdpa.attention(qkv, HEADS)
+        with compiled_autograd._enable(lambda graph: torch.compile(graph, backend="eager")):
+            attn.backward(grad_attn)
+    finally:
+        cpu_kernel._destroy()
+    assert calls == ["forward", "operator", "backward"]
+    q, k, v = qkv_heads(qkv, HEADS)
+    expected = merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    torch.testing.assert_close(qkv.grad, torch.autograd.grad(expected, qkv, grad_attn)[0])
 
 
 def test_inside_torch_compile_the_forward_is_the_operator():

@@ -1,6 +1,7 @@
 """The stock route under torch.use_deterministic_algorithms(True) on a Hopper GPU: under
-autocast at precision None the block's attention runs deterministic_sdpa's operators
-(torch's cuDNN forward, the warp-specialized backward), repeats bit for bit, is as close
+autocast at precision None the block's attention runs deterministic_sdpa's (torch's
+cuDNN forward, the warp-specialized backward: an autograd.Function in eager calls, the
+operators in a compiled graph, bit for bit the same), repeats bit for bit, is as close
 to float64 as the stock block under the same flag, compiles into one graph, and replays
 in a CUDA graph; without the flag it runs them in bf16 training steps from
 routing.OUR_ATTENTION_MIN_BATCH images."""
@@ -85,11 +86,11 @@ def test_compiled_block_under_the_flag_is_one_graph_within_bf16_rounding_of_eage
         assert err < 2 ** -8, (name, err)
 
 
-def test_without_the_flag_bf16_training_steps_from_the_batch_threshold_take_the_operators(
+def test_without_the_flag_bf16_training_steps_from_the_batch_threshold_take_our_attention(
         attention_calls):
     """Without the flag, at routing.OUR_ATTENTION_MIN_BATCH images under bf16 autocast:
-    the operators, eager (as close to float64 as the stock block) and in the compiled
-    block's one graph; below that batch and in fp16, SDPA."""
+    deterministic_sdpa's attention, eager (as close to float64 as the stock block) and
+    as the operators in the compiled block's one graph; below that batch and in fp16, SDPA."""
     torch.use_deterministic_algorithms(False)
     block = _block()
     batch = routing.OUR_ATTENTION_MIN_BATCH
@@ -146,7 +147,26 @@ def test_forward_is_cudnns_within_bf16_rounding_of_flash_and_flashs_where_cudnn_
     assert torch.equal(attn, flash_attn) and torch.equal(lse, flash_lse)
 
 
-def test_operators_replay_in_a_cuda_graph():
+@pytest.mark.parametrize("batch", [1, 3])
+def test_eager_function_gives_the_operators_bits(batch):
+    """Eager calls (the autograd.Function) and the operators (what a compiled graph
+    runs): the same output and gradient, bit for bit."""
+    g = torch.Generator(device="cuda").manual_seed(batch)
+    qkv = torch.randn(batch, SEQ, 3 * EMBED, device="cuda", generator=g,
+                      dtype=torch.bfloat16)
+    grad_attn = torch.randn(batch, SEQ, EMBED, device="cuda", generator=g,
+                            dtype=torch.bfloat16)
+    results = []
+    for attention in (deterministic_sdpa.attention,
+                      lambda t, heads: torch.ops.vitattn_bwd.sdpa_ws_fwd(t, heads)[0]):
+        leaf = qkv.clone().requires_grad_()
+        attn = attention(leaf, HEADS)
+        results.append((attn, torch.autograd.grad(attn, leaf, grad_attn)[0]))
+    (attn, grad_qkv), (op_attn, op_grad_qkv) = results
+    assert torch.equal(attn, op_attn) and torch.equal(grad_qkv, op_grad_qkv)
+
+
+def test_eager_calls_replay_in_a_cuda_graph():
     """The backward's cooperative launch (a persistent grid) captured and replayed: the
     eager call's bits. The captured step takes a leaf of its own, made on the capture's
     side stream: a leaf used on the default stream keeps its gradient accumulator there,
@@ -176,7 +196,7 @@ def test_operators_replay_in_a_cuda_graph():
 
 
 def test_double_backward_is_refused_by_name():
-    """create_graph=True through the operators: a RuntimeError naming double backward,
+    """create_graph=True through the block's attention: a RuntimeError naming double backward,
     as torch's own flash backward refuses it, not a second derivative without a graph."""
     block = _block()
     x = torch.randn(BATCH, SEQ, EMBED, device="cuda", requires_grad=True)

@@ -674,14 +674,18 @@ def test_timm_hooked_layers_are_refused_and_nothing_is_swapped_half_way():
         swap_attention(model)
     model = _make(TimmStyleVisionTransformer)
     model.blocks[0].attn.register_forward_hook(lambda *args: None)
-    with pytest.raises(ValueError, match="blocks.0: attn has forward hooks, which would "
-                                         "no longer fire"):
+    with pytest.raises(ValueError, match=r"blocks.0: attn has forward hooks \(.*\), which "
+                                         "would no longer fire"):
         swap_attention(model)
     assert not swapped_layers(model)
     model = _make(TimmStyleVisionTransformer)
     model.blocks[0].attn.proj.register_full_backward_hook(lambda *args: None)
-    with pytest.raises(ValueError, match="blocks.0: attn.proj has backward hooks, which "
-                                         "would no longer fire"):
+    with pytest.raises(ValueError, match=r"blocks.0: attn.proj has backward hooks \(.*\), "
+                                         "which would no longer fire"):
+        swap_attention(model)
+    model = _make(TimmStyleVisionTransformer)       # any module under a bypassed one
+    model.blocks[0].attn.attn_drop.register_forward_hook(lambda *args: None)
+    with pytest.raises(ValueError, match="blocks.0: attn.attn_drop has forward hooks"):
         swap_attention(model)
     model = _make(TimmStyleVisionTransformer)       # hooks on the block itself are fine
     seen = []
@@ -849,7 +853,7 @@ def test_open_clip_other_refusals_at_the_swap():
     model = OpenCLIPStyleVisionTransformer()
     model.transformer.resblocks[0].attn.out_proj.register_forward_pre_hook(
         lambda *args: None)
-    with pytest.raises(ValueError, match="resblocks.0: attn.out_proj has forward hooks"):
+    with pytest.raises(ValueError, match="resblocks.0: attn.out_proj has forward-pre hooks"):
         swap_attention(model)
     model = OpenCLIPStyleVisionTransformer()
     model.transformer.resblocks[0].attn.num_heads = 5

@@ -111,8 +111,9 @@ def _setup_context(ctx, inputs, output):
 
 DOUBLE_BACKWARD_MESSAGE = (
     "the deterministic attention (vitattn_bwd.deterministic_sdpa) does not support "
-    "double backward (create_graph=True): its backward is a fused kernel without a "
-    "graph of its own, as torch's flash-attention backward is")
+    "double backward (create_graph=True, which torch.func.grad uses too): its backward "
+    "is a fused kernel without a graph of its own, as torch's flash-attention backward "
+    "is")
 
 
 def _saved_tensors(ctx):
@@ -134,19 +135,24 @@ torch.library.register_autograd("vitattn_bwd::sdpa_ws_fwd", _backward,
 class DeterministicAttentionFunction(torch.autograd.Function):
     """The operators' implementations for eager calls, without the dispatcher: the same
     forward and backward kernels, the same saved tensors and refusal of double
-    backward."""
+    backward. A backward traced by compiled autograd calls the backward operator, so
+    that dynamo sees an opaque operator, not the launcher's Python."""
 
     @staticmethod
-    def forward(ctx, qkv, num_heads):
-        attn, lse = sdpa_ws_fwd(qkv, num_heads)                       # [B,S,E], [B,H,S]
-        ctx.save_for_backward(qkv, attn, lse)
-        ctx.num_heads = num_heads
-        return attn
+    def forward(qkv, num_heads):
+        return sdpa_ws_fwd(qkv, num_heads)                            # [B,S,E], [B,H,S]
 
     @staticmethod
-    def backward(ctx, grad_attn):
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+        ctx.set_materialize_grads(False)         # no zeros made for lse's gradient
+
+    @staticmethod
+    def backward(ctx, grad_attn, _):
         qkv, attn, lse = _saved_tensors(ctx)
-        return sdpa_ws_bwd(grad_attn, qkv, attn, lse, ctx.num_heads), None
+        backward = (torch.ops.vitattn_bwd.sdpa_ws_bwd if torch.compiler.is_compiling()
+                    else sdpa_ws_bwd)
+        return backward(grad_attn, qkv, attn, lse, ctx.num_heads), None
 
 
 def attention(qkv, num_heads):
@@ -155,4 +161,4 @@ def attention(qkv, num_heads):
     the autograd.Function in eager calls."""
     if torch.compiler.is_compiling():
         return torch.ops.vitattn_bwd.sdpa_ws_fwd(qkv, num_heads)[0]
-    return DeterministicAttentionFunction.apply(qkv, num_heads)
+    return DeterministicAttentionFunction.apply(qkv, num_heads)[0]

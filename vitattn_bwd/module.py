@@ -26,7 +26,7 @@ precision:
   (`stock_forward`: torch's LayerNorm, Linear and SDPA under the caller's autocast, and
   their autograd), eager and under torch.compile: our one-product path was no faster
   there (a 24-layer Hugging Face CLIP tower 0.76-1.06x stock eager, 0.57-0.85x compiled).
-  That route's attention runs deterministic_sdpa's operators where they run (torch's
+  That route's attention runs deterministic_sdpa's where it runs (torch's
   cuDNN forward, our deterministic warp-specialized backward; Hopper, head dim 64)
   under torch.use_deterministic_algorithms(True), instead of the slower deterministic
   backward the flag gives SDPA, and in bf16 training steps of at least
@@ -107,7 +107,7 @@ def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     """y = x + out_proj(SDPA(qkv(LayerNorm(x)))) (times gamma, a LayerScale, before the
     residual) in the stock ops, in the caller's autocast region or in the tensors' own
     dtype: what torch's own LayerNorm, Linear and SDPA compute there, and their
-    autograd; with deterministic_attention, SDPA as deterministic_sdpa's operators (the
+    autograd; with deterministic_attention, SDPA as deterministic_sdpa's attention (the
     same forward, our deterministic backward)."""
     E = x.shape[-1]
     h = F.layer_norm(x, (E,), ln_weight, ln_bias, eps)
@@ -254,7 +254,7 @@ class VisionAttentionBlock(nn.Module):
     (float64 on the CPU for a float64 block), the output has x's dtype and each gradient
     its tensor's dtype; float64 on CUDA is refused in the forward, and double backward
     (create_graph=True) raises a RuntimeError (the stock path supports it where torch's
-    SDPA backward does; its deterministic_sdpa operators refuse it, as torch's flash
+    SDPA backward does; its deterministic_sdpa attention refuses it, as torch's flash
     backward does).
     """
 

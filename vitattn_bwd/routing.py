@@ -27,7 +27,7 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
   as raw kernels only (docs/runs/kernels/core_head_dims_e59ebca.log); 104 is not timed.
 
 Under torch.use_deterministic_algorithms(True) the stock route runs its attention as
-deterministic_sdpa's operators where they run (Hopper, bf16 / fp16, head dim 64):
+deterministic_sdpa's where it runs (Hopper, bf16 / fp16, head dim 64):
 torch's cuDNN forward with our warp-specialized backward, in place of the deterministic
 backward the flag gives SDPA, which cost a 12-layer tower under bf16 autocast 12% per
 step (docs/performance.md, "The deterministic flag, eager and compiled"). Without the
@@ -56,7 +56,7 @@ class Route(NamedTuple):
     stock: run `stock_forward` (torch's own LayerNorm, Linear and SDPA, in the caller's
       autocast region or the tensors' dtype); the other fields but
       deterministic_attention are then None / False.
-    deterministic_attention: with stock, the attention as deterministic_sdpa's operators
+    deterministic_attention: with stock, the attention as deterministic_sdpa's
       instead of SDPA (under torch.use_deterministic_algorithms(True)).
     precision: the fused path's precision, "highest" or "high" (VisionAttentionFunction's).
     half_dtype: None, or bf16 / fp16 for the one-product path in that dtype.
@@ -159,7 +159,7 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
     (torch.use_deterministic_algorithms(True) without warn_only, with gradients to
     compute: otherwise SDPA's faster kernels stay); backward_batch: the batch size where
     gradients are to be computed, else None; deterministic_attention(dtype) ->
-    bool: whether deterministic_sdpa's operators run for this call's activations in
+    bool: whether deterministic_sdpa's attention runs for this call's activations in
     that half dtype (deterministic_sdpa.supported and .fits, and a non-empty batch); torch_func:
     whether a torch.func transform runs the call (torch_func_transform_active): then the
     stock ops, at any precision, since they are the only computation here with

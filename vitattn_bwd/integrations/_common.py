@@ -132,34 +132,41 @@ def check_linear(path, lin, attr, in_features, out_features, what=""):
                          f"not {in_features} -> {out_features}{what}")
 
 
+def _hook_name(hook):
+    return f"{getattr(hook, '__module__', None)}.{getattr(hook, '__qualname__', hook)}"
+
+
 def check_not_hooked(path, layer, bypassed, library_hook=lambda hook: False):
     """The swapped forward calls neither the layer's stock forward nor the forwards of
-    the submodules in `bypassed` (attr -> module): refuse what would silently stop
-    working, a forward set on the instance (accelerate's device_map / offload hooks do
-    this), or forward, forward-pre or backward hooks on a bypassed submodule, except
-    the hooks for which library_hook(hook) is true (a library's own, which the swapped
-    layer serves another way)."""
+    the submodules in `bypassed` (attr -> module) and theirs: refuse what would silently
+    stop working, a forward set on the instance (accelerate's device_map / offload
+    hooks do this), or forward, forward-pre, backward or backward-pre hooks on any of
+    those modules, except the hooks for which library_hook(hook) is true (a library's
+    own, which the swapped layer serves another way)."""
     if "forward" in vars(layer) or hasattr(layer, "_hf_hook"):
         raise ValueError(f"{path}: its forward is overridden on the instance (accelerate's "
                          "device_map/offload hooks do this), which would bypass the swap; "
                          "swap a model loaded without device_map")
-    for attr, module in bypassed.items():
-        if module is None:
+    for attr, root in bypassed.items():
+        if root is None:
             continue
-        if "forward" in vars(module) or hasattr(module, "_hf_hook"):
-            raise ValueError(f"{path}: {attr}.forward is overridden on the instance "
-                             "(accelerate's device_map/offload hooks do this); the fused "
-                             "block would bypass it. Swap a model loaded without "
-                             "device_map")
-        for kind, hooks in (("forward", module._forward_hooks),
-                            ("forward", module._forward_pre_hooks),
-                            ("backward", module._backward_hooks),
-                            ("backward", module._backward_pre_hooks)):
-            if any(not library_hook(hook) for hook in hooks.values()):
-                raise ValueError(f"{path}: {attr} has {kind} hooks, which would no longer "
-                                 "fire: the fused block does not call its forward. Remove "
-                                 "them before the swap (hooks on the layer itself are "
-                                 "fine)")
+        for name, module in root.named_modules(prefix=attr):
+            if "forward" in vars(module) or hasattr(module, "_hf_hook"):
+                raise ValueError(f"{path}: {name}.forward is overridden on the instance "
+                                 "(accelerate's device_map/offload hooks do this); the "
+                                 "fused block would bypass it. Swap a model loaded "
+                                 "without device_map")
+            for kind, hooks in (("forward", module._forward_hooks),
+                                ("forward-pre", module._forward_pre_hooks),
+                                ("backward", module._backward_hooks),
+                                ("backward-pre", module._backward_pre_hooks)):
+                foreign = [_hook_name(h) for h in hooks.values() if not library_hook(h)]
+                if foreign:
+                    raise ValueError(
+                        f"{path}: {name} has {kind} hooks ({', '.join(foreign)}), which "
+                        "would no longer fire: the fused block does not call its "
+                        "forward. Remove them, or put them on the layer itself, before "
+                        "the swap")
 
 
 def check_heads_and_eps(path, E, num_heads, eps, head_dim=None, scale=None):

@@ -32,12 +32,13 @@ output_attentions (raises ValueError: the attention maps are never materialized 
 caller), no attention dropout (a layer with attention dropout > 0 is refused at the swap,
 and a dropout or scale set after the swap at its next call),
 no double backward. A layer whose forward is overridden on the instance (accelerate's
-device_map hooks), or with forward or backward hooks on `layer_norm1`, `self_attn` or its
-projections (whose forwards the fused block does not call), is refused at the swap;
+device_map hooks), or with forward or backward hooks on `layer_norm1`, `self_attn` or any
+module under them (whose forwards the fused block does not call), is refused at the swap;
 hooks on the layer itself work, and transformers 5's own output-capture hooks on
 `self_attn` are let through (they capture attention maps only, which are refused at the
-call). Hooks put on those submodules after the swap do not fire. By default only layers inside a module whose class name contains
-"Vision" are swapped, so a CLIPModel's text tower stays stock.
+call). Hooks put on those submodules after the swap do not fire. By default only layers
+inside a module whose class name contains "Vision" are swapped, so a CLIPModel's text
+tower stays stock.
 
 Works with transformers 4.4x (layers return a tuple and take output_attentions) and 5.x
 (layers return a tensor; kwargs), and inside torch.compile(model) without a graph break
@@ -130,7 +131,8 @@ def _check_layer(name, layer, kind):
 
 def _is_output_capture_hook(hook):
     """Whether a forward hook is one of transformers 5's output-capture hooks, which it
-    installs on `self_attn` at a model's first call: inactive unless attention maps are
+    installs on `self_attn` at a model's first call that asks for hidden states or
+    attention maps (with those of every layer): inactive unless attention maps are
     asked for, which the swapped layer refuses at the call (_attentions_requested)."""
     return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 

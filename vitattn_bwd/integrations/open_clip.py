@@ -31,9 +31,10 @@ Refused at the swap (ValueError naming the layer and the reason): CustomResidual
 scaled-cosine logits, qk-norm, head scale or inner norm, separate k/v dims, bias_k/bias_v
 or add_zero_attn, a non-standard scale, an ln_1 that is not a LayerNorm, an ls_1 that is
 neither Identity nor OpenCLIP's LayerScale, dims the fused block cannot take, and a forward
-overridden on the instance (accelerate's device_map hooks) or forward hooks on the
-bypassed submodules (ln_1, attn, attn.out_proj, ls_1). Refused at the call: an attn_mask,
-cross-attention (k_x or v_x given), and in training mode attention (or output) dropout > 0.
+overridden on the instance (accelerate's device_map hooks) or forward or backward hooks
+on the bypassed submodules (ln_1, attn, ls_1 and any module under them). Refused at the
+call: an attn_mask, cross-attention (k_x or v_x given), and in training mode attention
+(or output) dropout > 0.
 
 open_clip is never imported here: its classes are looked up in sys.modules.
 `register_classes` declares classes with the same layout and forward math.

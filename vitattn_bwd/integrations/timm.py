@@ -31,8 +31,9 @@ not Identity (qk-norm), a post-attention `norm` (scale_norm) or a gate, an atten
 class other than timm's Attention (DiffAttention, ...), an attention width or out width
 other than embed_dim (attn_head_dim, dim_out), a non-standard scale, a norm1 that is not
 a LayerNorm, an ls1 / drop_path1 of another kind, dims the fused block cannot take, and
-a forward overridden on the instance (accelerate's device_map hooks) or forward hooks on
-the bypassed submodules (norm1, attn, attn.qkv, attn.proj, ls1, drop_path1). Refused at
+a forward overridden on the instance (accelerate's device_map hooks) or forward or
+backward hooks on the bypassed submodules (norm1, attn, ls1, drop_path1 and any module
+under them). Refused at
 the call: an attention mask or is_causal=True, and in training mode attention dropout,
 projection dropout or DropPath with a probability > 0 (all three are no-ops in eval).
 
