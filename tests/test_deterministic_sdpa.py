@@ -7,7 +7,7 @@ import torch
 
 from vitattn_bwd import (VisionAttentionBlock, attention_bwd_ws, attention_fwd,
                          deterministic_sdpa, routing)
-from vitattn_bwd.layout import merge_heads, qkv_heads, split_heads
+from vitattn_bwd.layout import merge_heads, qkv_heads
 
 BATCH, SEQ, HEADS, HEAD_DIM = 2, 17, 4, 64
 EMBED = HEADS * HEAD_DIM
@@ -64,23 +64,24 @@ def test_double_backward_is_refused_by_name():
         deterministic_sdpa._backward(None, None, None)
 
 
+def _sdpa(qkv, num_heads=HEADS):
+    """attn [B,S,E]: torch's SDPA of qkv [B,S,3E]'s heads, with its autograd."""
+    q, k, v = qkv_heads(qkv, num_heads)
+    return merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+
+
 def _sdpa_implementations(calls):
     """Stand-ins for the operators' CUDA implementations on the CPU (torch's SDPA
     forward, its autograd for the backward), which record their calls."""
     def forward(qkv, num_heads):
         calls.append("forward")
-        q, k, v = qkv_heads(qkv, num_heads)
-        with torch.enable_grad():
-            attn = merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
-        return attn.detach(), torch.zeros(qkv.shape[0], num_heads, qkv.shape[1])
+        return _sdpa(qkv, num_heads), torch.zeros(qkv.shape[0], num_heads, qkv.shape[1])
 
     def backward(grad_attn, qkv, attn, lse, num_heads):
         calls.append("backward")
         leaf = qkv.detach().requires_grad_()
         with torch.enable_grad():
-            q, k, v = qkv_heads(leaf, num_heads)
-            out = merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
-            return torch.autograd.grad(out, leaf, grad_attn)[0]
+            return torch.autograd.grad(_sdpa(leaf, num_heads), leaf, grad_attn)[0]
     return forward, backward
 
 
@@ -97,8 +98,7 @@ def test_eager_calls_run_the_implementations_through_an_autograd_function(monkey
     grad_attn = torch.randn(BATCH, SEQ, EMBED, dtype=torch.float64)
     attn = deterministic_sdpa.attention(qkv, HEADS)
     grad_qkv, = torch.autograd.grad(attn, qkv, grad_attn)
-    q, k, v = qkv_heads(qkv, HEADS)
-    expected = merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    expected = _sdpa(qkv)
     torch.testing.assert_close(attn, expected.detach())
     torch.testing.assert_close(grad_qkv, torch.autograd.grad(expected, qkv, grad_attn)[0])
     assert calls == ["forward", "backward"]
@@ -129,9 +129,8 @@ def test_a_backward_traced_by_compiled_autograd_calls_the_backward_operator(monk
     finally:
         cpu_kernel._destroy()
     assert calls == ["forward", "operator", "backward"]
-    q, k, v = qkv_heads(qkv, HEADS)
-    expected = merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
-    torch.testing.assert_close(qkv.grad, torch.autograd.grad(expected, qkv, grad_attn)[0])
+    torch.testing.assert_close(qkv.grad,
+                               torch.autograd.grad(_sdpa(qkv), qkv, grad_attn)[0])
 
 
 def test_inside_torch_compile_the_forward_is_the_operator():
@@ -160,8 +159,7 @@ def attention_calls(monkeypatch):
 
     def recorded(qkv, num_heads):
         calls.append(qkv.dtype)
-        q, k, v = (split_heads(t, num_heads) for t in qkv.chunk(3, dim=-1))
-        return merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        return _sdpa(qkv, num_heads)
     monkeypatch.setattr(deterministic_sdpa, "supported", lambda *args: True)
     monkeypatch.setattr(deterministic_sdpa, "_sm_count", lambda device: 132)
     monkeypatch.setattr(deterministic_sdpa, "attention", recorded)

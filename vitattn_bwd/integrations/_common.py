@@ -138,7 +138,7 @@ def _hook_name(hook):
 
 def check_not_hooked(path, layer, bypassed, library_hook=lambda hook: False):
     """The swapped forward calls neither the layer's stock forward nor the forwards of
-    the submodules in `bypassed` (attr -> module) and theirs: refuse what would silently
+    the submodules in `bypassed` (attr -> module) and of any module under them: refuse what would silently
     stop working, a forward set on the instance (accelerate's device_map / offload
     hooks do this), or forward, forward-pre, backward or backward-pre hooks on any of
     those modules, except the hooks for which library_hook(hook) is true (a library's

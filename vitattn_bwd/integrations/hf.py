@@ -101,10 +101,8 @@ def _check_layer(name, layer, kind):
     conv = _CONVENTIONS[kind]
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
-    _common.check_not_hooked(
-        name, layer, {conv["norm"]: norm, conv["attn"]: attn,
-                      **{f"{conv['attn']}.{p}": getattr(attn, p) for p in conv["proj"]}},
-        library_hook=_is_output_capture_hook)
+    _common.check_not_hooked(name, layer, {conv["norm"]: norm, conv["attn"]: attn},
+                             library_hook=_is_output_capture_hook)
     E = q.in_features
     if len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != E:
         raise ValueError(f"{name}: {conv['norm']} normalizes {norm.normalized_shape}, "

@@ -155,8 +155,7 @@ def _check_layer(path, layer, kind):
     num_heads = _common.check_attention_heads(path, attn, E, norm.eps)
     _common.check_layer_scale(path, ls, "ls_1", E, _CLASSES.known("layer_scale"),
                               "OpenCLIP")
-    _common.check_not_hooked(path, layer, {"ln_1": norm, "attn": attn,
-                                           "attn.out_proj": attn.out_proj, "ls_1": ls})
+    _common.check_not_hooked(path, layer, {"ln_1": norm, "attn": attn, "ls_1": ls})
     return num_heads
 
 

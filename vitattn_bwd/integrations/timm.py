@@ -105,8 +105,7 @@ def _check_layer(path, layer, kind):
             type(drop_path), _CLASSES.known("drop_path")):
         raise ValueError(f"{path}: drop_path1 is {type(drop_path).__name__}, neither "
                          "Identity nor timm's DropPath")
-    _common.check_not_hooked(path, layer, {"norm1": norm, "attn": attn, "attn.qkv": qkv,
-                                           "attn.proj": proj, "ls1": ls,
+    _common.check_not_hooked(path, layer, {"norm1": norm, "attn": attn, "ls1": ls,
                                            "drop_path1": drop_path})
     return num_heads
 
