@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import buffers, compile_probe
+from . import buffers, compile_probe, launcher
 from .precision import HALF_DTYPES
 
 
@@ -243,7 +243,8 @@ def launch_delta(grad_attn, attn_output, lse, num_heads, block_m, tiles=DELTA_TI
     lse_log2 = buffers.output_buffer(grad_attn, batch, num_heads, seq_len,
                                      dtype=torch.float32)
     grid = (batch * num_heads // heads, -(-seq_len // tiles.block))
-    attention_delta_kernel[grid](
+    launcher.launch(
+        attention_delta_kernel, grid,
         grad_attn, attn_output, lse, delta, lse_log2, semaphores, NUM_HEADS=num_heads,
         SEQ_LEN=seq_len, HEAD_DIM=head_dim, BLOCK=tiles.block, HEADS=heads,
         THREADS_HEADS=min(heads, 32 // (head_dim // 8)), QUERY_TILES=query_tiles,
@@ -283,9 +284,9 @@ def launch(q, k, v, grad_attn, attn_output, lse, scale, tiles=FASTEST_TILES, pro
     constexprs = kernel_constexprs(heads, seq_len, head_dim, tiles, heads_in_rows)
     delta, lse_log2, semaphores = launch_delta(grad_attn, attn_output, lse, heads,
                                                tiles.block_m, delta_tiles)
-    attention_bwd_ws_kernel[grid](
-        *descriptors, lse_log2, delta, sum_descriptor, semaphores, grad_qkv, scale,
-        num_items, **constexprs, maxnreg=tiles.maxnreg,
+    launcher.launch(
+        attention_bwd_ws_kernel, grid, *descriptors, lse_log2, delta, sum_descriptor,
+        semaphores, grad_qkv, scale, num_items, **constexprs, maxnreg=tiles.maxnreg,
         launch_cooperative_grid=tiles.persistent)
     return grad_qkv
 

@@ -34,7 +34,7 @@ import functools
 
 import torch
 
-from . import buffers, compile_probe
+from . import buffers, compile_probe, launcher
 from .attention_core import (COLUMN_SUM_ROWS, MAX_KERNEL_HEAD_DIM, TileConfig,
                              gradient_dtype, halves_width, head_tile, kernel_head_dim,
                              sum_groups)
@@ -210,11 +210,11 @@ def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
         grad_q_halves = grad_q_sums
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_m), batch * num_heads)
-    softmax_bwd_rows_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
-                                  v_hi, v_lo, scales, attn_output, grad_q16, grad_q_halves,
-                                  delta, grad_q_sums, scale,
-                                  **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
-                                                tiles, products, prefetch))
+    launcher.launch(softmax_bwd_rows_kernel, grid, probs, grad_attn_hi, grad_attn_lo, q_hi,
+                    q_lo, k_hi, k_lo, v_hi, v_lo, scales, attn_output, grad_q16,
+                    grad_q_halves, delta, grad_q_sums, scale,
+                    **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo), tiles,
+                                  products, prefetch))
 
 
 def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
@@ -226,11 +226,11 @@ def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
         grad_kv_halves = grad_kv_sums
     batch, num_heads, seq_len, _ = q_hi.shape
     grid = (-(-seq_len // tiles.block_n), batch * num_heads)
-    softmax_bwd_cols_kernel[grid](probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
-                                  v_hi, v_lo, scales, delta, grad_kv16, grad_kv_halves,
-                                  grad_kv_sums, scale,
-                                  **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
-                                                tiles, products, prefetch))
+    launcher.launch(softmax_bwd_cols_kernel, grid, probs, grad_attn_hi, grad_attn_lo, q_hi,
+                    q_lo, k_hi, k_lo, v_hi, v_lo, scales, delta, grad_kv16, grad_kv_halves,
+                    grad_kv_sums, scale,
+                    **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo), tiles,
+                                  products, prefetch))
 
 
 # ---- what the compiled graph calls when max-autotune picks a Gluon kernel ------------

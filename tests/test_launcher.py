@@ -1,0 +1,202 @@
+"""launcher.launch keeps each compiled kernel under a key of its own making
+(launcher.specialization_facts); a launch through the cache runs the kernel that
+triton's JIT path would have run only if arguments with the same facts always get the
+same specialization from triton's own binder. That is checked here with the installed
+triton and the newest (.ci/run), for every kernel the package launches through the
+cache, on arguments varied one at a time over what the binder distinguishes. The
+bitwise comparison of the two paths on the GPU is in tests/test_gpu_attention_bwd_ws.py
+and tests/test_gpu_gluon.py."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from vitattn_bwd import launcher  # noqa: E402
+
+from .helpers import triton_environments, triton_version_in  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tensor(dtype, offset=0):
+    """A tensor whose data starts `offset` elements into its storage (1: not 16-byte
+    aligned)."""
+    return torch.zeros(64, dtype=dtype)[offset:offset + 32]
+
+
+def _variants(arg):
+    """Arguments of arg's kind that triton's binder may specialize differently."""
+    if isinstance(arg, torch.Tensor):
+        return [_tensor(dtype, offset) for dtype in (torch.float32, torch.bfloat16,
+                                                     torch.float16, torch.int32)
+                for offset in (0, 1, 8)]
+    if isinstance(arg, bool):
+        return [False, True]
+    if isinstance(arg, int):
+        return [1, 2, 16, 17, 48, 2**31 - 16, 2**31, 2**32 + 16, 2**63]
+    if isinstance(arg, float):
+        return [0.125, 1.0, 3.0]
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    variants = []
+    for dtype, element in ((torch.bfloat16, gl.bfloat16), (torch.float32, gl.float32)):
+        for block in ([64, 64], [128, 64]):
+            base = torch.zeros(256, 64, dtype=dtype)
+            default = gl.NVMMASharedLayout.get_default_for(block, element)
+            for layout in (default, gl.NVMMASharedLayout(
+                    swizzle_byte_width=0, element_bitwidth=default.element_bitwidth,
+                    rank=2)):
+                variants.append(TensorDescriptor(base, [256, 64], [64, 1], block, layout))
+    return variants
+
+
+def _launches():
+    """(kernel, args, kwargs) of each launch the package sends through the cache, as
+    the launchers make them on CPU tensors (the GPU-only facts, such as the SM count,
+    replaced), recorded instead of launched."""
+    from vitattn_bwd import attention_bwd_ws, gluon_core
+    from vitattn_bwd.attention_core import TileConfig
+    recorded = []
+    original = launcher.launch
+    launcher.launch = lambda kernel, grid, *args, **kwargs: recorded.append(
+        (kernel, args, kwargs))
+    try:
+        batch, heads, seq_len, head_dim = 2, 4, 40, 64
+        qkv = torch.zeros(batch, seq_len, 3 * heads * head_dim, dtype=torch.bfloat16)
+        q, k, v = qkv.view(batch, seq_len, 3, heads, head_dim).permute(2, 0, 3, 1, 4)
+        rows = torch.zeros(batch, seq_len, heads * head_dim, dtype=torch.bfloat16)
+        lse = torch.zeros(batch, heads, seq_len)
+        attention_bwd_ws.launch(q, k, v, rows, rows, lse, 0.125,
+                                tiles=attention_bwd_ws.WsTiles(128, 128, 2, 168))
+        parts = [torch.zeros(batch, heads, seq_len, head_dim, dtype=torch.bfloat16)] * 8
+        other = torch.zeros(1)
+        gluon_core.launch_rows(lse, *parts, other, other, torch.zeros(0), other, other,
+                               0.125, TileConfig(64, 32, 4, 2), products=1)
+        gluon_core.launch_cols(lse, *parts, other, torch.zeros(0), other, other, 0.125,
+                               TileConfig(32, 64, 4, 3), products=1)
+    finally:
+        launcher.launch = original
+    return recorded
+
+
+def report():
+    """For each recorded launch and each run-time argument varied alone over _variants:
+    {kernel name: [whether every launcher key maps to one binder specialization, the
+    number of distinct specializations seen]}, printed as JSON."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    result = {}
+    for kernel, args, kwargs in _launches():
+        binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        specialization_by_key, consistent = {}, True
+        for position, arg in enumerate(args):
+            for variant in [arg, *_variants(arg)]:
+                varied = (*args[:position], variant, *args[position + 1:])
+                key = (position, tuple(map(launcher.specialization_facts, varied)))
+                specialization = repr(binder(*varied, **kwargs)[1])
+                if specialization_by_key.setdefault(key, specialization) != specialization:
+                    consistent = False
+        result[kernel.__name__] = [consistent, len(set(specialization_by_key.values()))]
+    print(json.dumps(result))
+
+
+@pytest.mark.parametrize("label", list(triton_environments()))
+def test_arguments_with_the_same_facts_get_the_same_specialization(label):
+    pytest.importorskip("triton.backends.nvidia")
+    environment = triton_environments()[label]
+    result = subprocess.run([sys.executable, "-c",
+                             "from tests.test_launcher import report; report()"],
+                            cwd=ROOT, env=environment, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, (triton_version_in(environment), result.stderr[-3000:])
+    kernels = json.loads(result.stdout.splitlines()[-1])
+    assert sorted(kernels) == ["attention_bwd_ws_kernel", "attention_delta_kernel",
+                               "softmax_bwd_cols_kernel", "softmax_bwd_rows_kernel"]
+    for name, (consistent, distinct) in kernels.items():
+        assert consistent, (triton_version_in(environment), name)
+        assert distinct > 10, (name, distinct)       # the variants do reach the binder
+
+
+class _Compiled:
+    """A stand-in for triton's CompiledKernel: records each launch through it."""
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def __getitem__(self, grid):
+        def runner(*args, stream):
+            assert stream == 7
+            self.launches.append(("compiled", grid, args))
+        return runner
+
+
+def _stand_in_kernel(monkeypatch, launches):
+    """A real JITFunction whose JIT path records the call and returns a _Compiled, on a
+    CPU machine whose triton driver says device 0, stream 7."""
+    from triton.runtime.jit import JITFunction
+
+    def kernel(POINTER, count, WIDTH, DEPTH):
+        pass
+
+    jit_function = JITFunction(kernel)
+
+    def run(*args, grid, warmup, **kwargs):
+        launches.append(("jit", grid, args))
+        return _Compiled(launches)
+    monkeypatch.setattr(jit_function, "run", run)
+
+    class Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 7
+
+    class Drivers:
+        active = Driver()
+    monkeypatch.setattr(launcher, "driver", Drivers)
+    return jit_function
+
+
+def test_the_first_launch_of_a_specialization_takes_the_jit_path_and_later_ones_the_cache(
+        monkeypatch):
+    launches = []
+    kernel = _stand_in_kernel(monkeypatch, launches)
+    monkeypatch.setattr(launcher, "_compiled", {})
+    pointer, misaligned = _tensor(torch.float32), _tensor(torch.float32, 1)
+    launcher.launch(kernel, (3,), pointer, 5, WIDTH=64, DEPTH=2)
+    launcher.launch(kernel, (4,), pointer, 7, WIDTH=64, DEPTH=2)    # same facts
+    launcher.launch(kernel, (4,), pointer, 16, WIDTH=64, DEPTH=2)   # count % 16 == 0
+    launcher.launch(kernel, (4,), misaligned, 7, WIDTH=64, DEPTH=2)
+    launcher.launch(kernel, (4,), pointer, 7, WIDTH=32, DEPTH=2)    # another constexpr
+    launcher.launch(kernel, (5,), pointer, 9, WIDTH=32, DEPTH=2)
+    assert [(path, grid, args[1:]) for path, grid, args in launches] == [
+        ("jit", (3,), (5,)), ("compiled", (4, 1, 1), (7, 64, 2)), ("jit", (4,), (16,)),
+        ("jit", (4,), (7,)), ("jit", (4,), (7,)), ("compiled", (5, 1, 1), (9, 32, 2))]
+
+
+def test_pre_run_hooks_keep_the_jit_path(monkeypatch):
+    launches = []
+    kernel = _stand_in_kernel(monkeypatch, launches)
+    monkeypatch.setattr(launcher, "_compiled", {})
+    kernel.add_pre_run_hook(lambda *args, **kwargs: None)
+    for _ in range(2):
+        launcher.launch(kernel, (1,), _tensor(torch.float32), 5, WIDTH=64, DEPTH=2)
+    assert [path for path, _, _ in launches] == ["jit", "jit"]
+
+
+def test_an_argument_the_facts_do_not_cover_keeps_the_jit_path(monkeypatch):
+    launches = []
+    kernel = _stand_in_kernel(monkeypatch, launches)
+    monkeypatch.setattr(launcher, "_compiled", {})
+    for _ in range(2):
+        launcher.launch(kernel, (1,), _tensor(torch.float32), None, WIDTH=64, DEPTH=2)
+    assert [path for path, _, _ in launches] == ["jit", "jit"]
+    assert launcher._compiled == {}
