@@ -1,6 +1,7 @@
 """Host side of the warp-specialized one-pass attention-core backward
-(kernels/attention_bwd_ws.py): its launch configurations, a launcher, and a compile for
-sm_90 that launches nothing (for the CPU checks of its machine code).
+(kernels/attention_bwd_ws.py): its launch configurations, a launcher (its two kernels
+launched through launcher.py's cache of compiled kernels), and a compile for sm_90 that
+launches nothing (for the CPU checks of its machine code).
 
     launch(q, k, v, grad_attn, attn_output, lse, scale, tiles)
         -> grad_qkv [B,S,3E] (dQ | dK | dV per row, a QKV projection's layout), in q's

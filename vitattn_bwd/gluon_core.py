@@ -1,5 +1,6 @@
 """Host side of the Gluon attention core (kernels/softmax_bwd_gluon.py): where it runs,
-its launch configurations, and launchers that write into given output buffers.
+its launch configurations, and launchers that write into given output buffers (the
+kernels launched through launcher.py's cache of compiled kernels).
 
 The launchers take what the Inductor templates take (inductor.py): P or its log-sum-exp,
 grad_attn, q, k and v as bf16 (hi, lo) pairs, the forward's output with the log-sum-exp
