@@ -38,5 +38,5 @@ for batch in (14, 32):
     pstats.Stats(prof, stream=s).sort_stats("cumtime").print_stats(60)
     (out / f"f32_b{batch}_cprofile.txt").write_text(s.getvalue())
     lines = s.getvalue().splitlines()
-    start = next(i for i, l in enumerate(lines) if "tottime" in l and "ncalls" in l)
+    start = next(i for i, line in enumerate(lines) if "tottime" in line and "ncalls" in line)
     print("\n".join(lines[start:start + 12]), flush=True)
