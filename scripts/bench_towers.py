@@ -28,7 +28,9 @@ compiled steps of 19-25 s per 12-layer model, docs/runs/towers/):
                  12 layers, batch 32, autocast and float32 "high"), each in a process of
                  its own: on empty caches, again on the caches the first left, and on
                  empty caches after torch.compiler.load_cache_artifacts of what the first
-                 saved (~5 min)
+                 saved, and where the cold and warm first steps' compile time goes
+                 (dynamo, AOTAutograd, Inductor's lowering and autotuning, kernel
+                 compiles, module loads; all graphs of the process) (~5 min)
   host           the host time of one block's eager fwd+bwd (VisionAttentionBlock against
                  the stock block, and under autocast at precision "medium" too), batch 1 8
                  32, autocast and float32 "high" (~4 min; keep max-autotune: a Gluon
@@ -426,6 +428,13 @@ def kernel_changes(off, on, top=10):
 
 
 RESTART_MODELS = ("compiled stock", "compiled swapped")
+# Where a first step's compile time goes (torch._dynamo.utils.compile_times, summed over
+# every graph the process compiled, the user's and our own): dynamo's tracing, the
+# backend (AOTAutograd and Inductor), Inductor's lowering (where max-autotune benchmarks
+# its choices), the wait for its parallel kernel compiles, loading compiled modules.
+COMPILE_PHASES = ("_compile.compile_inner", "OutputGraph.call_user_compiler",
+                  "create_aot_dispatcher_function", "fx_codegen_and_compile",
+                  "GraphLowering.run", "async_compile.wait", "PyCodeCache.load_by_key_path")
 
 
 def restart_child(args, device):
@@ -450,8 +459,13 @@ def restart_child(args, device):
         saved = torch.compiler.save_cache_artifacts()
         if saved is not None:
             Path(args.save_artifacts).write_bytes(saved[0])
+    names, seconds = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+    phases = dict(zip(names, map(float, seconds)))
     print(json.dumps({"first_step_s": first, "fxgraph_cache_miss": counters["fxgraph_cache_miss"],
-                      "fxgraph_cache_hit": counters["fxgraph_cache_hit"]}))
+                      "fxgraph_cache_hit": counters["fxgraph_cache_hit"],
+                      "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
+                      "compile_phases_s": {name: phases.get(name, 0.0)
+                                           for name in COMPILE_PHASES}}))
 
 
 def suite_restart(args, device, record):
@@ -629,6 +643,15 @@ def summary(suite, results):
                  ("cold", "warm restart", "artifacts restart")]
             lines.append(f"| {r['setting']} | {r['model']} | " + " | ".join(s) + " | "
                          f"{cell(r['warm restart'].get('fxgraph_cache_hit'))} |")
+        lines += ["", "| setting | model | phase | graphs | "
+                  + " | ".join(COMPILE_PHASES) + " |", "|---" * (4 + len(COMPILE_PHASES)) + "|"]
+        for r in results:
+            for phase in ("cold", "warm restart"):
+                spent = r[phase].get("compile_phases_s", {})
+                lines.append(f"| {r['setting']} | {r['model']} | {phase} | "
+                             f"{cell(r[phase].get('graphs'), '{}')} | "
+                             + " | ".join(cell(spent.get(name)) for name in COMPILE_PHASES)
+                             + " |")
     elif suite == "host":
         lines += ["| setting | batch | stock host us | swapped host us | stock / swapped | "
                   "swapped medium host us | stock / medium |", "|---|---|---|---|---|---|---|"]
