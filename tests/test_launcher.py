@@ -16,6 +16,8 @@ import torch
 
 pytest.importorskip("triton")
 
+import triton.language as tl  # noqa: E402
+
 from vitattn_bwd import launcher  # noqa: E402
 
 from .helpers import triton_environments, triton_version_in  # noqa: E402
@@ -137,15 +139,16 @@ class _Compiled:
         return runner
 
 
+def _kernel(POINTER, count, WIDTH: tl.constexpr, DEPTH: tl.constexpr):
+    pass
+
+
 def _stand_in_kernel(monkeypatch, launches):
-    """A real JITFunction whose JIT path records the call and returns a _Compiled, on a
-    CPU machine whose triton driver says device 0, stream 7."""
+    """A real JITFunction of _kernel whose JIT path records the call and returns a
+    _Compiled, on a CPU machine whose triton driver says device 0, stream 7."""
     from triton.runtime.jit import JITFunction
 
-    def kernel(POINTER, count, WIDTH, DEPTH):
-        pass
-
-    jit_function = JITFunction(kernel)
+    jit_function = JITFunction(_kernel)
 
     def run(*args, grid, warmup, **kwargs):
         launches.append(("jit", grid, args))
@@ -200,3 +203,49 @@ def test_an_argument_the_facts_do_not_cover_keeps_the_jit_path(monkeypatch):
         launcher.launch(kernel, (1,), _tensor(torch.float32), None, WIDTH=64, DEPTH=2)
     assert [path for path, _, _ in launches] == ["jit", "jit"]
     assert launcher._compiled == {}
+
+
+def _paths(launches):
+    return [path for path, _, _ in launches]
+
+
+def test_a_constexpr_given_by_position_keeps_the_jit_path(monkeypatch):
+    """triton keys a constexpr on its value; the facts would key it on its kind."""
+    launches = []
+    kernel = _stand_in_kernel(monkeypatch, launches)
+    monkeypatch.setattr(launcher, "_compiled", {})
+    for width in (64, 32):
+        launcher.launch(kernel, (1,), _tensor(torch.float32), 5, width, DEPTH=2)
+    assert _paths(launches) == ["jit", "jit"]
+    assert launcher._compiled == {}
+
+
+def test_a_callable_grid_and_a_stages_hook_keep_the_jit_path(monkeypatch):
+    from triton import knobs
+    launches = []
+    kernel = _stand_in_kernel(monkeypatch, launches)
+    monkeypatch.setattr(launcher, "_compiled", {})
+    for _ in range(2):
+        launcher.launch(kernel, lambda meta: (1,), _tensor(torch.float32), 5, WIDTH=64,
+                        DEPTH=2)
+    monkeypatch.setattr(knobs.runtime, "add_stages_inspection_hook", lambda: ("k", "h"))
+    for _ in range(2):
+        launcher.launch(kernel, (1,), _tensor(torch.float32), 5, WIDTH=64, DEPTH=2)
+    assert _paths(launches) == ["jit"] * 4
+    assert launcher._compiled == {}
+
+
+def test_a_changed_global_goes_back_to_the_jit_path(monkeypatch):
+    """Where a global the kernel read when compiled has changed, triton's JIT path
+    raises; the cache must not launch the old binary instead."""
+    launches = []
+    kernel = _stand_in_kernel(monkeypatch, launches)
+    monkeypatch.setattr(launcher, "_compiled", {})
+    module_globals = {"BLOCK": 64}
+    monkeypatch.setattr(kernel, "used_global_vals",
+                        {("BLOCK", id(module_globals)): (64, module_globals)})
+    for _ in range(2):
+        launcher.launch(kernel, (1,), _tensor(torch.float32), 5, WIDTH=64, DEPTH=2)
+    module_globals["BLOCK"] = 128
+    launcher.launch(kernel, (1,), _tensor(torch.float32), 5, WIDTH=64, DEPTH=2)
+    assert _paths(launches) == ["jit", "compiled", "jit"]

@@ -26,16 +26,20 @@ the newest, that arguments with the same facts get the same specialization from
 triton's own binder, and on the GPU that both paths give the same bits.
 
 The JIT path stays for: a kernel that is not a JITFunction (the interpreter's), a kernel
-with pre-run hooks, an argument of a kind the facts do not cover, and a JIT path that
-returns no compiled kernel.
+with pre-run hooks, a stages-inspection hook (a custom pass pipeline, triton 3.7+), a
+grid given as a callable, an argument of a kind the facts do not cover, a constexpr
+given by position (triton keys on its value, the facts on its kind), a constexpr
+global of the kernel that changed since it was compiled (triton raises there), and a
+JIT path that returns no compiled kernel.
 """
 from triton import knobs
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-# (id(kernel), device, facts, kwargs, debug, instrumentation) -> (compiled kernel, the
+# (id(kernel), device, facts, kwargs, triton's knobs) -> (compiled kernel, the
 # constexprs' values in the kernel's argument order)
 _compiled = {}
+_MISSING = object()
 
 
 def specialization_facts(arg):
@@ -60,23 +64,37 @@ def _cache_key(kernel, args, kwargs):
     if None in facts:
         return None
     return (id(kernel), driver.active.get_current_device(), facts, tuple(kwargs.items()),
-            knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+            knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+            getattr(knobs.compilation, "fpsan_homomorphic_casts", None))     # triton 3.9
+
+
+def _jit_path_only(kernel, grid):
+    return (not isinstance(kernel, JITFunction) or kernel.pre_run_hooks or callable(grid)
+            or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None)
+
+
+def _globals_unchanged(kernel):
+    """Whether the globals the kernel read when compiled still hold those values (the
+    check triton's JIT path makes before each launch)."""
+    return all(globals_dict.get(name, _MISSING) == value
+               for (name, _), (value, globals_dict) in kernel.used_global_vals.items())
 
 
 def launch(kernel, grid, *args, **kwargs):
     """`kernel[grid](*args, **kwargs)`, through the cache of compiled kernels (module
-    docstring)."""
-    if not isinstance(kernel, JITFunction) or kernel.pre_run_hooks:
+    docstring). grid: a tuple of up to three program counts."""
+    if _jit_path_only(kernel, grid):
         kernel[grid](*args, **kwargs)
         return
     key = _cache_key(kernel, args, kwargs)
     entry = _compiled.get(key) if key is not None else None
-    if entry is None:
+    if entry is None or not _globals_unchanged(kernel):
         compiled = kernel[grid](*args, **kwargs)
         if key is not None and hasattr(compiled, "result"):      # an asynchronous compile
             compiled = compiled.result()
+        positional_constexpr = any(param.is_constexpr for param in kernel.params[:len(args)])
         constexpr_names = kernel.arg_names[len(args):]
-        if (key is not None and hasattr(compiled, "__getitem__")
+        if (key is not None and hasattr(compiled, "__getitem__") and not positional_constexpr
                 and all(name in kwargs for name in constexpr_names)):
             _compiled[key] = compiled, tuple(kwargs[name] for name in constexpr_names)
         return
