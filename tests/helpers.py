@@ -117,6 +117,18 @@ def recorded_calls(monkeypatch, owner, name, record):
     return calls
 
 
+def jit_path_launch(kernel, grid, *args, **kwargs):
+    """A stand-in for vitattn_bwd.launcher.launch that takes triton's JIT path on every
+    call (patched in where a test compares the launch cache with it)."""
+    kernel[grid](*args, **kwargs)
+
+
+def recorded_jit_runs(monkeypatch, kernel):
+    """A spy on `kernel`'s JIT path (its run, which the launch cache's later launches
+    skip): a list with one entry per call from now on, for this test only."""
+    return recorded_calls(monkeypatch, kernel, "run", lambda *args, **kwargs: None)
+
+
 def recorded_half_dtypes(monkeypatch):
     """The half dtype (None: float32 math) of each fused forward, as called: a list that
     fills as module.attention_block_forward runs (patched for this test only)."""

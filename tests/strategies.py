@@ -58,9 +58,9 @@ BLOCK_BOUNDS_CPU = {torch.float32: 1e-5, torch.float64: 1e-12}
 # unrelated q and k; `logit_scale`), and P = exp(logit - lse) carries that absolute error
 # as a relative one. Measured under the interpreter over Lambda 0.2-23 (scale up to 2,
 # head_dim up to 128; 150 draws each): the forward's P and lse, and the module-mode
-# gradients (dQ, dK measured against their cancelled terms, as core_errors does), grow by at most 2.5e-5
-# per unit of Lambda (5.6e-4 at Lambda 22.5). Bounds add LOGIT_SLOPE * Lambda, twice
-# that. (Where P is given, the logits are not recomputed: no such term.)
+# gradients (dQ, dK measured against their cancelled terms, as core_errors does), grow
+# by at most 2.5e-5 per unit of Lambda (5.6e-4 at Lambda 22.5). Bounds add LOGIT_SLOPE *
+# Lambda, twice that. (Where P is given, the logits are not recomputed: no such term.)
 LOGIT_SLOPE = 5e-5
 
 # The fused forward (attention_fwd): attn_output and P = exp(scale q k^T - lse) as
@@ -279,13 +279,14 @@ def cancelled_terms(probs, logical, scale):
 def core_errors(got, want, seq_len, terms=(0.0, 0.0)):
     """Relative errors of grad_q, grad_k, grad_v. dQ and dK are differences of terms
     that a kernel rounds separately (`terms`, see cancelled_terms), so they are measured
-    against the larger of their norm and those terms: at 100-577 tokens the terms are
-    1.0-1.1x the norm, but a few tokens leave a difference several times smaller than
-    its terms (2 tokens: 1.8-2.8x), and in module mode (P recomputed without
-    renormalizing its rows) a row close to one-hot much smaller (the relative error of
-    P, times those terms, is left). At seq_len 1, dQ = dK = 0 exactly and a kernel
-    leaves rounding of the cancelled terms and of terms as large as dV: measured
-    against the largest of the three."""
+    against the larger of their norm and those terms (the kernels' rounding scales with
+    the terms): at 100-577 tokens the terms are 1.0-1.2x the norm, but a few tokens
+    leave a difference several times smaller than its terms (2 tokens: median 2.3x,
+    up to 64x over 200 seeds; docs/runs/one_off/core_cancelled_terms_cpu.txt), and in
+    module mode (P recomputed without renormalizing its rows) a row close to one-hot
+    much smaller (the relative error of P, times those terms, is left). At seq_len 1,
+    dQ = dK = 0 exactly and a kernel leaves rounding of the cancelled terms and of
+    terms as large as dV: measured against the largest of the three."""
     errors = {}
     for index, (name, g, w) in enumerate(zip(CORE_OUTPUTS, got, want)):
         denom = w.norm().item()

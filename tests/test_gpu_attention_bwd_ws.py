@@ -12,6 +12,8 @@ from vitattn_bwd import attention_bwd_ws, attention_core, launcher
 from vitattn_bwd.attention_fwd import attention_fwd_half
 from vitattn_bwd.layout import merge_heads
 
+from .helpers import jit_path_launch, recorded_jit_runs
+
 pytestmark = pytest.mark.gpu
 
 HEAD_DIM = 64
@@ -80,22 +82,26 @@ def test_bitwise_reproducible(tiles):
 @pytest.mark.parametrize("batch, seq_len", [(1, 577), (3, 100), (2, 16)])
 def test_the_launch_cache_runs_what_the_jit_path_runs(monkeypatch, batch, seq_len):
     """launcher.launch's cached compiled kernels against triton's JIT path on every
-    call: the same bits, with lse 16-byte aligned and not (the delta kernel is then
-    specialized differently), the second and later calls taking the cache."""
+    call: the same bits, with lse 16-byte aligned and not. The JIT path runs once per
+    specialization: the main kernel once, the delta kernel, which reads lse, once for
+    each alignment; every other launch comes from the cache."""
+    from vitattn_bwd.kernels.attention_bwd_ws import (attention_bwd_ws_kernel,
+                                                      attention_delta_kernel)
     q, k, v, grad_attn, attn_output, lse = _inputs(batch, 16, seq_len, torch.bfloat16,
                                                    seed=seq_len)
     misaligned_lse = torch.empty(lse.numel() + 1, device="cuda")[1:].view_as(lse)
     misaligned_lse.copy_(lse)
+    monkeypatch.setattr(launcher, "_compiled", {})
+    main_runs = recorded_jit_runs(monkeypatch, attention_bwd_ws_kernel)
+    delta_runs = recorded_jit_runs(monkeypatch, attention_delta_kernel)
+    cached = {id(lse_in): [attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse_in,
+                                                   SCALE) for _ in range(3)]
+              for lse_in in (lse, misaligned_lse)}
+    assert (len(main_runs), len(delta_runs)) == (1, 2)
+    monkeypatch.setattr(launcher, "launch", jit_path_launch)
     for lse_in in (lse, misaligned_lse):
-        cached = [attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse_in, SCALE)
-                  for _ in range(3)]
-        with monkeypatch.context() as patch:
-            patch.setattr(launcher, "launch",
-                          lambda kernel, grid, *args, **kwargs: kernel[grid](*args, **kwargs))
-            jit = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse_in, SCALE)
-        assert all(torch.equal(c, jit) for c in cached)
-    from vitattn_bwd.kernels.attention_bwd_ws import attention_bwd_ws_kernel
-    assert any(key[0] == id(attention_bwd_ws_kernel) for key in launcher._compiled)
+        jit = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse_in, SCALE)
+        assert all(torch.equal(c, jit) for c in cached[id(lse_in)])
 
 
 @pytest.mark.parametrize("rotated", [False, True])

@@ -13,6 +13,8 @@ from vitattn_bwd.attention_fwd import attention_fwd_half
 from vitattn_bwd.layout import merge_heads, split_heads
 from vitattn_bwd.precision import split_bf16_rounded, split_fp16
 
+from .helpers import jit_path_launch, recorded_jit_runs
+
 pytestmark = pytest.mark.gpu
 D = 64
 
@@ -200,15 +202,19 @@ def test_gluon_kernels_are_bitwise_repeatable():
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["P", "lse"])
 def test_the_launch_cache_runs_what_the_jit_path_runs(monkeypatch, recompute):
-    """Both passes through launcher.launch's cached compiled kernels (the second and
-    third calls) against triton's JIT path on every call: the same bits."""
+    """Both passes three times through launcher.launch, each kernel's JIT path taken
+    on its first call only, against the JIT path on every call: the same bits."""
+    from vitattn_bwd.kernels.softmax_bwd_gluon import (softmax_bwd_cols_kernel,
+                                                       softmax_bwd_rows_kernel)
     case = _case(2, 16, 577, recompute=recompute, seed=2)
     tiles = (gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])
+    monkeypatch.setattr(launcher, "_compiled", {})
+    rows_runs = recorded_jit_runs(monkeypatch, softmax_bwd_rows_kernel)
+    cols_runs = recorded_jit_runs(monkeypatch, softmax_bwd_cols_kernel)
     cached = [_run(*case, *tiles) for _ in range(3)]
-    with monkeypatch.context() as patch:
-        patch.setattr(launcher, "launch",
-                      lambda kernel, grid, *args, **kwargs: kernel[grid](*args, **kwargs))
-        jit = _run(*case, *tiles)
+    assert (len(rows_runs), len(cols_runs)) == (1, 1)
+    monkeypatch.setattr(launcher, "launch", jit_path_launch)
+    jit = _run(*case, *tiles)
     bits = {4: torch.int32, 2: torch.int16}                  # NaN-poisoned buffers
     for outputs in cached:
         assert all(torch.equal(a.view(bits[a.element_size()]), b.view(bits[b.element_size()]))

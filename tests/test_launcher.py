@@ -88,8 +88,9 @@ def _launches():
 
 def report():
     """For each recorded launch and each run-time argument varied alone over _variants:
-    {kernel name: [whether every launcher key maps to one binder specialization, the
-    number of distinct specializations seen]}, printed as JSON."""
+    {kernel name: [whether the facts cover every argument of the launch as made, whether
+    every launcher key maps to one binder specialization, the number of distinct
+    specializations seen]}, printed as JSON."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -97,6 +98,7 @@ def report():
     result = {}
     for kernel, args, kwargs in _launches():
         binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+        covered = None not in map(launcher.specialization_facts, args)
         specialization_by_key, consistent = {}, True
         for position, arg in enumerate(args):
             for variant in [arg, *_variants(arg)]:
@@ -105,7 +107,8 @@ def report():
                 specialization = repr(binder(*varied, **kwargs)[1])
                 if specialization_by_key.setdefault(key, specialization) != specialization:
                     consistent = False
-        result[kernel.__name__] = [consistent, len(set(specialization_by_key.values()))]
+        result[kernel.__name__] = [covered, consistent,
+                                   len(set(specialization_by_key.values()))]
     print(json.dumps(result))
 
 
@@ -121,7 +124,8 @@ def test_arguments_with_the_same_facts_get_the_same_specialization(label):
     kernels = json.loads(result.stdout.splitlines()[-1])
     assert sorted(kernels) == ["attention_bwd_ws_kernel", "attention_delta_kernel",
                                "softmax_bwd_cols_kernel", "softmax_bwd_rows_kernel"]
-    for name, (consistent, distinct) in kernels.items():
+    for name, (covered, consistent, distinct) in kernels.items():
+        assert covered, name             # every argument of the real launch has its facts
         assert consistent, (triton_version_in(environment), name)
         assert distinct > 10, (name, distinct)       # the variants do reach the binder
 
@@ -143,17 +147,20 @@ def _kernel(POINTER, count, WIDTH: tl.constexpr, DEPTH: tl.constexpr):
     pass
 
 
-def _stand_in_kernel(monkeypatch, launches):
-    """A real JITFunction of _kernel whose JIT path records the call and returns a
-    _Compiled, on a CPU machine whose triton driver says device 0, stream 7."""
+@pytest.fixture
+def stand_in(monkeypatch):
+    """(a real JITFunction of _kernel whose JIT path records the call and returns a
+    _Compiled, the list of launches recorded), on a CPU machine whose triton driver
+    says device 0, stream 7, with the launch cache empty."""
     from triton.runtime.jit import JITFunction
 
-    jit_function = JITFunction(_kernel)
+    launches = []
+    kernel = JITFunction(_kernel)
 
     def run(*args, grid, warmup, **kwargs):
         launches.append(("jit", grid, args))
         return _Compiled(launches)
-    monkeypatch.setattr(jit_function, "run", run)
+    monkeypatch.setattr(kernel, "run", run)
 
     class Driver:
         def get_current_device(self):
@@ -165,14 +172,17 @@ def _stand_in_kernel(monkeypatch, launches):
     class Drivers:
         active = Driver()
     monkeypatch.setattr(launcher, "driver", Drivers)
-    return jit_function
+    monkeypatch.setattr(launcher, "_compiled", {})
+    return kernel, launches
+
+
+def _paths(launches):
+    return [path for path, _, _ in launches]
 
 
 def test_the_first_launch_of_a_specialization_takes_the_jit_path_and_later_ones_the_cache(
-        monkeypatch):
-    launches = []
-    kernel = _stand_in_kernel(monkeypatch, launches)
-    monkeypatch.setattr(launcher, "_compiled", {})
+        stand_in):
+    kernel, launches = stand_in
     pointer, misaligned = _tensor(torch.float32), _tensor(torch.float32, 1)
     launcher.launch(kernel, (3,), pointer, 5, WIDTH=64, DEPTH=2)
     launcher.launch(kernel, (4,), pointer, 7, WIDTH=64, DEPTH=2)    # same facts
@@ -185,46 +195,36 @@ def test_the_first_launch_of_a_specialization_takes_the_jit_path_and_later_ones_
         ("jit", (4,), (7,)), ("jit", (4,), (7,)), ("compiled", (5, 1, 1), (9, 32, 2))]
 
 
-def test_pre_run_hooks_keep_the_jit_path(monkeypatch):
-    launches = []
-    kernel = _stand_in_kernel(monkeypatch, launches)
-    monkeypatch.setattr(launcher, "_compiled", {})
+def test_pre_run_hooks_keep_the_jit_path(stand_in):
+    kernel, launches = stand_in
     kernel.add_pre_run_hook(lambda *args, **kwargs: None)
     for _ in range(2):
         launcher.launch(kernel, (1,), _tensor(torch.float32), 5, WIDTH=64, DEPTH=2)
-    assert [path for path, _, _ in launches] == ["jit", "jit"]
+    assert _paths(launches) == ["jit", "jit"]
 
 
-def test_an_argument_the_facts_do_not_cover_keeps_the_jit_path(monkeypatch):
-    launches = []
-    kernel = _stand_in_kernel(monkeypatch, launches)
-    monkeypatch.setattr(launcher, "_compiled", {})
+@pytest.mark.parametrize("count, width", [(None, 64), (5, [64])],
+                         ids=["argument-not-covered", "unhashable-constexpr"])
+def test_what_the_key_cannot_hold_keeps_the_jit_path(stand_in, count, width):
+    kernel, launches = stand_in
     for _ in range(2):
-        launcher.launch(kernel, (1,), _tensor(torch.float32), None, WIDTH=64, DEPTH=2)
-    assert [path for path, _, _ in launches] == ["jit", "jit"]
+        launcher.launch(kernel, (1,), _tensor(torch.float32), count, WIDTH=width, DEPTH=2)
+    assert _paths(launches) == ["jit", "jit"]
     assert launcher._compiled == {}
 
 
-def _paths(launches):
-    return [path for path, _, _ in launches]
-
-
-def test_a_constexpr_given_by_position_keeps_the_jit_path(monkeypatch):
+def test_a_constexpr_given_by_position_keeps_the_jit_path(stand_in):
     """triton keys a constexpr on its value; the facts would key it on its kind."""
-    launches = []
-    kernel = _stand_in_kernel(monkeypatch, launches)
-    monkeypatch.setattr(launcher, "_compiled", {})
+    kernel, launches = stand_in
     for width in (64, 32):
         launcher.launch(kernel, (1,), _tensor(torch.float32), 5, width, DEPTH=2)
     assert _paths(launches) == ["jit", "jit"]
     assert launcher._compiled == {}
 
 
-def test_a_callable_grid_and_a_stages_hook_keep_the_jit_path(monkeypatch):
+def test_a_callable_grid_and_a_stages_hook_keep_the_jit_path(stand_in, monkeypatch):
     from triton import knobs
-    launches = []
-    kernel = _stand_in_kernel(monkeypatch, launches)
-    monkeypatch.setattr(launcher, "_compiled", {})
+    kernel, launches = stand_in
     for _ in range(2):
         launcher.launch(kernel, lambda meta: (1,), _tensor(torch.float32), 5, WIDTH=64,
                         DEPTH=2)
@@ -235,12 +235,10 @@ def test_a_callable_grid_and_a_stages_hook_keep_the_jit_path(monkeypatch):
     assert launcher._compiled == {}
 
 
-def test_a_changed_global_goes_back_to_the_jit_path(monkeypatch):
+def test_a_changed_global_goes_back_to_the_jit_path(stand_in, monkeypatch):
     """Where a global the kernel read when compiled has changed, triton's JIT path
     raises; the cache must not launch the old binary instead."""
-    launches = []
-    kernel = _stand_in_kernel(monkeypatch, launches)
-    monkeypatch.setattr(launcher, "_compiled", {})
+    kernel, launches = stand_in
     module_globals = {"BLOCK": 64}
     monkeypatch.setattr(kernel, "used_global_vals",
                         {("BLOCK", id(module_globals)): (64, module_globals)})

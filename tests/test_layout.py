@@ -1,5 +1,6 @@
 """layout.py: heads split from a QKV projection and merged back, as views where they
 can be."""
+import pytest
 import torch
 
 from vitattn_bwd.layout import merge_heads, qkv_heads, split_heads
@@ -22,3 +23,9 @@ def test_split_and_merge_heads_round_trip():
     t = torch.randn(3, 7, 24)
     assert torch.equal(merge_heads(split_heads(t, 6)), t)
     assert split_heads(t, 6)[1, 2, 4].tolist() == t[1, 4, 8:12].tolist()
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 50), (2, 5, 48, 1)], ids=["width", "rank"])
+def test_a_projection_of_another_shape_is_refused_naming_qkv(shape):
+    with pytest.raises(ValueError, match=r"qkv must be \[B, S, 3 \* num_heads \* D\]"):
+        qkv_heads(torch.zeros(shape), 4)

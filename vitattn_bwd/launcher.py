@@ -20,17 +20,18 @@ triton's JIT path makes last (the same in triton 3.6 to 3.9), with the launch ho
 (profilers) still called. The cache key holds what triton's binder specializes on
 (`specialization_facts`: each tensor's dtype and 16-byte alignment, each integer's
 equality to 1, divisibility by 16 and width, each descriptor's dtype, block and
-layout), the constexprs and options, the current device, and triton's debug and
-instrumentation settings; tests/test_launcher.py checks, with the installed triton and
-the newest, that arguments with the same facts get the same specialization from
-triton's own binder, and on the GPU that both paths give the same bits.
+layout), the constexprs and options, the current device, and triton's debug,
+instrumentation and (3.9) fpsan settings; tests/test_launcher.py checks, with the
+installed triton and the newest, that arguments with the same facts get the same
+specialization from triton's own binder, and on the GPU that both paths give the same
+bits.
 
 The JIT path stays for: a kernel that is not a JITFunction (the interpreter's), a kernel
 with pre-run hooks, a stages-inspection hook (a custom pass pipeline, triton 3.7+), a
-grid given as a callable, an argument of a kind the facts do not cover, a constexpr
-given by position (triton keys on its value, the facts on its kind), a constexpr
-global of the kernel that changed since it was compiled (triton raises there), and a
-JIT path that returns no compiled kernel.
+grid given as a callable, an argument of a kind the facts do not cover or a keyword
+value that cannot be hashed, a constexpr given by position (triton keys on its value,
+the facts on its kind), a constexpr global of the kernel that changed since it was
+compiled (triton raises there), and a JIT path that returns no compiled kernel.
 """
 from triton import knobs
 from triton.runtime import driver
@@ -60,12 +61,19 @@ def specialization_facts(arg):
 
 
 def _cache_key(kernel, args, kwargs):
+    """The cache key of a launch, or None where it cannot be made: an argument the
+    facts do not cover, or a keyword value that is not hashable."""
     facts = tuple(map(specialization_facts, args))
     if None in facts:
         return None
-    return (id(kernel), driver.active.get_current_device(), facts, tuple(kwargs.items()),
-            knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-            getattr(knobs.compilation, "fpsan_homomorphic_casts", None))     # triton 3.9
+    key = (id(kernel), driver.active.get_current_device(), facts, tuple(kwargs.items()),
+           knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+           getattr(knobs.compilation, "fpsan_homomorphic_casts", None))      # triton 3.9
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
 
 
 def _jit_path_only(kernel, grid):
