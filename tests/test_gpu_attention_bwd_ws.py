@@ -94,14 +94,14 @@ def test_the_launch_cache_runs_what_the_jit_path_runs(monkeypatch, batch, seq_le
     monkeypatch.setattr(launcher, "_compiled", {})
     main_runs = recorded_jit_runs(monkeypatch, attention_bwd_ws_kernel)
     delta_runs = recorded_jit_runs(monkeypatch, attention_delta_kernel)
-    cached = {id(lse_in): [attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse_in,
-                                                   SCALE) for _ in range(3)]
-              for lse_in in (lse, misaligned_lse)}
+    cached = [(lse_in, [attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse_in,
+                                                SCALE) for _ in range(3)])
+              for lse_in in (lse, misaligned_lse)]
     assert (len(main_runs), len(delta_runs)) == (1, 2)
     monkeypatch.setattr(launcher, "launch", jit_path_launch)
-    for lse_in in (lse, misaligned_lse):
+    for lse_in, grads in cached:
         jit = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse_in, SCALE)
-        assert all(torch.equal(c, jit) for c in cached[id(lse_in)])
+        assert all(torch.equal(grad, jit) for grad in grads)
 
 
 @pytest.mark.parametrize("rotated", [False, True])

@@ -147,11 +147,28 @@ def _kernel(POINTER, count, WIDTH: tl.constexpr, DEPTH: tl.constexpr):
     pass
 
 
+class _StandInDriver:
+    """What launcher asks of triton's active driver, on a machine without a GPU:
+    device 0, stream 7."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 7
+
+
+class StandInDrivers:
+    """A stand-in for triton.runtime.driver (its `active` driver), to patch in as
+    launcher.driver."""
+    active = _StandInDriver()
+
+
 @pytest.fixture
 def stand_in(monkeypatch):
     """(a real JITFunction of _kernel whose JIT path records the call and returns a
-    _Compiled, the list of launches recorded), on a CPU machine whose triton driver
-    says device 0, stream 7, with the launch cache empty."""
+    _Compiled, the list of launches recorded), with StandInDrivers as triton's driver
+    and the launch cache empty."""
     from triton.runtime.jit import JITFunction
 
     launches = []
@@ -161,17 +178,7 @@ def stand_in(monkeypatch):
         launches.append(("jit", grid, args))
         return _Compiled(launches)
     monkeypatch.setattr(kernel, "run", run)
-
-    class Driver:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device):
-            return 7
-
-    class Drivers:
-        active = Driver()
-    monkeypatch.setattr(launcher, "driver", Drivers)
+    monkeypatch.setattr(launcher, "driver", StandInDrivers)
     monkeypatch.setattr(launcher, "_compiled", {})
     return kernel, launches
 

@@ -5,7 +5,8 @@ argument, builds a cache key from their type strings (a Gluon tensor descriptor'
 includes its layout's repr) and looks the compiled kernel up, on every call: on a CPU
 core with the driver's launch stubbed, 55.7 us for the warp-specialized backward's main
 kernel and 27.5 for its delta kernel (triton 3.6), against ~1 us for the compiled
-kernel's own launch and 2-5 us for this module's key. On the H200's host the backward's
+kernel's own launch and 2.9-6.0 us for this module's checks and key
+(docs/runs/one_off/launcher_key_cost_cpu_6bac151.txt). On the H200's host the backward's
 launcher took 186-198 us a call this way against 241-254 through the JIT path
 (docs/performance.md, "The launch cache").
 

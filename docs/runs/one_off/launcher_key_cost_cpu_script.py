@@ -9,23 +9,10 @@ import timeit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
-from tests.test_launcher import _launches  # noqa: E402
+from tests.test_launcher import StandInDrivers, _launches  # noqa: E402
 from vitattn_bwd import launcher  # noqa: E402
 
-
-class _Driver:
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device):
-        return 0
-
-
-class _Drivers:
-    active = _Driver()
-
-
-launcher.driver = _Drivers
+launcher.driver = StandInDrivers
 for kernel, args, kwargs in _launches():
     key = launcher._cache_key(kernel, args, kwargs)
     table = {key: None}
