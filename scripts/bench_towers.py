@@ -32,9 +32,17 @@ compiled steps of 19-25 s per 12-layer model, docs/runs/towers/):
                  (dynamo, AOTAutograd, Inductor's lowering and autotuning, kernel
                  compiles, module loads; all graphs of the process) (~5 min)
   host           the host time of one block's eager fwd+bwd (VisionAttentionBlock against
-                 the stock block, and under autocast at precision "medium" too), batch 1 8
-                 32, autocast and float32 "high" (~4 min; keep max-autotune: a Gluon
-                 choice launches through an operator, a Triton template does not)
+                 the stock ops of the same parameters, against the attention half of a
+                 Hugging Face CLIPEncoderLayer, and under autocast at precision "medium"
+                 too), batch 1 8 32, autocast and float32 "high" (~4 min; keep
+                 max-autotune: a Gluon choice launches through an operator, a Triton
+                 template does not)
+  halves         the attention half's GPU time per layer: HF CLIP (--layers) at each
+                 --settings, batch 32: stock, swapped and the tower without its attention
+                 halves (each layer x + mlp(layer_norm2(x))), eager and compiled; a
+                 half's time is (GPU-busy of the tower - GPU-busy of the tower without
+                 them) / layers, and the same of the step times (~4 min at 12 layers,
+                 one setting)
 
 Per model the tables give the median ms of a training step (forward, backward of a fixed
 random gradient of the output into every parameter, zero_grad; inputs at fixed
@@ -53,6 +61,7 @@ import argparse
 import contextlib
 import copy
 import functools
+import inspect
 import json
 import logging
 import os
@@ -74,7 +83,8 @@ from profile_host import host_us  # noqa: E402
 from vitattn_bwd import VisionAttentionBlock, reference, routing  # noqa: E402
 from vitattn_bwd.integrations import swap_attention  # noqa: E402
 
-SUITES = ("autocast", "float32", "integrations", "deterministic", "restart", "host")
+SUITES = ("autocast", "float32", "integrations", "deterministic", "restart", "host",
+          "halves")
 DETERMINISTIC_CUBLAS = ":4096:8"
 
 
@@ -122,6 +132,49 @@ def tower_output(result):
 
 def is_hf(model):
     return hasattr(getattr(model, "_orig_mod", model), "config")
+
+
+class MlpHalfOnly(torch.nn.Module):
+    """A Hugging Face CLIP-style encoder layer without its attention half:
+    x + mlp(layer_norm2(x)), returned as the layer returns its output (a tensor in
+    transformers 5, a one-tuple in 4.x, whose layers take output_attentions)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer_norm2, self.mlp = layer.layer_norm2, layer.mlp
+        self.returns_tuple = "output_attentions" in inspect.signature(
+            type(layer).forward).parameters
+
+    def forward(self, hidden_states, *args, **kwargs):
+        out = hidden_states + self.mlp(self.layer_norm2(hidden_states))
+        return (out,) if self.returns_tuple else out
+
+
+def encoder_layers(tower):
+    """An HF CLIP vision tower's encoder layers (under `vision_model` before
+    transformers 5.2x, at the top since)."""
+    return getattr(tower, "vision_model", tower).encoder.layers
+
+
+def without_attention(tower):
+    """A copy of an HF CLIP tower whose every encoder layer is MlpHalfOnly."""
+    tower = copy.deepcopy(tower)
+    layers = encoder_layers(tower)
+    for index, layer in enumerate(layers):
+        layers[index] = MlpHalfOnly(layer)
+    return tower
+
+
+class HFAttentionHalf(torch.nn.Module):
+    """The attention half of a Hugging Face CLIPEncoderLayer as the stock layer runs it:
+    x + self_attn(layer_norm1(x)) (separate q, k, v projections, SDPA)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer_norm1, self.self_attn = layer.layer_norm1, layer.self_attn
+
+    def forward(self, x):
+        return x + self.self_attn(self.layer_norm1(x))[0]
 
 
 # ------------------------------------------------------------------------ measuring
@@ -540,12 +593,14 @@ def suite_host(args, device, record):
     cuda = device == "cuda"
     seq_len, embed_dim, heads = (577, 1024, 16) if cuda else (65, 128, 4)
     torch.set_float32_matmul_precision("high")
+    hf_layer = encoder_layers(hf_tower(device, 1))[0]         # E, heads as above
     for setting in ("autocast", "float32 high"):
         amp = autocast_region(device, setting == "autocast")
         for batch in args.batch_sizes or ([1, 8, 32] if cuda else [1, 2]):
             torch.manual_seed(0)
             block = VisionAttentionBlock(embed_dim, heads).to(device)
-            blocks = {"stock": reference.ReferenceBlock(block), "swapped": block}
+            blocks = {"stock": reference.ReferenceBlock(block), "swapped": block,
+                      "hf stock": HFAttentionHalf(hf_layer)}
             if setting == "autocast":            # our one-product path, as "medium" runs it
                 medium = VisionAttentionBlock(embed_dim, heads, precision="medium")
                 medium.load_state_dict(block.state_dict())
@@ -561,16 +616,48 @@ def suite_host(args, device, record):
                 host[name] = statistics.median(host_time_us(step, args.repeats * 5, cuda)
                                                for _ in range(args.rounds))
             result = {"setting": setting, "batch": batch, "host_us": host,
-                      "stock_over_swapped": host["stock"] / host["swapped"]}
+                      "stock_over_swapped": host["stock"] / host["swapped"],
+                      "hf_stock_over_swapped": host["hf stock"] / host["swapped"]}
             if "swapped medium" in host:
                 result["stock_over_medium"] = host["stock"] / host["swapped medium"]
             record.add(result)
             print(f"{setting}, batch {batch}: host us {host}", flush=True)
 
 
+def suite_halves(args, device, record):
+    """Per setting: stock, swapped and the tower without attention halves, eager and
+    compiled, at one batch; each tower's attention half per layer against the tower
+    without them in the same mode."""
+    tower = hf_tower(device, args.layers)
+    batch = (args.batch_sizes or [32 if device == "cuda" else 2])[0]
+    for setting in args.settings:
+        if setting != "autocast":
+            torch.set_float32_matmul_precision(setting.split()[-1])
+        models = tower_models(tower)
+        bare = without_attention(tower)
+        models["without attention"] = bare
+        models["compiled without attention"] = torch.compile(bare, dynamic=False)
+        pixels = pixels_for(tower, batch, device)
+        rows = measure(models, pixels, autocast_region(device, setting == "autocast"),
+                       device, args.rounds, args.repeats, explain=False)
+        halves = {}
+        for name in ("stock", "swapped", "compiled stock", "compiled swapped"):
+            without = ("compiled " if name.startswith("compiled") else "") \
+                + "without attention"
+            halves[name] = {
+                "without": without,
+                "per_layer_ms": (rows[name]["gpu_busy_ms"]
+                                 - rows[without]["gpu_busy_ms"]) / args.layers,
+                "per_layer_step_ms": (rows[name]["median_ms"]
+                                      - rows[without]["median_ms"]) / args.layers}
+        record.add({"setting": setting, "batch": batch, "layers": args.layers,
+                    "rows": rows, "attention_half_ms": halves})
+        print_rows(f"{setting}, batch {batch}", rows)
+
+
 SUITE_FUNCTIONS = {"autocast": suite_autocast, "float32": suite_float32,
                    "integrations": suite_integrations, "deterministic": suite_deterministic,
-                   "restart": suite_restart, "host": suite_host}
+                   "restart": suite_restart, "host": suite_host, "halves": suite_halves}
 
 
 # ------------------------------------------------------------------------- tables
@@ -657,13 +744,27 @@ def summary(suite, results):
                              + " |")
     elif suite == "host":
         lines += ["| setting | batch | stock host us | swapped host us | stock / swapped | "
-                  "swapped medium host us | stock / medium |", "|---|---|---|---|---|---|---|"]
+                  "HF stock half host us | HF stock / swapped | swapped medium host us | "
+                  "stock / medium |", "|---|---|---|---|---|---|---|---|---|"]
         for r in results:
             medium = r["host_us"].get("swapped medium")
             lines.append(f"| {r['setting']} | {r['batch']} | {r['host_us']['stock']:.0f} | "
                          f"{r['host_us']['swapped']:.0f} | {r['stock_over_swapped']:.2f}x | "
+                         f"{r['host_us']['hf stock']:.0f} | "
+                         f"{r['hf_stock_over_swapped']:.2f}x | "
                          f"{cell(medium, '{:.0f}')} | "
                          f"{cell(r.get('stock_over_medium'), '{:.2f}x')} |")
+    elif suite == "halves":
+        lines += ["| setting | batch | model | GPU-busy ms | without attention | "
+                  "attention half per layer, GPU-busy ms | by step time ms |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in results:
+            for name, half in r["attention_half_ms"].items():
+                lines.append(f"| {r['setting']} | {r['batch']} | {name} | "
+                             f"{cell(r['rows'][name]['gpu_busy_ms'])} | "
+                             f"{cell(r['rows'][half['without']]['gpu_busy_ms'])} | "
+                             f"{cell(half['per_layer_ms'], '{:.3f}')} | "
+                             f"{cell(half['per_layer_step_ms'], '{:.3f}')} |")
     return "\n".join(lines)
 
 
@@ -709,8 +810,8 @@ def main(argv=None):
                         choices=("highest", "high"), help="default: %(default)s "
                         "(integrations: the first only)")
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
-                        help="deterministic and restart suites: the settings to run "
-                        "(default: both)")
+                        help="deterministic, restart and halves suites: the settings to "
+                        "run (default: both)")
     parser.add_argument("--compiled", action="store_true", help="deterministic suite: "
                         "torch.compile(stock) and torch.compile(swapped) too (+~3 min)")
     parser.add_argument("--rounds", type=int, default=3, help="default: %(default)s")

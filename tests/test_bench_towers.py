@@ -77,3 +77,33 @@ def test_host_suite_times_both_blocks(tmp_path):
         assert r["host_us"]["stock"] > 0 and r["host_us"]["swapped"] > 0
         assert r["stock_over_swapped"] == pytest.approx(
             r["host_us"]["stock"] / r["host_us"]["swapped"])
+
+
+def test_host_suite_times_the_hf_attention_half_too(tmp_path):
+    record, stdout = run_suite(tmp_path, "host", "--batch-sizes", "1")
+    for r in record["results"]:
+        assert r["host_us"]["hf stock"] > 0
+        assert r["hf_stock_over_swapped"] == pytest.approx(
+            r["host_us"]["hf stock"] / r["host_us"]["swapped"])
+    assert stdout.strip().splitlines()[-1].startswith("| float32 high | 1 |")
+
+
+def test_halves_suite_takes_each_attention_half_against_the_tower_without_them(tmp_path):
+    record, stdout = run_suite(tmp_path, "halves", "--settings", "float32 high",
+                               "--batch-sizes", "2")
+    (result,) = record["results"]
+    rows = result["rows"]
+    assert set(rows) == {"stock", "swapped", "compiled stock", "compiled swapped",
+                         "without attention", "compiled without attention"}
+    for row in rows.values():
+        check_row(row)
+    # the tower without attention halves is faster than either tower with them
+    for name in ("stock", "swapped"):
+        assert rows["without attention"]["median_ms"] < rows[name]["median_ms"]
+    for name, half in result["attention_half_ms"].items():
+        assert half["without"] == ("compiled " if name.startswith("compiled") else "") \
+            + "without attention"
+        assert half["per_layer_step_ms"] == pytest.approx(
+            (rows[name]["median_ms"] - rows[half["without"]]["median_ms"])
+            / result["layers"])
+    assert stdout.strip().splitlines()[-1].startswith("| float32 high | 2 | compiled swapped |")
