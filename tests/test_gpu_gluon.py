@@ -1,6 +1,7 @@
-"""On a Hopper GPU: the Gluon attention-core kernels (gluon_core.py) against the float64
-math, P given and recomputed from its log-sum-exp, at every tile config max-autotune
-may pick, at odd lengths; every output element written; bitwise repeatable; the
+"""On a Hopper GPU: the Gluon attention-core kernels (gluon_core.py, and the
+warp-specialized cols pass of attention_bwd_ws.py) against the float64 math, P given
+and recomputed from its log-sum-exp, at every tile config max-autotune may pick, at
+odd lengths; every output element written; bitwise repeatable; the
 operators the compiled graph calls when a Gluon kernel wins; and the head dims the kernels
 run in zero-padded tiles (SigLIP so400m's 72, ViT-H's 80, ViT-bigG's 104, ...)."""
 import math
@@ -8,7 +9,7 @@ import math
 import pytest
 import torch
 
-from vitattn_bwd import attention_core, gluon_core, launcher
+from vitattn_bwd import attention_bwd_ws, attention_core, gluon_core, launcher
 from vitattn_bwd.attention_fwd import attention_fwd_half
 from vitattn_bwd.layout import merge_heads, split_heads
 from vitattn_bwd.precision import split_bf16_rounded, split_fp16
@@ -191,6 +192,32 @@ def test_fp16_halves_kernels_are_float32_grade(recompute, tiles, B, H, S):
     grad_p = split_heads(grad_attn, H) @ v.transpose(-1, -2)
     want_delta = (p * grad_p).sum(-1)
     assert ((delta.double() - want_delta).norm() / want_delta.norm()).item() < 4e-6
+
+
+@pytest.mark.parametrize("tiles", attention_bwd_ws.COLS_WS_TILES, ids=lambda t: str(tuple(t)))
+@pytest.mark.parametrize("B,H,S", [(2, 16, 577), (1, 2, 1), (3, 1, 100), (1, 3, 64),
+                                   (1, 2, 129)])
+def test_warp_specialized_cols_pass_matches_float64(tiles, B, H, S):
+    """attention_bwd_ws.launch_cols_ws (P given, bf16x3) in place of the two-pass cols
+    kernel, with the rows pass's delta: every output written and within bf16x3's error
+    of the float64 math, as the two-pass kernels' (its TMA tiles read past each head's
+    last row, whose P^T columns it zeroes); bitwise the same on a second call."""
+    case = _case(B, H, S, recompute=False, seed=S)
+    probs, grad_attn, q, k, v, _, scale = case
+    outputs = list(_run(*case, gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0]))
+    grad_attn_hi, grad_attn_lo, q_hi, q_lo, _, _, v_hi, v_lo = _halves(grad_attn, q, k, v)
+    delta = outputs[2]
+    runs = []
+    for _ in range(2):
+        grad_kv16, grad_kv_halves, grad_kv_sums = (
+            t.fill_(float("nan")) for t in gluon_core.cols_outputs(q_hi, 3))
+        attention_bwd_ws.launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi,
+                                        v_lo, delta, grad_kv_halves, grad_kv_sums,
+                                        grad_kv16, scale, tiles)
+        runs.append((grad_kv16, grad_kv_halves, grad_kv_sums))
+    outputs[4:] = runs[0]
+    _assert_matches_float64(case, outputs)
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_gluon_kernels_are_bitwise_repeatable():

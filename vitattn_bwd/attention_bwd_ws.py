@@ -340,3 +340,124 @@ def compile_failure():
         "the warp-specialized attention backward's kernels for sm_90",
         "the stock ops keep SDPA's own attention backward (under "
         "torch.use_deterministic_algorithms(True), its deterministic one)")
+
+
+# ---- the warp-specialized cols pass (kernels/attention_cols_ws.py) -------------------
+# dK and dV with P given, three products per matmul: the two-pass cols kernel's math and
+# outputs (gluon_core.launch_cols with bf16 halves), its operand tiles fed by a producer
+# warp. Compiled for sm_90 on the CPU (tests/test_attention_cols_ws.py); not yet run on
+# a GPU, and not an autotune choice: scripts/time_core_cols_ws.py checks and times it
+# against the two-pass cols kernels on the H200.
+
+class ColsWsTiles(NamedTuple):
+    """One launch of the warp-specialized cols pass: block_m queries per tile of the
+    walk, block_n keys per program (one consumer warpgroup per 64 keys: num_warps =
+    block_n // 16), num_stages ring slots of q and dO tiles, the registers per thread the
+    launch asks for (maxnreg: 384 threads with the producer warp's padding, so at most
+    170) and those the producer keeps (setmaxnreg; the consumers get the rest)."""
+    block_m: int
+    block_n: int = 128
+    num_stages: int = 3
+    maxnreg: int = 168
+    worker_registers: int = 40
+
+    @property
+    def num_warps(self):
+        return self.block_n // 16
+
+
+# Compiled for sm_90 with the installed triton: no spills, 24 HGMMAs and three waits in
+# the walk, none serialized; 84-133 KB of shared memory (v's halves 32 KB, a ring slot 16
+# KB). 64-query tiles spilled 340 bytes, 100 of them in the walk (the consumers' 240
+# registers do not hold two [128,64] accumulators, the P^T tile and the one loaded
+# ahead, their halves and dP^T).
+COLS_WS_TILES = (ColsWsTiles(32), ColsWsTiles(32, num_stages=4),
+                 ColsWsTiles(32, num_stages=6))
+
+
+def _check_cols_ws(probs, grad_attn_hi, parts):
+    batch, heads, seq_len, head_dim = parts[0].shape
+    if probs.shape != (batch, heads, seq_len, seq_len) or probs.dtype != torch.float32:
+        raise ValueError(f"probs must be P, float32 [B,H,S,S] = "
+                         f"{[batch, heads, seq_len, seq_len]}, got {probs.dtype} "
+                         f"{list(probs.shape)}")
+    if head_dim != HEAD_DIM:
+        raise ValueError(f"head_dim must be {HEAD_DIM}, got {head_dim}")
+    dtypes = {t.dtype for t in (grad_attn_hi, *parts)}
+    if dtypes != {torch.bfloat16}:
+        raise ValueError(f"grad_attn, q and v must be given as bf16 halves, got "
+                         f"{sorted(map(str, dtypes))}")
+    if len({t.stride() for t in parts}) != 1:
+        raise ValueError(f"q and v (hi and lo) must share strides, got "
+                         f"{[t.stride() for t in parts]}")
+
+
+def launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta,
+                   grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, prefetch=2):
+    """gluon_core.launch_cols's outputs with P given and bf16 halves (grad_kv16,
+    grad_kv_halves, grad_kv_sums, filled), from the warp-specialized kernel at `tiles`
+    (ColsWsTiles). probs: P [B,H,S,S] float32; q, v halves [B,H,S,D] bf16, contiguous or
+    head views of a QKV projection, one set of strides; grad_attn halves [B,S,E]
+    contiguous; delta [B,H,S] float32 (the rows pass's). prefetch: P tiles the L2 is
+    asked for ahead of the register loads."""
+    from .kernels.attention_cols_ws import attention_cols_ws_kernel
+    _check_cols_ws(probs, grad_attn_hi, (q_hi, q_lo, v_hi, v_lo))
+    heads_in_rows = _heads_in_rows(q_hi)
+    batch, heads, seq_len, head_dim = q_hi.shape
+    descriptors = (_descriptor(q_hi, heads_in_rows, tiles.block_m, head_dim),
+                   _descriptor(q_lo, heads_in_rows, tiles.block_m, head_dim),
+                   _descriptor(grad_attn_hi, False, tiles.block_m, head_dim),
+                   _descriptor(grad_attn_lo, False, tiles.block_m, head_dim),
+                   _descriptor(v_hi, heads_in_rows, tiles.block_n, head_dim),
+                   _descriptor(v_lo, heads_in_rows, tiles.block_n, head_dim))
+    grid = (-(-seq_len // tiles.block_n), batch * heads)
+    launcher.launch(attention_cols_ws_kernel, grid, probs, *descriptors, delta, grad_kv16,
+                    grad_kv_halves, grad_kv_sums, scale,
+                    **cols_ws_constexprs(heads, seq_len, head_dim, tiles, prefetch,
+                                         heads_in_rows),
+                    maxnreg=tiles.maxnreg)
+
+
+def cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta, scale, tiles,
+            prefetch=2):
+    """launch_cols_ws into new buffers -> (grad_kv16, grad_kv_halves, grad_kv_sums), as
+    gluon_core.gluon_softmax_bwd_cols returns them."""
+    from .gluon_core import cols_outputs
+    grad_kv16, grad_kv_halves, grad_kv_sums = cols_outputs(q_hi, 3, buffers.output_buffer)
+    launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta,
+                   grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, prefetch)
+    return grad_kv16, grad_kv_halves, grad_kv_sums
+
+
+def cols_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch, heads_in_rows):
+    from .attention_core import COLUMN_SUM_ROWS
+    return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
+                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
+                PREFETCH=prefetch, SUM_ROWS=COLUMN_SUM_ROWS, HEADS_IN_ROWS=heads_in_rows,
+                WORKER_REGISTERS=tiles.worker_registers, num_warps=tiles.num_warps)
+
+
+def compile_cols_ws_sm90(tiles, seq_len=577, num_heads=16, head_dim=HEAD_DIM,
+                         heads_in_rows=True, prefetch=2):
+    """The warp-specialized cols kernel compiled for sm_90 (triton's CompiledKernel), as
+    launch_cols_ws would run it, launching nothing."""
+    from .kernels.attention_cols_ws import attention_cols_ws_kernel
+    from .kernels.gluon_compat import compile_without_launch
+    kernel = attention_cols_ws_kernel
+    constexprs = cols_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch,
+                                    heads_in_rows)
+
+    def descriptor(rows):
+        layout = _shared_layout((rows, head_dim), _gl_dtype(torch.bfloat16))
+        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
+    signature = dict(PROBS="*fp32", q_hi_desc=descriptor(tiles.block_m),
+                     q_lo_desc=descriptor(tiles.block_m),
+                     grad_attn_hi_desc=descriptor(tiles.block_m),
+                     grad_attn_lo_desc=descriptor(tiles.block_m),
+                     v_hi_desc=descriptor(tiles.block_n), v_lo_desc=descriptor(tiles.block_n),
+                     DELTA="*fp32", GRAD_KV16="*fp16", GRAD_KV_HALVES="*bf16",
+                     GRAD_KV_SUMS="*fp32", scale="fp32")
+    signature.update({name: "constexpr" for name in constexprs})
+    signature = {name: signature[name] for name in kernel.arg_names}
+    return compile_without_launch(kernel, signature, constexprs, 90,
+                                  num_warps=tiles.num_warps, maxnreg=tiles.maxnreg)

@@ -283,7 +283,7 @@ def _rows_outputs(q_hi, products, empty=_new_empty):
             empty(q_hi, batch, sum_groups(seq_len), embed_dim, dtype=torch.float32))
 
 
-def _cols_outputs(q_hi, products, empty=_new_empty):
+def cols_outputs(q_hi, products, empty=_new_empty):
     """grad_kv16, grad_kv_halves, grad_kv_sums (see _rows_outputs)."""
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
@@ -329,7 +329,7 @@ def gluon_softmax_bwd_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, 
                            v_lo, delta, scale, block_m, block_n, num_warps, num_stages,
                            products, operand_scales=None):
     """The cols pass on pre-split operands -> grad_kv16, grad_kv_halves, grad_kv_sums."""
-    grad_kv16, grad_kv_halves, grad_kv_sums = _cols_outputs(q_hi, products,
+    grad_kv16, grad_kv_halves, grad_kv_sums = cols_outputs(q_hi, products,
                                                             buffers.output_buffer)
     launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
@@ -351,4 +351,4 @@ def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, att
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_cols", lib=_LIBRARY)
 def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta, scale,
       block_m, block_n, num_warps, num_stages, products, operand_scales=None):
-    return _cols_outputs(q_hi, products)
+    return cols_outputs(q_hi, products)

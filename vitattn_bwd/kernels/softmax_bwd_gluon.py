@@ -311,6 +311,42 @@ def store_column_sums(SUMS, value, batch, row_start, col, SEQ_LEN: gl.constexpr,
 
 
 @gluon.jit
+def cols_carried_values(BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+                        HEAD_TILE: gl.constexpr, dtype: gl.constexpr,
+                        acc_layout: gl.constexpr, a_layout: gl.constexpr):
+    """What a cols pass carries from one query tile to the next, as it starts: the dK
+    and dV accumulators [BN,D] (zero; they stay in flight from tile to tile) and the
+    register operands of the products still in flight from the previous tile (P^T hi,
+    lo, dS^T hi, lo [BN,BM]; zero before the first)."""
+    grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_TILE], gl.float32, layout=acc_layout))
+    grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_TILE], gl.float32, layout=acc_layout))
+    operand = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=a_layout)
+    return grad_k, grad_v, operand, operand, operand, operand
+
+
+@gluon.jit
+def store_cols_outputs(GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS, grad_k, grad_v, batch, head,
+                       n_start, SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, HALVES: gl.constexpr, SUM_ROWS: gl.constexpr,
+                       BLOCK_N: gl.constexpr, layout: gl.constexpr):
+    """A cols pass's dK and dV [BN, HEAD_TILE] of keys [n_start, +BN) of one (batch,
+    head), finished (scaled), into its outputs: GRAD_KV16 [B,S,2E] (dK | dV), their bf16
+    halves in GRAD_KV_HALVES [B,S,4E] where HALVES, and their sums over rows in
+    GRAD_KV_SUMS [B,G,2E] (store_gradient, store_column_sums)."""
+    EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
+    store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_k, batch, n_start, head * HEAD_DIM,
+                   SEQ_LEN, 2 * EMBED, 4 * EMBED * HALVES, 2 * EMBED, BLOCK_N, HEAD_DIM,
+                   layout)
+    store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_v, batch, n_start,
+                   EMBED + head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED * HALVES,
+                   2 * EMBED, BLOCK_N, HEAD_DIM, layout)
+    store_column_sums(GRAD_KV_SUMS, grad_k, batch, n_start, head * HEAD_DIM, SEQ_LEN,
+                      2 * EMBED, SUM_ROWS, BLOCK_N, HEAD_DIM, layout)
+    store_column_sums(GRAD_KV_SUMS, grad_v, batch, n_start, EMBED + head * HEAD_DIM,
+                      SEQ_LEN, 2 * EMBED, SUM_ROWS, BLOCK_N, HEAD_DIM, layout)
+
+
+@gluon.jit
 def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
                             V_HI, V_LO, SCALES, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
                             scale, SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
@@ -384,14 +420,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             prefetch_to_l2(probs_head, ahead * BLOCK_M, n_start, SEQ_LEN, BLOCK_M,
                            BLOCK_N, num_warps)
     zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
-    # the accumulators stay in flight from one tile to the next
-    grad_k = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_TILE], gl.float32, layout=acc_layout))
-    grad_v = warpgroup_mma_init(gl.zeros([BLOCK_N, HEAD_TILE], gl.float32, layout=acc_layout))
-    # register operands of the products still in flight from the previous tile
-    p_t_hi = gl.zeros([BLOCK_N, BLOCK_M], dtype, layout=a_layout)
-    p_t_lo = p_t_hi
-    grad_s_t_hi = p_t_hi
-    grad_s_t_lo = p_t_hi
+    grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = cols_carried_values(
+        BLOCK_N, BLOCK_M, HEAD_TILE, dtype, acc_layout, a_layout)
     for m_tile in range(NUM_TILES):
         slot = m_tile % NUM_STAGES
         m_start = m_tile * BLOCK_M
@@ -457,16 +487,9 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     grad_k = grad_k * (scale / (ds_s * grad_p_units * q_s))
     if SCALED:
         grad_v = grad_v * (1.0 / (P_FACTOR * do_s))
-    store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_k, batch, n_start, head * HEAD_DIM,
-                   SEQ_LEN, 2 * EMBED, 4 * EMBED * HALVES, 2 * EMBED, BLOCK_N, HEAD_DIM,
-                   acc_layout)
-    store_gradient(GRAD_KV16, GRAD_KV_HALVES, grad_v, batch, n_start,
-                   EMBED + head * HEAD_DIM, SEQ_LEN, 2 * EMBED, 4 * EMBED * HALVES,
-                   2 * EMBED, BLOCK_N, HEAD_DIM, acc_layout)
-    store_column_sums(GRAD_KV_SUMS, grad_k, batch, n_start, head * HEAD_DIM, SEQ_LEN,
-                      2 * EMBED, SUM_ROWS, BLOCK_N, HEAD_DIM, acc_layout)
-    store_column_sums(GRAD_KV_SUMS, grad_v, batch, n_start, EMBED + head * HEAD_DIM,
-                      SEQ_LEN, 2 * EMBED, SUM_ROWS, BLOCK_N, HEAD_DIM, acc_layout)
+    store_cols_outputs(GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS, grad_k, grad_v, batch, head,
+                       n_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, HALVES, SUM_ROWS, BLOCK_N,
+                       acc_layout)
 
 
 @gluon.jit

@@ -1,0 +1,83 @@
+"""The warp-specialized cols pass (attention_bwd_ws.launch_cols_ws,
+kernels/attention_cols_ws.py) compiled for the H100/H200 (sm_90) here on the CPU, with
+the installed triton and with the newest one (.ci/run): its products stay in flight
+between two waits a tile, the producer warp gives its registers to the consumers, and
+nothing spills. And its launcher's argument checks, which run before any device work.
+Its values against float64 are tests/test_gpu_gluon.py's (GPU)."""
+
+import pytest
+import torch
+
+from vitattn_bwd import attention_bwd_ws
+
+from .helpers import H200_SHARED_MEMORY, sm90_compile_report, triton_environments
+
+# registers of an SM (and of one thread block) on the H100 / H200
+SM_REGISTERS = 65536
+
+
+@pytest.fixture(scope="module", params=list(triton_environments()))
+def resources(request):
+    """[(tiles, heads_in_rows, resources)] from scripts/time_core_cols_ws.py --sm90."""
+    report = sm90_compile_report(["scripts/time_core_cols_ws.py", "--sm90"],
+                                 triton_environments()[request.param], timeout=900)
+    return [(attention_bwd_ws.ColsWsTiles(*tiles), heads_in_rows, r)
+            for tiles, heads_in_rows, r in report]
+
+
+def test_every_configuration_is_compiled_for_both_layouts(resources):
+    assert {(tiles, heads_in_rows) for tiles, heads_in_rows, _ in resources} == {
+        (tiles, heads_in_rows) for tiles in attention_bwd_ws.COLS_WS_TILES
+        for heads_in_rows in (True, False)}
+
+
+def test_products_are_asynchronous(resources):
+    """Three matmuls of three products per query tile (dP^T over head dim 64: 12
+    HGMMAs of k = 16 a warpgroup; dV and dK over 32 queries: 6 each), in flight between
+    three waits in the whole kernel (two a tile, one after the walk), and ptxas did not
+    serialize them (its C75xx notes: with the slot's release branched on rather than
+    predicated, triton 3.9's ptxas put a wait after every HGMMA)."""
+    for tiles, heads_in_rows, r in resources:
+        assert r["hgmma"] >= 24 and r["waits"] <= 3, (tiles, heads_in_rows, r)
+        assert r["serialized"] == [], (tiles, heads_in_rows, r)
+
+
+def test_registers_move_from_the_producer_to_the_consumers(resources):
+    for tiles, heads_in_rows, r in resources:
+        assert tiles.worker_registers in r["setmaxnreg"], (tiles, r)
+        assert max(r["setmaxnreg"]) >= 232, (tiles, r)
+
+
+def test_configurations_fit_one_program_per_sm_without_spills(resources):
+    for tiles, heads_in_rows, r in resources:
+        assert tiles.maxnreg * r["threads"] <= SM_REGISTERS, (tiles, r)
+        assert r["shared_bytes"] <= H200_SHARED_MEMORY, (tiles, r)
+        assert r["spill_stores"] == 0 and r["walk_spills"] == 0, (tiles, heads_in_rows, r)
+
+
+def _inputs(batch=1, heads=2, seq_len=5, head_dim=64, dtype=torch.bfloat16):
+    def halves(*shape):
+        return torch.randn(*shape).to(dtype), torch.randn(*shape).to(dtype)
+    grad_attn_hi, grad_attn_lo = halves(batch, seq_len, heads * head_dim)
+    q_hi, q_lo = halves(batch, heads, seq_len, head_dim)
+    v_hi, v_lo = halves(batch, heads, seq_len, head_dim)
+    return dict(probs=torch.rand(batch, heads, seq_len, seq_len), grad_attn_hi=grad_attn_hi,
+                grad_attn_lo=grad_attn_lo, q_hi=q_hi, q_lo=q_lo, v_hi=v_hi, v_lo=v_lo,
+                delta=torch.zeros(batch, heads, seq_len), scale=0.125,
+                tiles=attention_bwd_ws.COLS_WS_TILES[0])
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda i: dict(i, probs=torch.rand(1, 2, 5)), r"probs must be P, float32 \[B,H,S,S\]"),
+    (lambda i: dict(i, probs=i["probs"].double()), r"probs must be P, float32"),
+    (lambda i: _inputs(head_dim=128), "head_dim must be 64, got 128"),
+    (lambda i: _inputs(dtype=torch.float16), "grad_attn, q and v must be given as bf16 halves"),
+    (lambda i: dict(i, v_lo=i["v_lo"].float()), "grad_attn, q and v must be given as bf16"),
+    (lambda i: dict(i, v_lo=i["v_lo"].transpose(-1, -2).contiguous().transpose(-1, -2)),
+     r"q and v \(hi and lo\) must share strides"),
+])
+def test_bad_arguments_are_named(change, message):
+    inputs = change(_inputs())
+    outputs = dict(grad_kv_halves=None, grad_kv_sums=None, grad_kv16=None)
+    with pytest.raises(ValueError, match=message):
+        attention_bwd_ws.launch_cols_ws(**inputs, **outputs)
