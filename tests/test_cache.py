@@ -160,6 +160,30 @@ def test_import_with_a_bad_cache_variable_changes_nothing_and_the_first_load_rai
     assert out["inductor_dir"] != str(bad)
 
 
+BAD_CACHE_AT_THE_FORWARD = """
+import json, torch
+from vitattn_bwd import VisionAttentionBlock
+block = VisionAttentionBlock(16, 2)
+x = torch.randn(2, 5, 16, requires_grad=True)
+try:
+    y = block(x)
+    print(json.dumps({"forward": "ran"}))
+except RuntimeError as error:
+    print(json.dumps({"forward": str(error)}))
+"""
+
+
+def test_a_bad_cache_variable_is_refused_in_the_first_forward(tmp_path):
+    """On the CPU the forward compiles nothing: the first compile is the backward's, yet
+    a bad VITATTN_BWD_CACHE is refused in the forward (nothing left for the backward)."""
+    run = subprocess.run([sys.executable, "-c", BAD_CACHE_AT_THE_FORWARD],
+                         capture_output=True, text=True,
+                         env=_env(VITATTN_BWD_CACHE=str(tmp_path)), timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert f"{tmp_path} is not a vitattn_bwd compile cache" in out["forward"], out
+
+
 LOAD_GOOD_CACHE = """
 import json, os, vitattn_bwd
 from vitattn_bwd import cache

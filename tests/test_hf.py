@@ -383,6 +383,51 @@ def test_attention_settings_changed_after_the_swap_are_refused_at_the_call():
         ours(pixel_values=pixels)
 
 
+def _encoder_layers(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("CLIPEncoderLayer")]
+
+
+class _LoraLinear(nn.Linear):
+    """An nn.Linear whose forward adds a term (loralib's adapters are such subclasses)."""
+
+    def forward(self, x):
+        return super().forward(x) + 1.0
+
+
+class _AdapterWrapper(nn.Module):
+    """A wrapper that exposes its Linear's weight and bias and adds to its output (as a
+    PEFT-style wrapper does)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.base, self.weight, self.bias = linear, linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+    def forward(self, x):
+        return 2 * self.base(x)
+
+
+def test_projections_with_forwards_of_their_own_are_refused():
+    """The fused block reads the q / k / v / out projections' weights and biases and
+    never calls their forwards: a projection whose forward is not nn.Linear's (an
+    adapter) is refused at the swap, naming it, and so is one put in its place after
+    the swap, at the next call, rather than silently left out."""
+    stock = _clip()
+    _encoder_layers(stock)[1].self_attn.v_proj.__class__ = _LoraLinear
+    with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn\.v_proj is "
+                                         r"_LoraLinear, whose forward is not Linear's"):
+        swap_attention(stock)
+    assert not swapped_layers(stock)
+    _, ours = _pair()
+    pixels, _ = _inputs()
+    attn = _encoder_layers(ours)[0].self_attn
+    attn.k_proj = _AdapterWrapper(attn.k_proj)
+    with pytest.raises(ValueError, match=r"encoder\.layers\.0 \(VitAttnCLIPEncoderLayer, "
+                                         r"vitattn_bwd fused attention\): self_attn\.k_proj "
+                                         r"is _AdapterWrapper"):
+        ours(pixel_values=pixels)
+
+
 def test_attention_mask_is_refused():
     """... naming the layer by its path in the model (the swap records it, as the timm
     and OpenCLIP swaps do: integrations._common)."""

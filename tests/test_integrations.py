@@ -622,6 +622,22 @@ class RmsNormStandIn(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
+class LoraLinear(nn.Linear):
+    """A loralib-style adapter: an nn.Linear whose forward adds a low-rank term."""
+
+    def __init__(self, linear, rank=2):
+        super().__init__(linear.in_features, linear.out_features,
+                         bias=linear.bias is not None, dtype=linear.weight.dtype)
+        self.load_state_dict(linear.state_dict())
+        self.lora_a = nn.Parameter(torch.randn(rank, linear.in_features,
+                                               dtype=linear.weight.dtype))
+        self.lora_b = nn.Parameter(torch.randn(linear.out_features, rank,
+                                               dtype=linear.weight.dtype))
+
+    def forward(self, x):
+        return super().forward(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
 class TimmStyleAttentionOverridden(TimmStyleAttention):
     def forward(self, x, attn_mask=None, is_causal=False):
         return super().forward(x) * 2
@@ -658,6 +674,32 @@ def test_timm_refusals_at_the_swap(changes, message):
     with pytest.raises(ValueError, match=message):
         swap_attention(model, vision_only=False)
     assert not swapped_layers(model)
+
+
+def test_projections_with_forwards_of_their_own_are_refused():
+    """The fused block reads a projection's weight and bias and never calls its forward:
+    a Linear subclass that adds to it (an adapter) is refused at the swap, and one put
+    in place after the swap at the call, rather than silently left out. A subclass
+    that keeps nn.Linear's forward (nn.MultiheadAttention's out_proj class) swaps."""
+    model = _make(TimmStyleVisionTransformer)
+    model.blocks[1].attn.proj = LoraLinear(model.blocks[1].attn.proj)
+    with pytest.raises(ValueError, match=r"^blocks.1: attn.proj is LoraLinear, whose forward "
+                                         r"is not Linear's: the fused block reads"):
+        swap_attention(model)
+    assert not swapped_layers(model)
+    stock, ours = _pair(TimmStyleVisionTransformer)
+    ours.blocks[0].attn.qkv = LoraLinear(ours.blocks[0].attn.qkv)
+    with pytest.raises(ValueError, match=r"^blocks.0 \(VitAttnTimmStyleBlock, vitattn_bwd "
+                                         r"fused attention\): attn.qkv is LoraLinear"):
+        ours(_inputs()[0])
+    model = _make(OpenCLIPStyleVisionTransformer)
+    model.transformer.resblocks[0].attn.out_proj = LoraLinear(
+        model.transformer.resblocks[0].attn.out_proj)
+    with pytest.raises(ValueError, match=r"attn.out_proj is LoraLinear, whose forward"):
+        swap_attention(model)
+    assert isinstance(_make(OpenCLIPStyleVisionTransformer).transformer.resblocks[0].attn
+                      .out_proj, nn.modules.linear.NonDynamicallyQuantizableLinear)
+    assert swapped_layers(swap_attention(_make(OpenCLIPStyleVisionTransformer)))
 
 
 def test_timm_hooked_layers_are_refused_and_nothing_is_swapped_half_way():

@@ -141,6 +141,34 @@ def test_block_inside_torch_compile():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_block_inside_torch_compile_with_dynamic_shapes_in_one_graph():
+    """torch.compile(dynamic=True, fullgraph=True): the block's eps is then a symbolic
+    float, which the checks compare rather than pass to math.isfinite (dynamo cannot
+    trace it there); each batch size runs in the one graph, as the eager block."""
+    model = _tower(torch.float32)
+    compiled = torch.compile(model, dynamic=True, fullgraph=True)
+    for batch in (2, 3, 5):
+        x = torch.randn(batch, 9, 16)
+        eager = _grads(model, x, torch.ones(batch, 9, 16))
+        for a, b in zip(_grads(compiled, x, torch.ones(batch, 9, 16)), eager):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_leaves_the_callers_tensors_static():
+    """The compiled backward marks its inputs' batch dimension dynamic: its own alias of
+    each, never the caller's x (saved as it is) or the gradient given to backward, whose
+    batch would then be dynamic in the caller's own torch.compile graphs too."""
+    model = VisionAttentionBlock(16, 2)
+    x = torch.randn(2, 9, 16, requires_grad=True)
+    grad = torch.randn(2, 9, 16)
+    model(x).backward(grad)
+    for t in (x, grad):
+        assert not getattr(t, "_dynamo_dynamic_indices", set())
+    # a caller's fullgraph compile specializing on that batch still compiles
+    double_if_two = torch.compile(lambda t: t * 2 if t.shape[0] == 2 else t, fullgraph=True)
+    torch.testing.assert_close(double_if_two(x.detach()), 2 * x.detach())
+
+
 def _source_state_dict(key_map, prefix, E=16):
     g = torch.Generator().manual_seed(3)
     state = {"unrelated.weight": torch.zeros(1)}

@@ -8,8 +8,13 @@ so `load_compile_cache` refuses a directory whose fingerprint differs.
 
     vitattn_bwd.load_compile_cache("/path/to/cache")   # or VITATTN_BWD_CACHE=/path/...
 
-VITATTN_BWD_CACHE is read at the first compile (graph.compile_graph calls
-load_env_cache_once), not at import: importing the package changes nothing.
+VITATTN_BWD_CACHE is read at the fused path's first forward (forward_graph calls
+load_env_cache_once, as graph.compile_graph does before any compile), not at import:
+importing the package changes nothing, and a bad cache is refused in the forward, not
+later in the backward. Loading a cache, by either way, is process-wide by nature: it
+sets TORCHINDUCTOR_CACHE_DIR for the process (the user's other compiles use the
+directory too) and unsets TRITON_CACHE_DIR, so that Triton's binaries come from the
+cache's own triton folder, as Inductor derives it.
 """
 import ast
 import functools
@@ -134,8 +139,9 @@ def fingerprint():
 
 
 def use_cache_dir(path):
-    """Point Inductor at `path` (created if needed) for this process. Call it before the
-    first compile."""
+    """Point Inductor at `path` (created if needed) for this process: sets
+    TORCHINDUCTOR_CACHE_DIR and unsets TRITON_CACHE_DIR (Inductor then keeps Triton's
+    binaries under `path`). Call it before the first compile."""
     path = pathlib.Path(path).resolve()
     path.mkdir(parents=True, exist_ok=True)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(path)
@@ -169,8 +175,9 @@ _env_done = False
 
 
 def load_env_cache_once():
-    """Load the cache that VITATTN_BWD_CACHE names, once per process, at the first compile
-    (graph.compile_graph calls this). Does nothing when the variable is unset. Raises the
+    """Load the cache that VITATTN_BWD_CACHE names, once per process, at the fused path's
+    first forward or compile (forward_graph.attention_block_forward and
+    graph.compile_graph call this). Does nothing when the variable is unset. Raises the
     RuntimeError of load_compile_cache for a bad cache, and again at every later call
     until a load succeeds. Thread-safe. Returns the cache directory, or None."""
     global _env_done

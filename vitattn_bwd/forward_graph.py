@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from . import graph
+from . import cache, graph
 from .attention_core import triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_split
 from .errors import out_of_memory_as_such
@@ -145,6 +145,7 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
     for validated tensors of one device and dtype. half_dtype: None for float32-grade
     math at `precision`, or bf16 / fp16 for one product per matmul in it
     (block_forward)."""
+    cache.load_env_cache_once()        # a bad VITATTN_BWD_CACHE raises here, not later
     tensors = dict(x=x, ln_weight=ln_weight, ln_bias=ln_bias, qkv_weight=qkv_weight,
                    qkv_bias=qkv_bias, out_weight=out_weight, out_bias=out_bias)
     B, S, E = x.shape

@@ -304,6 +304,9 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     def run(**tensors):
         for input_name in dynamic_inputs:
             if input_name in tensors:
+                # on a tensor of its own (the same storage): the caller's x or gradient
+                # marked would have its batch dynamic in the caller's graphs too
+                tensors[input_name] = tensors[input_name].detach()
                 torch._dynamo.mark_dynamic(tensors[input_name], 0)
         return compiled(**tensors)
     call = GraphedCall(run) if cuda_graph else run

@@ -71,7 +71,9 @@ def check_float(name, value, minimum=None):
         if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name} must be a float, got {type(value).__name__} {value!r}")
         value = float(value)
-    if not math.isfinite(value) or (minimum is not None and value < minimum):
+    # comparisons rather than math.isfinite, which dynamo cannot trace on the symbolic
+    # float a module's eps becomes under torch.compile(dynamic=True) (NaN fails both)
+    if not -math.inf < value < math.inf or (minimum is not None and value < minimum):
         bounds = "finite" if minimum is None else f"finite and >= {minimum}"
         raise ValueError(f"{name} must be {bounds}, got {value}")
     return value

@@ -115,6 +115,31 @@ def dropout_p(module):
     return float(getattr(module, "p", 0.0) or 0.0)
 
 
+def _not_stock_message(attr, module, stock):
+    return (f"{attr} is {type(module).__name__}, whose forward is not {stock.__name__}'s: "
+            "the fused block reads its weight and bias and never calls it, so what it adds "
+            "(a LoRA or other adapter, a quantized or instrumented layer) would be left out; "
+            "merge it into the weights, or keep this layer stock")
+
+
+def check_stock_forward(path, module, attr, stock):
+    """Refuse, at the swap, a submodule (`attr` of the layer at `path`) whose forward is
+    not `stock`'s (nn.Linear: the projections, where adapters go; the libraries' own
+    LayerNorm subclasses, OpenCLIP's casting ones, are LayerNorms that the fused block
+    computes as its own): subclasses that keep it pass."""
+    if type(module).forward is not stock.forward:
+        raise ValueError(f"{path}: {_not_stock_message(attr, module, stock)}")
+
+
+def refuse_replaced(layer, submodules):
+    """At a swapped layer's call: refuse a submodule replaced since the swap by one whose
+    forward is not the stock one; submodules: (attr, module, stock class) triples. A
+    type comparison per submodule (under torch.compile, a guard)."""
+    for attr, module, stock in submodules:
+        if type(module).forward is not stock.forward:
+            raise ValueError(f"{_who(layer)}: {_not_stock_message(attr, module, stock)}")
+
+
 def check_layer_norm(path, norm, attr, E):
     if not isinstance(norm, nn.LayerNorm):
         raise ValueError(f"{path}: {attr} is {type(norm).__name__}, not a LayerNorm (the "
@@ -127,6 +152,7 @@ def check_layer_norm(path, norm, attr, E):
 def check_linear(path, lin, attr, in_features, out_features, what=""):
     if not isinstance(lin, nn.Linear):
         raise ValueError(f"{path}: {attr} is {type(lin).__name__}, not an nn.Linear")
+    check_stock_forward(path, lin, attr, nn.Linear)
     if (lin.in_features, lin.out_features) != (in_features, out_features):
         raise ValueError(f"{path}: {attr} maps {lin.in_features} -> {lin.out_features}, "
                          f"not {in_features} -> {out_features}{what}")

@@ -31,8 +31,10 @@ Limits: no attention mask (vision towers pass none; a mask raises ValueError), n
 output_attentions (raises ValueError: the attention maps are never materialized for the
 caller), no attention dropout (a layer with attention dropout > 0 is refused at the swap,
 and a dropout or scale set after the swap at its next call),
-no double backward. A layer whose forward is overridden on the instance (accelerate's
-device_map hooks), or with forward or backward hooks on `layer_norm1`, `self_attn` or any
+no double backward, no projection whose forward is not nn.Linear's (an adapter: the
+fused block reads the projections' weights and biases only; refused at the swap, and at
+the call if put in place after it). A layer whose forward is overridden on the instance
+(accelerate's device_map hooks), or with forward or backward hooks on `layer_norm1`, `self_attn` or any
 module under them (whose forwards the fused block does not call), is refused at the swap;
 hooks on the layer itself work, and transformers 5's own output-capture hooks on
 `self_attn` are let through (they capture attention maps only, which are refused at the
@@ -104,6 +106,8 @@ def _check_layer(name, layer, kind):
     _common.check_not_hooked(name, layer, {conv["norm"]: norm, conv["attn"]: attn},
                              library_hook=_is_output_capture_hook)
     E = q.in_features
+    for attr, module, stock in _projections(attn, conv):
+        _common.check_stock_forward(name, module, attr, stock)
     if len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != E:
         raise ValueError(f"{name}: {conv['norm']} normalizes {norm.normalized_shape}, "
                          f"not the embed dim {E}")
@@ -195,9 +199,17 @@ def _no_attentions(layer):
         "to get them from the stock layers.")
 
 
+def _projections(attn, conv):
+    """(attr, module, nn.Linear) of the four projections whose parameters the fused
+    block reads in place of their forwards."""
+    return tuple((f"{conv['attn']}.{p}", getattr(attn, p), nn.Linear) for p in conv["proj"])
+
+
 def _attention_half(layer, hidden_states, conv, num_heads):
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
+    if any(type(lin).forward is not nn.Linear.forward for lin in (q, k, v, o)):
+        _common.refuse_replaced(layer, _projections(attn, conv))     # replaced since
     E = q.in_features
     refusal = _attention_refusal(attn, E // num_heads, layer.training)
     if refusal:                        # the layer's name is made only to refuse

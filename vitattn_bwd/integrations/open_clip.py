@@ -181,6 +181,7 @@ def _block_forward(self, q_x, k_x=None, v_x=None, attn_mask=None):
     if self.training:
         _check_training(self)
     attn, ls = self.attn, self.ls_1
+    _common.refuse_replaced(self, (("attn.out_proj", attn.out_proj, nn.Linear),))
     gamma = None if isinstance(ls, nn.Identity) else ls.gamma
     batch_first = getattr(attn, "batch_first", True)
     x = q_x if batch_first else q_x.transpose(0, 1).contiguous()

@@ -132,6 +132,8 @@ def _block_forward(self, x, attn_mask=None, is_causal=False):
     if self.training:
         _check_training(self)
     attn, ls = self.attn, self.ls1
+    _common.refuse_replaced(self, (("attn.qkv", attn.qkv, nn.Linear),
+                                   ("attn.proj", attn.proj, nn.Linear)))
     gamma = None if isinstance(ls, nn.Identity) else ls.gamma
     x = _common.fused_attention(x, self.norm1, attn.qkv.weight, attn.qkv.bias,
                                 attn.proj.weight, attn.proj.bias, self._vitattn_num_heads,
