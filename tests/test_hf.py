@@ -538,6 +538,19 @@ def test_swapped_float32_tower_compiles_in_one_graph(spy):
         assert err < 2e-5, (name, err)
 
 
+def test_swapped_tower_compiles_with_dynamic_shapes_in_one_graph():
+    """torch.compile(dynamic=True, fullgraph=True): the layers' eps, attention scale and
+    dropout are then symbolic floats, which the swapped forward's checks compare rather
+    than pass to math functions; each batch size gives the stock tower's output."""
+    stock, ours = _pair(dtype=torch.float32)
+    compiled = torch.compile(ours, dynamic=True, fullgraph=True)
+    for batch in (2, 3):
+        pixels, _ = _inputs(torch.float32, batch=batch)
+        torch.testing.assert_close(compiled(pixel_values=pixels).last_hidden_state,
+                                   stock(pixel_values=pixels).last_hidden_state,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_swapped_tower_under_autocast_compiles_the_stock_ops_in_one_graph():
     """Under bf16 autocast (precision None) the swapped attention halves are the stock
     ops (vitattn_bwd.routing): no graph break, none of our operators, the compiled step

@@ -676,6 +676,19 @@ def test_timm_refusals_at_the_swap(changes, message):
     assert not swapped_layers(model)
 
 
+@pytest.mark.parametrize("cls", [TimmStyleVisionTransformer, OpenCLIPStyleVisionTransformer],
+                         ids=["timm", "open_clip"])
+def test_swapped_towers_compile_with_dynamic_shapes_in_one_graph(cls):
+    """torch.compile(dynamic=True, fullgraph=True) in training mode (the per-call checks
+    of dropout and the projections traced too): each batch size gives the stock
+    tower's output."""
+    stock, ours = _pair(cls, dtype=torch.float32)
+    compiled = torch.compile(ours.train(), dynamic=True, fullgraph=True)
+    for batch in (2, 3):
+        x = _inputs(torch.float32, batch=batch)[0]
+        torch.testing.assert_close(compiled(x), stock.train()(x), rtol=1e-5, atol=1e-5)
+
+
 def test_projections_with_forwards_of_their_own_are_refused():
     """The fused block reads a projection's weight and bias and never calls its forward:
     a Linear subclass that adds to it (an adapter) is refused at the swap, and one put

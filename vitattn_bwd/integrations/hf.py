@@ -49,7 +49,6 @@ decides output_attentions without reading transformers 5's context variable whil
 dynamo traces (_attentions_requested).
 """
 import inspect
-import math
 import sys
 
 import torch
@@ -145,11 +144,14 @@ def _attention_refusal(attn, head_dim, training):
     training; at the swap, always). Checked at the swap and again at every call of a
     swapped layer, so that a setting changed after the swap is refused too, not
     ignored; the caller names the layer."""
-    scale = getattr(attn, "scale", None)
-    if scale is not None and not math.isclose(scale, head_dim ** -0.5, rel_tol=1e-6):
-        return f"attention scale {scale} is not 1/sqrt(head_dim) = {head_dim ** -0.5}"
+    scale, want = getattr(attn, "scale", None), head_dim ** -0.5
+    # a comparison, not math.isclose: under torch.compile(dynamic=True) the scale is a
+    # symbolic float, which dynamo cannot pass to math functions
+    if scale is not None and abs(scale - want) > 1e-6 * want:
+        return f"attention scale {scale} is not 1/sqrt(head_dim) = {want}"
     dropout = getattr(attn, "dropout", 0.0)
-    dropout = getattr(dropout, "p", dropout)               # a float or an nn.Dropout
+    if isinstance(dropout, nn.Module):                     # an nn.Dropout, or a float
+        dropout = dropout.p
     if training and isinstance(dropout, (int, float)) and dropout > 0:
         return (f"attention dropout {dropout} > 0 is not supported (set the config's "
                 "attention_dropout to 0.0 before loading)")
