@@ -23,42 +23,24 @@ and q layout (contiguous, head views): shared memory, threads, spill bytes (in t
 over query tiles too), HGMMA and wgmma-wait counts, the setmaxnreg register counts, and
 any ptxas note that it serialized the wgmmas.
 """
-import argparse
 import json
-import os
-import re
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from time_core_ws import command_line, ws_resources  # noqa: E402
+
 from vitattn_bwd import attention_bwd_ws  # noqa: E402
 
 
 def sm90_report():
-    """[(tiles, heads_in_rows, {shared_bytes, threads, spill_stores, walk_spills, hgmma,
-    waits, setmaxnreg, serialized})] of each configuration compiled for sm_90."""
-    from kernel_resources import ptxas_report_and_sass
-    from time_core_ws import walk_spills
-    report = []
-    for tiles in attention_bwd_ws.COLS_WS_TILES:
-        for heads_in_rows in (True, False):
-            compiled = attention_bwd_ws.compile_cols_ws_sm90(tiles,
-                                                             heads_in_rows=heads_in_rows)
-            notes, sass = ptxas_report_and_sass(compiled)
-            report.append((list(tiles), heads_in_rows, dict(
-                shared_bytes=compiled.metadata.shared,
-                threads=int(re.search(r"\.reqntid (\d+)", compiled.asm["ptx"])[1]),
-                spill_stores=int(re.search(r"(\d+) bytes spill stores", notes)[1]),
-                walk_spills=walk_spills(sass),
-                hgmma=len(re.findall(r"\bHGMMA\b", sass)),
-                waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
-                setmaxnreg=sorted({int(n) for n in re.findall(
-                    r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)",
-                    compiled.asm["ptx"])}),
-                serialized=re.findall(r"\(C75\d\d\)[^\n]*", notes))))
-    return report
+    """[(tiles, heads_in_rows, time_core_ws.ws_resources)] of each configuration compiled
+    for sm_90, for both q layouts."""
+    return [(list(tiles), heads_in_rows, ws_resources(
+        attention_bwd_ws.compile_cols_ws_sm90(tiles, heads_in_rows=heads_in_rows)))
+        for tiles in attention_bwd_ws.COLS_WS_TILES for heads_in_rows in (True, False)]
 
 
 def gpu_main(batch, out_dir):
@@ -136,17 +118,7 @@ def poisoned_cols_outputs(q_hi):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."))
-    parser.add_argument("--sm90", action="store_true",
-                        help="compile for sm_90 and print the machine-code report")
-    args = parser.parse_args()
-    if args.sm90:
-        print(json.dumps(sm90_report()))
-        return
-    gpu_main(args.batch, args.out)
+    command_line(__doc__, sm90_report, gpu_main)
 
 
 if __name__ == "__main__":

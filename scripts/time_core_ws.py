@@ -57,25 +57,28 @@ def walk_spills(sass):
                if start <= address <= end and re.search(r"\b(?:STL|LDL)\b", text))
 
 
-def sm90_report():
-    """[(tiles, {shared_bytes, threads, spill_stores, walk_spills, hgmma, waits,
-    setmaxnreg, serialized})] of each configuration compiled for sm_90."""
+def ws_resources(compiled):
+    """{shared_bytes, threads, spill_stores, walk_spills, hgmma, waits, setmaxnreg,
+    serialized} of a warp-specialized kernel compiled for sm_90 (triton's
+    CompiledKernel): what ptxas reports and the SASS shows."""
     from kernel_resources import ptxas_report_and_sass
-    report = []
-    for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
-        compiled = attention_bwd_ws.compile_sm90(tiles)
-        notes, sass = ptxas_report_and_sass(compiled)
-        report.append((list(tiles), dict(
-            shared_bytes=compiled.metadata.shared,
-            threads=int(re.search(r"\.reqntid (\d+)", compiled.asm["ptx"])[1]),
-            spill_stores=int(re.search(r"(\d+) bytes spill stores", notes)[1]),
-            walk_spills=walk_spills(sass),
-            hgmma=len(re.findall(r"\bHGMMA\b", sass)),
-            waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
-            setmaxnreg=sorted({int(n) for n in re.findall(
-                r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])}),
-            serialized=re.findall(r"\(C75\d\d\)[^\n]*", notes))))
-    return report
+    notes, sass = ptxas_report_and_sass(compiled)
+    return dict(
+        shared_bytes=compiled.metadata.shared,
+        threads=int(re.search(r"\.reqntid (\d+)", compiled.asm["ptx"])[1]),
+        spill_stores=int(re.search(r"(\d+) bytes spill stores", notes)[1]),
+        walk_spills=walk_spills(sass),
+        hgmma=len(re.findall(r"\bHGMMA\b", sass)),
+        waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
+        setmaxnreg=sorted({int(n) for n in re.findall(
+            r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])}),
+        serialized=re.findall(r"\(C75\d\d\)[^\n]*", notes))
+
+
+def sm90_report():
+    """[(tiles, ws_resources)] of each configuration compiled for sm_90."""
+    return [(list(tiles), ws_resources(attention_bwd_ws.compile_sm90(tiles)))
+            for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES]
 
 
 @contextlib.contextmanager
@@ -279,8 +282,10 @@ def gpu_main(batch, out_dir):
     Path(out_dir, "core_ws.json").write_text(json.dumps(report, indent=1))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__,
+def command_line(description, sm90_report, gpu_main):
+    """A timing script's command line: --sm90 prints sm90_report() as one JSON line,
+    else gpu_main(batch, out_dir) checks and times on the GPU."""
+    parser = argparse.ArgumentParser(description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -291,6 +296,10 @@ def main():
         print(json.dumps(sm90_report()))
     else:
         gpu_main(args.batch, args.out)
+
+
+def main():
+    command_line(__doc__, sm90_report, gpu_main)
 
 
 if __name__ == "__main__":
