@@ -68,16 +68,39 @@ def _inputs(batch=1, heads=2, seq_len=5, head_dim=64, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda i: dict(i, probs=torch.rand(1, 2, 5)), r"probs must be P, float32 \[B,H,S,S\]"),
-    (lambda i: dict(i, probs=i["probs"].double()), r"probs must be P, float32"),
+    (lambda i: dict(i, probs=torch.rand(1, 2, 5)), r"probs must be P, contiguous float32"),
+    (lambda i: dict(i, probs=i["probs"].double()), r"probs must be P, contiguous float32"),
+    (lambda i: dict(i, probs=i["probs"].transpose(-1, -2)), r"probs must be P, contiguous"),
     (lambda i: _inputs(head_dim=128), "head_dim must be 64, got 128"),
     (lambda i: _inputs(dtype=torch.float16), "grad_attn, q and v must be given as bf16 halves"),
     (lambda i: dict(i, v_lo=i["v_lo"].float()), "grad_attn, q and v must be given as bf16"),
+    (lambda i: dict(i, grad_attn_lo=i["grad_attn_lo"].half()),
+     "grad_attn, q and v must be given as bf16"),
     (lambda i: dict(i, v_lo=i["v_lo"].transpose(-1, -2).contiguous().transpose(-1, -2)),
-     r"q and v \(hi and lo\) must share strides"),
+     r"q and v \(hi and lo\) must share one shape and strides"),
+    (lambda i: dict(i, v_hi=i["v_hi"][:, :, :4], v_lo=i["v_lo"][:, :, :4]),
+     r"q and v \(hi and lo\) must share one shape"),
+    (lambda i: dict(i, grad_attn_lo=i["grad_attn_lo"][:, :4]),
+     r"grad_attn_lo must be contiguous \[B,S,E\]"),
+    (lambda i: dict(i, grad_attn_hi=i["grad_attn_hi"].transpose(1, 2).contiguous()
+                    .transpose(1, 2)), r"grad_attn_hi must be contiguous \[B,S,E\]"),
+    (lambda i: dict(i, delta=i["delta"][..., :4]), r"delta must be contiguous float32"),
+    (lambda i: dict(i, tiles=attention_bwd_ws.ColsWsTiles(32, num_stages=1)),
+     "tiles must have block_n 128 and at least 2 stages"),
+    (lambda i: dict(i, tiles=attention_bwd_ws.ColsWsTiles(32, block_n=64)),
+     "tiles must have block_n 128"),
 ])
 def test_bad_arguments_are_named(change, message):
     inputs = change(_inputs())
     outputs = dict(grad_kv_halves=None, grad_kv_sums=None, grad_kv16=None)
     with pytest.raises(ValueError, match=message):
         attention_bwd_ws.launch_cols_ws(**inputs, **outputs)
+
+
+def test_checked_arguments_reach_the_launch():
+    """Arguments that pass the checks get as far as the kernel's launch (here, on the
+    CPU, triton's refusal of CPU tensors or a missing GPU: nothing our checks raise)."""
+    with pytest.raises(Exception) as raised:
+        attention_bwd_ws.launch_cols_ws(**_inputs(), grad_kv_halves=None,
+                                        grad_kv_sums=None, grad_kv16=None)
+    assert not isinstance(raised.value, ValueError), raised.value

@@ -375,21 +375,35 @@ COLS_WS_TILES = (ColsWsTiles(32), ColsWsTiles(32, num_stages=4),
                  ColsWsTiles(32, num_stages=6))
 
 
-def _check_cols_ws(probs, grad_attn_hi, parts):
-    batch, heads, seq_len, head_dim = parts[0].shape
-    if probs.shape != (batch, heads, seq_len, seq_len) or probs.dtype != torch.float32:
-        raise ValueError(f"probs must be P, float32 [B,H,S,S] = "
-                         f"{[batch, heads, seq_len, seq_len]}, got {probs.dtype} "
-                         f"{list(probs.shape)}")
+def _check_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta, tiles):
+    parts = (q_hi, q_lo, v_hi, v_lo)
+    batch, heads, seq_len, head_dim = q_hi.shape
     if head_dim != HEAD_DIM:
         raise ValueError(f"head_dim must be {HEAD_DIM}, got {head_dim}")
-    dtypes = {t.dtype for t in (grad_attn_hi, *parts)}
+    dtypes = {t.dtype for t in (grad_attn_hi, grad_attn_lo, *parts)}
     if dtypes != {torch.bfloat16}:
         raise ValueError(f"grad_attn, q and v must be given as bf16 halves, got "
                          f"{sorted(map(str, dtypes))}")
-    if len({t.stride() for t in parts}) != 1:
-        raise ValueError(f"q and v (hi and lo) must share strides, got "
-                         f"{[t.stride() for t in parts]}")
+    if len({t.shape for t in parts}) != 1 or len({t.stride() for t in parts}) != 1:
+        raise ValueError(f"q and v (hi and lo) must share one shape and strides, got "
+                         f"{[tuple(t.shape) for t in parts]}, {[t.stride() for t in parts]}")
+    for name, t in (("grad_attn_hi", grad_attn_hi), ("grad_attn_lo", grad_attn_lo)):
+        if t.shape != (batch, seq_len, heads * head_dim) or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous [B,S,E] = "
+                             f"{[batch, seq_len, heads * head_dim]}, got {list(t.shape)}")
+    if probs.shape != (batch, heads, seq_len, seq_len) or probs.dtype != torch.float32 \
+            or not probs.is_contiguous():
+        raise ValueError(f"probs must be P, contiguous float32 [B,H,S,S] = "
+                         f"{[batch, heads, seq_len, seq_len]}, got {probs.dtype} "
+                         f"{list(probs.shape)}")
+    if delta.shape != (batch, heads, seq_len) or delta.dtype != torch.float32 \
+            or not delta.is_contiguous():
+        raise ValueError(f"delta must be contiguous float32 [B,H,S] = "
+                         f"{[batch, heads, seq_len]}, got {delta.dtype} {list(delta.shape)}")
+    # a ring of one slot deadlocks: the consumers would wait for tile m before giving
+    # back the slot tile m needs
+    if tiles.block_n != 128 or tiles.num_stages < 2:
+        raise ValueError(f"tiles must have block_n 128 and at least 2 stages, got {tiles}")
 
 
 def launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta,
@@ -401,7 +415,7 @@ def launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, de
     contiguous; delta [B,H,S] float32 (the rows pass's). prefetch: P tiles the L2 is
     asked for ahead of the register loads."""
     from .kernels.attention_cols_ws import attention_cols_ws_kernel
-    _check_cols_ws(probs, grad_attn_hi, (q_hi, q_lo, v_hi, v_lo))
+    _check_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta, tiles)
     heads_in_rows = _heads_in_rows(q_hi)
     batch, heads, seq_len, head_dim = q_hi.shape
     descriptors = (_descriptor(q_hi, heads_in_rows, tiles.block_m, head_dim),

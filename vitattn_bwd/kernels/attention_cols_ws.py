@@ -50,8 +50,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .attention_bwd_ws import head_coordinates
 from .gluon_compat import cta_barrier, tma_load
 from .softmax_bwd_gluon import (clamped, cols_carried_values, issue_products, load_vector,
-                                prefetch_to_l2, split_operand, store_cols_outputs,
-                                tile_parts, wgmma_layout)
+                                next_p_t_tile, prefetch_to_l2, split_operand,
+                                store_cols_outputs, tile_parts, wgmma_layout)
 
 
 @gluon.jit
@@ -144,11 +144,8 @@ def cols_compute_partition(PROBS, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS
         p_t_hi, p_t_lo = split_operand(p_t, dtype, PRODUCTS, a_layout, 1.0)
         grad_v = issue_products(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v, True,
                                 PRODUCTS)
-        p_t_next = gl.load(probs_head + key_offsets
-                           + (clamped(queries + BLOCK_M, SEQ_LEN) * SEQ_LEN)[None, :])
-        if PREFETCH > 0:
-            prefetch_to_l2(probs_head, m_start + (PREFETCH + 1) * BLOCK_M, n_start,
-                           SEQ_LEN, BLOCK_M, BLOCK_N, num_warps)
+        p_t_next = next_p_t_tile(probs_head, key_offsets, queries, m_start, n_start,
+                                 SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
         # dP^T, and dK of the previous tile with it: that tile's slot is read no more
         grad_p_t, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
             PRODUCTS, deps=(grad_p_t, grad_s_t_hi, grad_s_t_lo))
@@ -188,6 +185,8 @@ def attention_cols_ws_kernel(PROBS, q_hi_desc, q_lo_desc, grad_attn_hi_desc,
     GRAD_KV_SUMS [B,G,2E] float32. BLOCK_N = 16 * num_warps (one consumer warpgroup per
     64 keys); the producer warp keeps WORKER_REGISTERS registers per thread."""
     gl.static_assert(BLOCK_N == 16 * num_warps, "one consumer warpgroup per 64 keys")
+    gl.static_assert(NUM_STAGES >= 2, "a slot is given back only after the next tile's "
+                     "products are issued")
     dtype: gl.constexpr = v_hi_desc.dtype
     own = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_hi_desc.layout)
     ring_q = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, BLOCK_M, HEAD_DIM],

@@ -311,6 +311,22 @@ def store_column_sums(SUMS, value, batch, row_start, col, SEQ_LEN: gl.constexpr,
 
 
 @gluon.jit
+def next_p_t_tile(probs_head, key_offsets, queries, m_start, n_start, SEQ_LEN: gl.constexpr,
+                  BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PREFETCH: gl.constexpr,
+                  num_warps: gl.constexpr):
+    """A cols pass's P^T tile [BN,BM] of the query tile after the current one (its
+    `queries`, in the tile layout's query vector, from m_start), loaded into registers
+    from clamped indices (key_offsets: the program's keys, clamped, as a column); and
+    the L2 asked for the tile PREFETCH tiles after that one (prefetch_to_l2)."""
+    p_t = gl.load(probs_head + key_offsets
+                  + (clamped(queries + BLOCK_M, SEQ_LEN) * SEQ_LEN)[None, :])
+    if PREFETCH > 0:
+        prefetch_to_l2(probs_head, m_start + (PREFETCH + 1) * BLOCK_M, n_start, SEQ_LEN,
+                       BLOCK_M, BLOCK_N, num_warps)
+    return p_t
+
+
+@gluon.jit
 def cols_carried_values(BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         HEAD_TILE: gl.constexpr, dtype: gl.constexpr,
                         acc_layout: gl.constexpr, a_layout: gl.constexpr):
@@ -458,11 +474,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         if RECOMPUTE_P:
             grad_p_t = warpgroup_mma_wait(PRODUCTS, deps=(grad_p_t,))
         else:
-            p_t_next = gl.load(probs_head + key_offsets
-                               + (clamped(queries + BLOCK_M, SEQ_LEN) * SEQ_LEN)[None, :])
-            if PREFETCH > 0:
-                prefetch_to_l2(probs_head, m_start + (PREFETCH + 1) * BLOCK_M, n_start,
-                               SEQ_LEN, BLOCK_M, BLOCK_N, num_warps)
+            p_t_next = next_p_t_tile(probs_head, key_offsets, queries, m_start, n_start,
+                                     SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
             grad_p_t, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
                 PRODUCTS, deps=(grad_p_t, grad_s_t_hi, grad_s_t_lo))
         grad_s_t = p_t * (grad_p_t - delta[None, :])                      # [BN,BM]
