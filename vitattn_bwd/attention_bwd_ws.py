@@ -18,6 +18,11 @@ the rotated walk, the dQ tiles swizzled and handed over a tile late) measured 0.
 with its delta kernel, against 0.444 for cuDNN's non-deterministic backward through SDPA
 and 0.598 for the two-pass Gluon kernels in the same run (scripts/time_core_ws.py;
 docs/performance.md, "The warp-specialized core").
+
+At the end of this file, the host side of the two passes with P given warp-specialized
+the same way (kernels/attention_passes_ws.py: launch_rows_ws, launch_cols_ws, three
+products of bf16 halves, the contract's mode), which share its descriptors and
+layouts; not yet run on a GPU.
 """
 import functools
 import math
@@ -342,50 +347,50 @@ def compile_failure():
         "torch.use_deterministic_algorithms(True), its deterministic one)")
 
 
-# ---- the warp-specialized cols pass (kernels/attention_cols_ws.py) -------------------
-# dK and dV with P given, three products per matmul: the two-pass cols kernel's math and
-# outputs (gluon_core.launch_cols with bf16 halves), its operand tiles fed by a producer
-# warp. Compiled for sm_90 on the CPU (tests/test_attention_cols_ws.py); not yet run on
-# a GPU, and not an autotune choice: scripts/time_core_cols_ws.py checks and times it
-# against the two-pass cols kernels on the H200.
+# ---- the two passes warp-specialized (kernels/attention_passes_ws.py) ----------------
+# The rows pass (dQ, delta) and the cols pass (dK, dV) with P given, three products per
+# matmul: the two-pass kernels' math and outputs (gluon_core.launch_rows / launch_cols
+# with bf16 halves), their operand tiles fed by a producer warp. Compiled for sm_90 on
+# the CPU (tests/test_attention_passes_ws.py); not yet run on a GPU, and not autotune
+# choices: scripts/time_core_passes_ws.py checks and times them against the two-pass
+# kernels on the H200.
 
-class ColsWsTiles(NamedTuple):
-    """One launch of the warp-specialized cols pass: block_m queries per tile of the
-    walk, block_n keys per program (one consumer warpgroup per 64 keys: num_warps =
-    block_n // 16), num_stages ring slots of q and dO tiles, the registers per thread the
-    launch asks for (maxnreg: 384 threads with the producer warp's padding, so at most
-    170) and those the producer keeps (setmaxnreg; the consumers get the rest)."""
+class PassWsTiles(NamedTuple):
+    """One launch of a warp-specialized pass: block_m queries and block_n keys per tile,
+    the pass's own side 128 rows (block_n keys in the cols pass, block_m queries in the
+    rows pass: two consumer warpgroups of 64, num_warps 8), num_stages ring slots of the
+    other side's tiles, the registers per thread the launch asks for (maxnreg: 384
+    threads with the producer warp's padding, so at most 170) and those the producer
+    keeps (setmaxnreg; the consumers get the rest)."""
     block_m: int
-    block_n: int = 128
+    block_n: int
     num_stages: int = 3
     maxnreg: int = 168
     worker_registers: int = 40
-
-    @property
-    def num_warps(self):
-        return self.block_n // 16
+    num_warps: int = 8
 
 
-# Compiled for sm_90 with the installed triton: no spills, 24 HGMMAs and three waits in
-# the walk, none serialized; 84-133 KB of shared memory (v's halves 32 KB, a ring slot 16
-# KB). 64-query tiles spilled 340 bytes, 100 of them in the walk (the consumers' 240
-# registers do not hold two [128,64] accumulators, the P^T tile and the one loaded
-# ahead, their halves and dP^T).
-COLS_WS_TILES = (ColsWsTiles(32), ColsWsTiles(32, num_stages=4),
-                 ColsWsTiles(32, num_stages=6))
+# Compiled for sm_90 with triton 3.6 and 3.9: no spills, 24 HGMMAs and three waits in the
+# walk, none serialized; 84-133 KB of shared memory (the own side's halves 32 KB, a ring
+# slot 16 KB). 64-row tiles of the other side spilled 340 bytes in the cols pass, 100 of
+# them in the walk (the consumers' 240 registers do not hold two [128,64] accumulators,
+# the [128,64] P tile and the one loaded ahead, their halves and dP).
+COLS_WS_TILES = (PassWsTiles(32, 128), PassWsTiles(32, 128, 4), PassWsTiles(32, 128, 6))
+ROWS_WS_TILES = (PassWsTiles(128, 32), PassWsTiles(128, 32, 4), PassWsTiles(128, 32, 6))
 
 
-def _check_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta, tiles):
-    parts = (q_hi, q_lo, v_hi, v_lo)
-    batch, heads, seq_len, head_dim = q_hi.shape
+def _check_pass(probs, grad_attn_hi, grad_attn_lo, parts, delta, tiles, rows_pass):
+    """parts: the q-side halves (k, v for the rows pass; q, v for the cols pass)."""
+    batch, heads, seq_len, head_dim = parts[0].shape
     if head_dim != HEAD_DIM:
         raise ValueError(f"head_dim must be {HEAD_DIM}, got {head_dim}")
     dtypes = {t.dtype for t in (grad_attn_hi, grad_attn_lo, *parts)}
     if dtypes != {torch.bfloat16}:
-        raise ValueError(f"grad_attn, q and v must be given as bf16 halves, got "
+        raise ValueError(f"the operands must be given as bf16 halves, got "
                          f"{sorted(map(str, dtypes))}")
     if len({t.shape for t in parts}) != 1 or len({t.stride() for t in parts}) != 1:
-        raise ValueError(f"q and v (hi and lo) must share one shape and strides, got "
+        names = "k and v" if rows_pass else "q and v"
+        raise ValueError(f"{names} (hi and lo) must share one shape and strides, got "
                          f"{[tuple(t.shape) for t in parts]}, {[t.stride() for t in parts]}")
     for name, t in (("grad_attn_hi", grad_attn_hi), ("grad_attn_lo", grad_attn_lo)):
         if t.shape != (batch, seq_len, heads * head_dim) or not t.is_contiguous():
@@ -402,34 +407,60 @@ def _check_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, de
                          f"{[batch, heads, seq_len]}, got {delta.dtype} {list(delta.shape)}")
     # a ring of one slot deadlocks: the consumers would wait for tile m before giving
     # back the slot tile m needs
-    if tiles.block_n != 128 or tiles.num_stages < 2:
-        raise ValueError(f"tiles must have block_n 128 and at least 2 stages, got {tiles}")
+    own = tiles.block_m if rows_pass else tiles.block_n
+    if own != 128 or tiles.num_warps != 8 or tiles.num_stages < 2:
+        side = "block_m" if rows_pass else "block_n"
+        raise ValueError(f"tiles must have {side} 128, 8 warps and at least 2 stages, "
+                         f"got {tiles}")
+
+
+def _launch_pass(rows_pass, probs, own, a, b, delta, grad16, halves, sums, scale, tiles,
+                 prefetch):
+    """The kernel on the (hi, lo) pairs own (the program's side), a and b (the walked
+    side's), as attention_passes_ws_kernel's docstring assigns them."""
+    from .kernels.attention_passes_ws import attention_passes_ws_kernel
+    qkv_part = a[0]                                        # q or k [B,H,S,D]
+    heads_in_rows = _heads_in_rows(qkv_part)
+    batch, heads, seq_len, head_dim = qkv_part.shape
+    own_rows, tile_rows = ((tiles.block_m, tiles.block_n) if rows_pass
+                           else (tiles.block_n, tiles.block_m))
+    own_layout = False if rows_pass else heads_in_rows     # grad_attn: [B,S,E]
+    b_layout = heads_in_rows if rows_pass else False
+    descriptors = (*(_descriptor(t, own_layout, own_rows, head_dim) for t in own),
+                   *(_descriptor(t, heads_in_rows, tile_rows, head_dim) for t in a),
+                   *(_descriptor(t, b_layout, tile_rows, head_dim) for t in b))
+    grid = (-(-seq_len // own_rows), batch * heads)
+    launcher.launch(attention_passes_ws_kernel, grid, probs, *descriptors, delta, grad16,
+                    halves, sums, scale,
+                    **passes_ws_constexprs(heads, seq_len, head_dim, tiles, prefetch,
+                                           heads_in_rows, rows_pass),
+                    maxnreg=tiles.maxnreg)
 
 
 def launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta,
                    grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, prefetch=2):
     """gluon_core.launch_cols's outputs with P given and bf16 halves (grad_kv16,
-    grad_kv_halves, grad_kv_sums, filled), from the warp-specialized kernel at `tiles`
-    (ColsWsTiles). probs: P [B,H,S,S] float32; q, v halves [B,H,S,D] bf16, contiguous or
-    head views of a QKV projection, one set of strides; grad_attn halves [B,S,E]
-    contiguous; delta [B,H,S] float32 (the rows pass's). prefetch: P tiles the L2 is
-    asked for ahead of the register loads."""
-    from .kernels.attention_cols_ws import attention_cols_ws_kernel
-    _check_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta, tiles)
-    heads_in_rows = _heads_in_rows(q_hi)
-    batch, heads, seq_len, head_dim = q_hi.shape
-    descriptors = (_descriptor(q_hi, heads_in_rows, tiles.block_m, head_dim),
-                   _descriptor(q_lo, heads_in_rows, tiles.block_m, head_dim),
-                   _descriptor(grad_attn_hi, False, tiles.block_m, head_dim),
-                   _descriptor(grad_attn_lo, False, tiles.block_m, head_dim),
-                   _descriptor(v_hi, heads_in_rows, tiles.block_n, head_dim),
-                   _descriptor(v_lo, heads_in_rows, tiles.block_n, head_dim))
-    grid = (-(-seq_len // tiles.block_n), batch * heads)
-    launcher.launch(attention_cols_ws_kernel, grid, probs, *descriptors, delta, grad_kv16,
-                    grad_kv_halves, grad_kv_sums, scale,
-                    **cols_ws_constexprs(heads, seq_len, head_dim, tiles, prefetch,
-                                         heads_in_rows),
-                    maxnreg=tiles.maxnreg)
+    grad_kv_halves, grad_kv_sums, filled), from the warp-specialized cols pass at
+    `tiles` (PassWsTiles). probs: P [B,H,S,S] float32; q, v halves [B,H,S,D] bf16,
+    contiguous or head views of a QKV projection, one set of strides; grad_attn halves
+    [B,S,E] contiguous; delta [B,H,S] float32 (the rows pass's). prefetch: P tiles the
+    L2 is asked for ahead of the register loads."""
+    _check_pass(probs, grad_attn_hi, grad_attn_lo, (q_hi, q_lo, v_hi, v_lo), delta, tiles,
+                rows_pass=False)
+    _launch_pass(False, probs, (v_hi, v_lo), (q_hi, q_lo), (grad_attn_hi, grad_attn_lo),
+                 delta, grad_kv16, grad_kv_halves, grad_kv_sums, scale, tiles, prefetch)
+
+
+def launch_rows_ws(probs, grad_attn_hi, grad_attn_lo, k_hi, k_lo, v_hi, v_lo, delta,
+                   grad_q_halves, grad_q_sums, grad_q16, scale, tiles, prefetch=4):
+    """gluon_core.launch_rows's outputs with P given and bf16 halves (delta, grad_q16,
+    grad_q_halves, grad_q_sums, filled), from the warp-specialized rows pass at `tiles`
+    (PassWsTiles); the arguments as launch_cols_ws's, with k in place of q and delta
+    written."""
+    _check_pass(probs, grad_attn_hi, grad_attn_lo, (k_hi, k_lo, v_hi, v_lo), delta, tiles,
+                rows_pass=True)
+    _launch_pass(True, probs, (grad_attn_hi, grad_attn_lo), (k_hi, k_lo), (v_hi, v_lo),
+                 delta, grad_q16, grad_q_halves, grad_q_sums, scale, tiles, prefetch)
 
 
 def cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta, scale, tiles,
@@ -443,34 +474,48 @@ def cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta, sc
     return grad_kv16, grad_kv_halves, grad_kv_sums
 
 
-def cols_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch, heads_in_rows):
+def rows_ws(probs, grad_attn_hi, grad_attn_lo, k_hi, k_lo, v_hi, v_lo, scale, tiles,
+            prefetch=4):
+    """launch_rows_ws into new buffers -> (grad_q16, grad_q_halves, delta, grad_q_sums),
+    as gluon_core.gluon_softmax_bwd_rows returns them."""
+    from .gluon_core import rows_outputs
+    grad_q16, grad_q_halves, delta, grad_q_sums = rows_outputs(k_hi, 3, buffers.output_buffer)
+    launch_rows_ws(probs, grad_attn_hi, grad_attn_lo, k_hi, k_lo, v_hi, v_lo, delta,
+                   grad_q_halves, grad_q_sums, grad_q16, scale, tiles, prefetch)
+    return grad_q16, grad_q_halves, delta, grad_q_sums
+
+
+def passes_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch, heads_in_rows,
+                         rows_pass):
     from .attention_core import COLUMN_SUM_ROWS
     return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
                 PREFETCH=prefetch, SUM_ROWS=COLUMN_SUM_ROWS, HEADS_IN_ROWS=heads_in_rows,
-                WORKER_REGISTERS=tiles.worker_registers, num_warps=tiles.num_warps)
+                ROWS_PASS=rows_pass, WORKER_REGISTERS=tiles.worker_registers,
+                num_warps=tiles.num_warps)
 
 
-def compile_cols_ws_sm90(tiles, seq_len=577, num_heads=16, head_dim=HEAD_DIM,
-                         heads_in_rows=True, prefetch=2):
-    """The warp-specialized cols kernel compiled for sm_90 (triton's CompiledKernel), as
-    launch_cols_ws would run it, launching nothing."""
-    from .kernels.attention_cols_ws import attention_cols_ws_kernel
+def compile_pass_ws_sm90(tiles, rows_pass, seq_len=577, num_heads=16, head_dim=HEAD_DIM,
+                         heads_in_rows=True):
+    """A warp-specialized pass compiled for sm_90 (triton's CompiledKernel), as
+    launch_rows_ws / launch_cols_ws would run it (their default prefetch), launching
+    nothing."""
+    from .kernels.attention_passes_ws import attention_passes_ws_kernel
     from .kernels.gluon_compat import compile_without_launch
-    kernel = attention_cols_ws_kernel
-    constexprs = cols_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch,
-                                    heads_in_rows)
+    kernel = attention_passes_ws_kernel
+    constexprs = passes_ws_constexprs(num_heads, seq_len, head_dim, tiles,
+                                      4 if rows_pass else 2, heads_in_rows, rows_pass)
+    own_rows, tile_rows = ((tiles.block_m, tiles.block_n) if rows_pass
+                           else (tiles.block_n, tiles.block_m))
 
     def descriptor(rows):
         layout = _shared_layout((rows, head_dim), _gl_dtype(torch.bfloat16))
         return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
-    signature = dict(PROBS="*fp32", q_hi_desc=descriptor(tiles.block_m),
-                     q_lo_desc=descriptor(tiles.block_m),
-                     grad_attn_hi_desc=descriptor(tiles.block_m),
-                     grad_attn_lo_desc=descriptor(tiles.block_m),
-                     v_hi_desc=descriptor(tiles.block_n), v_lo_desc=descriptor(tiles.block_n),
-                     DELTA="*fp32", GRAD_KV16="*fp16", GRAD_KV_HALVES="*bf16",
-                     GRAD_KV_SUMS="*fp32", scale="fp32")
+    signature = dict(PROBS="*fp32", own_hi_desc=descriptor(own_rows),
+                     own_lo_desc=descriptor(own_rows), a_hi_desc=descriptor(tile_rows),
+                     a_lo_desc=descriptor(tile_rows), b_hi_desc=descriptor(tile_rows),
+                     b_lo_desc=descriptor(tile_rows), DELTA="*fp32", GRAD16="*fp16",
+                     GRAD_HALVES="*bf16", GRAD_SUMS="*fp32", scale="fp32")
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
     return compile_without_launch(kernel, signature, constexprs, 90,

@@ -269,7 +269,7 @@ def _new_empty(like, *shape, dtype):
     return like.new_empty(shape, dtype=dtype)
 
 
-def _rows_outputs(q_hi, products, empty=_new_empty):
+def rows_outputs(q_hi, products, empty=_new_empty):
     """grad_q16, grad_q_halves, delta, grad_q_sums, each from empty(q_hi, *shape,
     dtype=...): new_empty for the fake implementation, buffers.output_buffer for the
     kernel's."""
@@ -284,7 +284,7 @@ def _rows_outputs(q_hi, products, empty=_new_empty):
 
 
 def cols_outputs(q_hi, products, empty=_new_empty):
-    """grad_kv16, grad_kv_halves, grad_kv_sums (see _rows_outputs)."""
+    """grad_kv16, grad_kv_halves, grad_kv_sums (see rows_outputs)."""
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
     dtype, fp16_halves = _formats(q_hi, products)
@@ -316,7 +316,7 @@ def gluon_softmax_bwd_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, 
                            num_stages, products, operand_scales=None):
     """The rows pass on pre-split operands -> grad_q16, grad_q_halves, delta,
     grad_q_sums."""
-    grad_q16, grad_q_halves, delta, grad_q_sums = _rows_outputs(q_hi, products,
+    grad_q16, grad_q_halves, delta, grad_q_sums = rows_outputs(q_hi, products,
                                                                 buffers.output_buffer)
     launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale,
@@ -345,7 +345,7 @@ _LIBRARY.impl("gluon_softmax_bwd_cols", gluon_softmax_bwd_cols, "CUDA")
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_rows", lib=_LIBRARY)
 def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output,
       scale, block_m, block_n, num_warps, num_stages, products, operand_scales=None):
-    return _rows_outputs(q_hi, products)
+    return rows_outputs(q_hi, products)
 
 
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_cols", lib=_LIBRARY)

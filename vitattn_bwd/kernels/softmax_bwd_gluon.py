@@ -506,6 +506,25 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
 
 
 @gluon.jit
+def store_rows_outputs(DELTA, GRAD_Q16, GRAD_Q_HALVES, GRAD_Q_SUMS, grad_q, delta, batch_head,
+                       batch, head, m_start, SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
+                       HEAD_DIM: gl.constexpr, HALVES: gl.constexpr, SUM_ROWS: gl.constexpr,
+                       BLOCK_M: gl.constexpr, vector_layout: gl.constexpr,
+                       layout: gl.constexpr):
+    """A rows pass's delta [BM] (in vector_layout) and finished dQ [BM, HEAD_TILE] of
+    queries [m_start, +BM) of one (batch, head) into its outputs: DELTA [B,H,S], GRAD_Q16
+    [B,S,E], dQ's bf16 halves in GRAD_Q_HALVES [B,S,2E] where HALVES, and its sums over
+    rows in GRAD_Q_SUMS [B,G,E] (store_gradient, store_column_sums)."""
+    EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
+    delta_rows = m_start + gl.arange(0, BLOCK_M, layout=vector_layout)
+    gl.store(DELTA + batch_head * SEQ_LEN + delta_rows, delta, mask=delta_rows < SEQ_LEN)
+    store_gradient(GRAD_Q16, GRAD_Q_HALVES, grad_q, batch, m_start, head * HEAD_DIM,
+                   SEQ_LEN, EMBED, 2 * EMBED * HALVES, EMBED, BLOCK_M, HEAD_DIM, layout)
+    store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start, head * HEAD_DIM, SEQ_LEN, EMBED,
+                      SUM_ROWS, BLOCK_M, HEAD_DIM, layout)
+
+
+@gluon.jit
 def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
                             V_HI, V_LO, SCALES, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
                             GRAD_Q_SUMS, scale, SEQ_LEN: gl.constexpr,
@@ -663,12 +682,8 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         grad_q = ((grad_s_k - delta_acc[:, None] * p_k * (ds_s / P_FACTOR))
                   * (scale / (ds_s * grad_p_units * k_s)))
 
-    delta_rows = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
     if SCALED:
         delta = delta * (1.0 / grad_p_units)
-    gl.store(DELTA + batch_head * SEQ_LEN + delta_rows, delta, mask=delta_rows < SEQ_LEN)
-    store_gradient(GRAD_Q16, GRAD_Q_HALVES, grad_q, batch, m_start, head * HEAD_DIM,
-                   SEQ_LEN, EMBED, 2 * EMBED * HALVES, EMBED, BLOCK_M, HEAD_DIM,
-                   acc_layout)
-    store_column_sums(GRAD_Q_SUMS, grad_q, batch, m_start, head * HEAD_DIM, SEQ_LEN, EMBED,
-                      SUM_ROWS, BLOCK_M, HEAD_DIM, acc_layout)
+    store_rows_outputs(DELTA, GRAD_Q16, GRAD_Q_HALVES, GRAD_Q_SUMS, grad_q, delta, batch_head,
+                       batch, head, m_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, HALVES, SUM_ROWS,
+                       BLOCK_M, query_vector, acc_layout)

@@ -1,0 +1,334 @@
+"""Gluon device code for the two passes of the attention-core backward with P given
+(the contract's mode), warp-specialized on Hopper (sm_90): the math and the outputs of
+kernels/softmax_bwd_gluon.py's rows and cols kernels with P given and bf16x3 products,
+where a producer warp feeds the operand tiles by TMA and the products of both consumer
+warpgroups stay in flight. One kernel, its pass chosen by ROWS_PASS.
+
+A program owns 128 rows of one (batch, head) (program ids: row block, batch * NUM_HEADS
++ head, the two-pass kernels' grids): keys in the cols pass, queries in the rows pass.
+It walks the tiles of the other side in two partitions:
+
+    producer (one warp, few registers): TMA  the program's own [128,D] tiles, hi and lo,
+        once (v in the cols pass, dO in the rows pass); then the pair of tiles of each
+        step (q_m and dO_m [BM,D]; k_n and v_n [BN,D]), hi and lo, into a
+        NUM_STAGES-deep ring, each slot guarded by a ready and an empty mbarrier
+    consumers (two warpgroups, 64 of the program's rows each), cols pass, query tile m:
+        issue  dP^T = v @ dO_m^T                              [BN,BM]
+        wait   for dV of tile m-1 (it reads the P^T registers reused next)
+               P^T_m: loaded a tile ahead into the accumulator's registers, zero past
+               the sequence's queries
+        issue  dV += P^T @ dO_m                               [BN,D]
+        load   P^T_{m+1} (registers); the L2 asked for the tiles PREFETCH ahead of it
+        wait   for dP^T (dV in flight), and with it dK of tile m-1: give slot m-1 back
+        dS^T = P^T * (dP^T - delta_m)
+        issue  dK += dS^T @ q_m                               [BN,D]
+    at the end dK * scale and dV, stored as the two-pass cols kernel stores them; rows
+    pass, key tile n:
+        issue  dP = dO @ v_n^T                                [BM,BN]
+        wait   for P k of tile n-1 (it reads the P registers reused next)
+               P_n: loaded a tile ahead, zero past the sequence's keys
+        issue  P k += P_n @ k_n                               [BM,D]
+        load   P_{n+1}; the L2 asked for the tiles PREFETCH ahead of it
+        wait   for dP (P k in flight), and with it (P*dP) k of tile n-1: give slot n-1
+               back
+        delta += rowsum(P * dP)
+        issue  (P*dP) k += (P * dP) @ k_n                     [BM,D]
+    at the end dQ = ((P*dP) k - delta * P k) * scale and delta, stored as the two-pass
+    rows kernel stores them.
+
+Three products per matmul (bf16x3 on bf16 halves, small terms first:
+softmax_bwd_gluon.issue_products), the contract's precision "high"; the [128,B] tiles
+are split in registers into the A operands of the second and third products
+(split_operand), so none goes through shared memory. Two waits per tile, each leaving
+products in flight. At 64-row tiles of the other side the cols pass spilled 340 bytes
+(100 in the walk) of the consumers' 240 registers; 32-row tiles spill nothing in either
+pass (tests/test_attention_passes_ws.py).
+
+The operand tiles come by TMA, which has no per-head bound: the rows of a tile past
+the sequence end are the next head's (or batch element's) rows, or zeros past the
+tensor's end. Where it matters their columns of P are zeroed (queries or keys past the
+end add nothing: finite rows, as in kernels/attention_bwd_ws.py, where a NaN or inf in
+a neighbour's first rows would reach through a zero of P), and the program's own rows
+past the end are never stored (left out of the stores, delta and the column sums). P's
+rows (577 floats) are 4-byte aligned only, so P is loaded by the consumers, as in the
+two-pass kernels, from clamped indices (softmax_bwd_gluon.clamped).
+
+Not yet run on a GPU: compiled for sm_90 on the CPU (tests/test_attention_passes_ws.py
+checks its machine code); scripts/time_core_passes_ws.py checks it against float64 and
+the two-pass kernels and times it on the H200.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma_wait)
+
+from .attention_bwd_ws import head_coordinates
+from .gluon_compat import cta_barrier, tma_load
+from .softmax_bwd_gluon import (clamped, cols_carried_values, issue_products, load_vector,
+                                next_p_t_tile, prefetch_to_l2, split_operand,
+                                store_cols_outputs, store_rows_outputs, tile_parts,
+                                wgmma_layout)
+
+
+@gluon.jit
+def load_partition(own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc, b_lo_desc,
+                   own, ring_a, ring_b, own_ready, ready, empty, NUM_HEADS: gl.constexpr,
+                   SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, OWN_ROWS: gl.constexpr,
+                   TILE_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
+                   HEADS_IN_ROWS: gl.constexpr, ROWS_PASS: gl.constexpr):
+    """The producer: the program's own tiles (v; dO in the rows pass), then each step's
+    two tiles (a: q, b: dO; rows pass a: k, b: v) through the ring, in order."""
+    NUM_TILES: gl.constexpr = (SEQ_LEN + TILE_ROWS - 1) // TILE_ROWS
+    batch_head = gl.program_id(1)
+    own_start = gl.program_id(0) * OWN_ROWS
+    qkv_row, qkv_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM,
+                                        HEADS_IN_ROWS)
+    do_row, do_col = head_coordinates(batch_head, NUM_HEADS, SEQ_LEN, HEAD_DIM, False)
+    if ROWS_PASS:                      # own: dO; a, b: k, v
+        own_row, own_col, b_row, b_col = do_row, do_col, qkv_row, qkv_col
+    else:                              # own: v; a, b: q, dO
+        own_row, own_col, b_row, b_col = qkv_row, qkv_col, do_row, do_col
+    mbarrier.expect(own_ready, 2 * own_hi_desc.block_type.nbytes)
+    tma_load(own_hi_desc, [own_row + own_start, own_col], own_ready, own.index(0))
+    tma_load(own_lo_desc, [own_row + own_start, own_col], own_ready, own.index(1))
+    for tile in range(NUM_TILES):
+        slot = tile % NUM_STAGES
+        # a fresh mbarrier counts as having completed the phase before phase 0
+        mbarrier.wait(empty.index(slot), ((tile // NUM_STAGES) & 1) ^ 1)
+        bar = ready.index(slot)
+        mbarrier.expect(bar, 2 * (a_hi_desc.block_type.nbytes + b_hi_desc.block_type.nbytes))
+        a_hi, a_lo = tile_parts(ring_a, slot, 2)
+        b_hi, b_lo = tile_parts(ring_b, slot, 2)
+        tma_load(a_hi_desc, [qkv_row + tile * TILE_ROWS, qkv_col], bar, a_hi)
+        tma_load(a_lo_desc, [qkv_row + tile * TILE_ROWS, qkv_col], bar, a_lo)
+        tma_load(b_hi_desc, [b_row + tile * TILE_ROWS, b_col], bar, b_hi)
+        tma_load(b_lo_desc, [b_row + tile * TILE_ROWS, b_col], bar, b_lo)
+
+
+@gluon.jit
+def cols_compute_partition(PROBS, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS, scale, own,
+                           ring_q, ring_grad_attn, own_ready, ready, empty,
+                           NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                           PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """The consumers of the cols pass: three products per query tile (module docstring) with P^T, dP^T
+    and dS^T [BN,BM] in registers, then dK and dV of the program's keys stored."""
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
+    PRODUCTS: gl.constexpr = 3
+    dtype: gl.constexpr = own.dtype                                       # bf16
+    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)      # [BN,BM]
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # [BN,D]: dK, dV
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                 k_width=2)
+    key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
+    query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
+
+    batch_head = gl.program_id(1)
+    batch = batch_head // NUM_HEADS
+    head = batch_head % NUM_HEADS
+    n_start = gl.program_id(0) * BLOCK_N
+    keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
+    probs_head = PROBS + batch_head.to(gl.int64) * SEQ_LEN * SEQ_LEN
+    delta_head = DELTA + batch_head.to(gl.int64) * SEQ_LEN
+    # P^T tiles [BN,BM]: element (key, query) at query * SEQ_LEN + key
+    key_offsets = clamped(keys, SEQ_LEN)[:, None]
+    tile_queries = gl.arange(0, BLOCK_M, layout=query_vector)
+    p_t_next = gl.load(probs_head + key_offsets
+                       + (clamped(tile_queries, SEQ_LEN) * SEQ_LEN)[None, :])
+    for ahead in gl.static_range(1, PREFETCH + 1):
+        prefetch_to_l2(probs_head, ahead * BLOCK_M, n_start, SEQ_LEN, BLOCK_M, BLOCK_N,
+                       num_warps)
+    zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
+    grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = cols_carried_values(
+        BLOCK_N, BLOCK_M, HEAD_DIM, dtype, acc_layout, a_layout)
+    mbarrier.wait(own_ready, 0)
+    v_hi, v_lo = tile_parts(own, 0, 2)                                # [BN,D]
+    for m_tile in range(NUM_TILES):
+        slot = m_tile % NUM_STAGES
+        m_start = m_tile * BLOCK_M
+        queries = m_start + tile_queries
+        delta = load_vector(delta_head, m_start, SEQ_LEN, BLOCK_M, query_vector)
+        mbarrier.wait(ready.index(slot), (m_tile // NUM_STAGES) & 1)
+        q_hi, q_lo = tile_parts(ring_q, slot, 2)                          # [BM,D]
+        grad_attn_hi, grad_attn_lo = tile_parts(ring_grad_attn, slot, 2)
+        grad_p_t = issue_products(v_hi, v_lo, grad_attn_hi.permute((1, 0)),
+                                  grad_attn_lo.permute((1, 0)), zeros_tile, False,
+                                  PRODUCTS)                                # [BN,BM]
+        # dV of the previous tile is done reading the registers about to be reused
+        p_t_hi, p_t_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_t_hi, p_t_lo))
+        p_t = gl.where((queries < SEQ_LEN)[None, :], p_t_next, 0.0)
+        p_t_hi, p_t_lo = split_operand(p_t, dtype, PRODUCTS, a_layout, 1.0)
+        grad_v = issue_products(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v, True,
+                                PRODUCTS)
+        p_t_next = next_p_t_tile(probs_head, key_offsets, queries, m_start, n_start,
+                                 SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
+        # dP^T, and dK of the previous tile with it: that tile's slot is read no more
+        grad_p_t, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
+            PRODUCTS, deps=(grad_p_t, grad_s_t_hi, grad_s_t_lo))
+        # every consumer thread is past those products; predicated, not branched on: a
+        # branch here made ptxas 3.9's serialize every wgmma (C7513)
+        cta_barrier()
+        mbarrier.arrive(empty.index((m_tile + NUM_STAGES - 1) % NUM_STAGES), count=1,
+                        pred=m_tile > 0)
+        grad_s_t = p_t * (grad_p_t - delta[None, :])                      # [BN,BM]
+        grad_s_t_hi, grad_s_t_lo = split_operand(grad_s_t, dtype, PRODUCTS, a_layout, 1.0)
+        grad_k = issue_products(grad_s_t_hi, grad_s_t_lo, q_hi, q_lo, grad_k, True,
+                                PRODUCTS)
+    grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
+        0, deps=(grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
+
+    store_cols_outputs(GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS, grad_k * scale, grad_v,
+                       batch, head, n_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, 1, SUM_ROWS,
+                       BLOCK_N, acc_layout)
+
+
+@gluon.jit
+def rows_compute_partition(PROBS, DELTA, GRAD_Q16, GRAD_Q_HALVES, GRAD_Q_SUMS, scale, own,
+                           ring_k, ring_v, own_ready, ready, empty,
+                           NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                           PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """The consumers of the rows pass: three products per key tile (module docstring)
+    with P, dP and P * dP [BM,BN] in registers, then dQ and delta of the program's
+    queries stored."""
+    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
+    PRODUCTS: gl.constexpr = 3
+    dtype: gl.constexpr = own.dtype                                       # bf16
+    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)      # [BM,BN]
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # [BM,D]
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                 k_width=2)
+    query_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
+    key_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
+
+    batch_head = gl.program_id(1)
+    batch = batch_head // NUM_HEADS
+    head = batch_head % NUM_HEADS
+    m_start = gl.program_id(0) * BLOCK_M
+    queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
+    probs_rows = PROBS + batch_head.to(gl.int64) * SEQ_LEN * SEQ_LEN
+    # P tiles [BM,BN]: element (query, key) at query * SEQ_LEN + key
+    row_offsets = (clamped(queries, SEQ_LEN) * SEQ_LEN)[:, None]
+    tile_keys = gl.arange(0, BLOCK_N, layout=key_vector)
+    p_next = gl.load(probs_rows + row_offsets + clamped(tile_keys, SEQ_LEN)[None, :])
+    for ahead in gl.static_range(1, PREFETCH + 1):
+        prefetch_to_l2(probs_rows, m_start, ahead * BLOCK_N, SEQ_LEN, BLOCK_M, BLOCK_N,
+                       num_warps)
+    delta = gl.zeros([BLOCK_M], gl.float32, layout=query_vector)          # summed below
+    zeros_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=tile_layout)
+    # the P k and (P*dP) k accumulators, and the register operands in flight (zero)
+    p_k, grad_s_k, p_hi, p_lo, grad_s_hi, grad_s_lo = cols_carried_values(
+        BLOCK_M, BLOCK_N, HEAD_DIM, dtype, acc_layout, a_layout)
+    mbarrier.wait(own_ready, 0)
+    grad_attn_hi, grad_attn_lo = tile_parts(own, 0, 2)                    # [BM,D]
+    for n_tile in range(NUM_TILES):
+        slot = n_tile % NUM_STAGES
+        n_start = n_tile * BLOCK_N
+        keys = n_start + tile_keys
+        mbarrier.wait(ready.index(slot), (n_tile // NUM_STAGES) & 1)
+        k_hi, k_lo = tile_parts(ring_k, slot, 2)                          # [BN,D]
+        v_hi, v_lo = tile_parts(ring_v, slot, 2)
+        grad_p = issue_products(grad_attn_hi, grad_attn_lo, v_hi.permute((1, 0)),
+                                v_lo.permute((1, 0)), zeros_tile, False,
+                                PRODUCTS)                                  # [BM,BN]
+        # P k of the previous tile is done reading the registers about to be reused
+        p_hi, p_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_hi, p_lo))
+        p = gl.where((keys < SEQ_LEN)[None, :], p_next, 0.0)
+        p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout, 1.0)
+        p_k = issue_products(p_hi, p_lo, k_hi, k_lo, p_k, True, PRODUCTS)
+        p_next = gl.load(probs_rows + row_offsets
+                         + clamped(keys + BLOCK_N, SEQ_LEN)[None, :])
+        if PREFETCH > 0:
+            prefetch_to_l2(probs_rows, m_start, n_start + (PREFETCH + 1) * BLOCK_N,
+                           SEQ_LEN, BLOCK_M, BLOCK_N, num_warps)
+        # dP, and (P*dP) k of the previous tile with it: that tile's slot is read no more
+        grad_p, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
+            PRODUCTS, deps=(grad_p, grad_s_hi, grad_s_lo))
+        # every consumer thread is past those products; predicated, not branched on: a
+        # branch here made ptxas 3.9's serialize every wgmma (C7513)
+        cta_barrier()
+        mbarrier.arrive(empty.index((n_tile + NUM_STAGES - 1) % NUM_STAGES), count=1,
+                        pred=n_tile > 0)
+        grad_s = p * grad_p
+        delta += gl.sum(grad_s, axis=1)
+        grad_s_hi, grad_s_lo = split_operand(grad_s, dtype, PRODUCTS, a_layout, 1.0)
+        grad_s_k = issue_products(grad_s_hi, grad_s_lo, k_hi, k_lo, grad_s_k, True,
+                                  PRODUCTS)
+    grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
+        0, deps=(grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo))
+    delta_acc = gl.convert_layout(delta, gl.SliceLayout(1, acc_layout))
+    grad_q = (grad_s_k - delta_acc[:, None] * p_k) * scale
+    store_rows_outputs(DELTA, GRAD_Q16, GRAD_Q_HALVES, GRAD_Q_SUMS, grad_q, delta,
+                       batch_head.to(gl.int64), batch, head, m_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, 1,
+                       SUM_ROWS, BLOCK_M, query_vector, acc_layout)
+
+
+@gluon.jit
+def attention_passes_ws_kernel(PROBS, own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc,
+                               b_hi_desc, b_lo_desc, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS,
+                               scale, NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
+                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                               PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
+                               HEADS_IN_ROWS: gl.constexpr, ROWS_PASS: gl.constexpr,
+                               WORKER_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+    """One pass with P given, of the 128 rows a program owns of one (batch, head):
+    program ids (row block, batch * NUM_HEADS + head). PROBS: P [B,H,S,S] float32. The
+    descriptors: TMA descriptors of the bf16 halves (hi, lo) of
+      cols pass (BLOCK_N = 128 keys own): own v [BN,D], a q [BM,D], b grad_attn [BM,D];
+        DELTA [B,H,S] float32 read (rowsum(P * dP), the rows pass's); outputs GRAD16
+        [B,S,2E] fp16 (dK | dV), GRAD_HALVES [B,S,4E] bf16, GRAD_SUMS [B,G,2E] float32;
+      rows pass (ROWS_PASS, BLOCK_M = 128 queries own): own grad_attn [BM,D], a k [BN,D],
+        b v [BN,D]; outputs DELTA [B,H,S] float32, GRAD16 [B,S,E] fp16 (dQ), GRAD_HALVES
+        [B,S,2E] bf16, GRAD_SUMS [B,G,E] float32;
+    as the two-pass kernels' (head_coordinates says where a head lies in q, k, v and
+    grad_attn). The owned rows are 16 * num_warps (one consumer warpgroup per 64); the
+    producer warp keeps WORKER_REGISTERS registers per thread."""
+    OWN_ROWS: gl.constexpr = BLOCK_M if ROWS_PASS else BLOCK_N
+    TILE_ROWS: gl.constexpr = BLOCK_N if ROWS_PASS else BLOCK_M
+    gl.static_assert(OWN_ROWS == 16 * num_warps, "one consumer warpgroup per 64 rows")
+    gl.static_assert(NUM_STAGES >= 2, "a slot is given back only after the next tile's "
+                     "products are issued")
+    dtype: gl.constexpr = own_hi_desc.dtype
+    own = gl.allocate_shared_memory(dtype, [2, OWN_ROWS, HEAD_DIM], own_hi_desc.layout)
+    ring_a = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, TILE_ROWS, HEAD_DIM],
+                                       a_hi_desc.layout)
+    ring_b = gl.allocate_shared_memory(dtype, [2 * NUM_STAGES, TILE_ROWS, HEAD_DIM],
+                                       b_hi_desc.layout)
+    own_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(own_ready, count=1)
+    for stage in gl.static_range(NUM_STAGES):
+        mbarrier.init(ready.index(stage), count=1)
+        mbarrier.init(empty.index(stage), count=1)
+    fence_async_shared()
+
+    # (the partitions' arguments written out in each call: a tuple of them held in a
+    # variable does not keep its constexprs constant)
+    if ROWS_PASS:
+        gl.warp_specialize([
+            (rows_compute_partition, (PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale,
+                                      own, ring_a, ring_b, own_ready, ready, empty,
+                                      NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                      NUM_STAGES, PREFETCH, SUM_ROWS, num_warps)),
+            (load_partition, (own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc,
+                              b_lo_desc, own, ring_a, ring_b, own_ready, ready, empty,
+                              NUM_HEADS, SEQ_LEN, HEAD_DIM, OWN_ROWS, TILE_ROWS,
+                              NUM_STAGES, HEADS_IN_ROWS, ROWS_PASS)),
+        ], [1], [WORKER_REGISTERS])
+    else:
+        gl.warp_specialize([
+            (cols_compute_partition, (PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale,
+                                      own, ring_a, ring_b, own_ready, ready, empty,
+                                      NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                      NUM_STAGES, PREFETCH, SUM_ROWS, num_warps)),
+            (load_partition, (own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc,
+                              b_lo_desc, own, ring_a, ring_b, own_ready, ready, empty,
+                              NUM_HEADS, SEQ_LEN, HEAD_DIM, OWN_ROWS, TILE_ROWS,
+                              NUM_STAGES, HEADS_IN_ROWS, ROWS_PASS)),
+        ], [1], [WORKER_REGISTERS])
