@@ -106,165 +106,113 @@ def load_partition(own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc, b_
 
 
 @gluon.jit
-def cols_compute_partition(PROBS, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS, scale, own,
-                           ring_q, ring_grad_attn, own_ready, ready, empty,
-                           NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                           PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
-                           num_warps: gl.constexpr):
-    """The consumers of the cols pass: three products per query tile (module docstring) with P^T, dP^T
-    and dS^T [BN,BM] in registers, then dK and dV of the program's keys stored."""
-    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
+def compute_partition(PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own, ring_a,
+                      ring_b, own_ready, ready, empty, NUM_HEADS: gl.constexpr,
+                      SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+                      PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
+                      ROWS_PASS: gl.constexpr, num_warps: gl.constexpr):
+    """The consumers of either pass: three products per step (module docstring) with
+    the [own, walked] tiles in registers: X = own @ b^T (dP^T = v dO^T; rows pass dP =
+    dO v^T), the second product's accumulator += P' @ (b; rows pass a) (dV; P k), the
+    third's += S' @ a (dK with S' = P^T * (dP^T - delta); (P*dP) k with S' = P * dP);
+    then the pass's outputs stored."""
+    OWN_ROWS: gl.constexpr = BLOCK_M if ROWS_PASS else BLOCK_N
+    TILE_ROWS: gl.constexpr = BLOCK_N if ROWS_PASS else BLOCK_M
+    NUM_TILES: gl.constexpr = (SEQ_LEN + TILE_ROWS - 1) // TILE_ROWS
     PRODUCTS: gl.constexpr = 3
     dtype: gl.constexpr = own.dtype                                       # bf16
-    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)      # [BN,BM]
-    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # [BN,D]: dK, dV
+    tile_layout: gl.constexpr = wgmma_layout(num_warps, TILE_ROWS)    # [own, walked]
+    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # [own, D]
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                  k_width=2)
-    key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
-    query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
+    own_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
+    walked_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
 
     batch_head = gl.program_id(1)
     batch = batch_head // NUM_HEADS
     head = batch_head % NUM_HEADS
-    n_start = gl.program_id(0) * BLOCK_N
-    keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
+    own_start = gl.program_id(0) * OWN_ROWS
+    owned = own_start + gl.arange(0, OWN_ROWS, layout=own_vector)
     probs_head = PROBS + batch_head.to(gl.int64) * SEQ_LEN * SEQ_LEN
     delta_head = DELTA + batch_head.to(gl.int64) * SEQ_LEN
-    # P^T tiles [BN,BM]: element (key, query) at query * SEQ_LEN + key
-    key_offsets = clamped(keys, SEQ_LEN)[:, None]
-    tile_queries = gl.arange(0, BLOCK_M, layout=query_vector)
-    p_t_next = gl.load(probs_head + key_offsets
-                       + (clamped(tile_queries, SEQ_LEN) * SEQ_LEN)[None, :])
+    tile_walked = gl.arange(0, TILE_ROWS, layout=walked_vector)
+    # the P tile of a step, [own, walked]: element (query, key) at query * SEQ_LEN + key,
+    # so the rows pass's own rows are P's rows and the cols pass's its columns (P^T)
+    if ROWS_PASS:
+        own_offsets = (clamped(owned, SEQ_LEN) * SEQ_LEN)[:, None]
+        p_next = gl.load(probs_head + own_offsets + clamped(tile_walked, SEQ_LEN)[None, :])
+        delta = gl.zeros([OWN_ROWS], gl.float32, layout=own_vector)      # summed below
+    else:
+        own_offsets = clamped(owned, SEQ_LEN)[:, None]
+        p_next = gl.load(probs_head + own_offsets
+                         + (clamped(tile_walked, SEQ_LEN) * SEQ_LEN)[None, :])
     for ahead in gl.static_range(1, PREFETCH + 1):
-        prefetch_to_l2(probs_head, ahead * BLOCK_M, n_start, SEQ_LEN, BLOCK_M, BLOCK_N,
-                       num_warps)
-    zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
-    grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = cols_carried_values(
-        BLOCK_N, BLOCK_M, HEAD_DIM, dtype, acc_layout, a_layout)
+        if ROWS_PASS:
+            prefetch_to_l2(probs_head, own_start, ahead * TILE_ROWS, SEQ_LEN, BLOCK_M,
+                           BLOCK_N, num_warps)
+        else:
+            prefetch_to_l2(probs_head, ahead * TILE_ROWS, own_start, SEQ_LEN, BLOCK_M,
+                           BLOCK_N, num_warps)
+    zeros_tile = gl.zeros([OWN_ROWS, TILE_ROWS], gl.float32, layout=tile_layout)
+    # the second and third products' accumulators, and the register operands in flight
+    second, third, p_hi, p_lo, s_hi, s_lo = cols_carried_values(
+        OWN_ROWS, TILE_ROWS, HEAD_DIM, dtype, acc_layout, a_layout)
     mbarrier.wait(own_ready, 0)
-    v_hi, v_lo = tile_parts(own, 0, 2)                                # [BN,D]
-    for m_tile in range(NUM_TILES):
-        slot = m_tile % NUM_STAGES
-        m_start = m_tile * BLOCK_M
-        queries = m_start + tile_queries
-        delta = load_vector(delta_head, m_start, SEQ_LEN, BLOCK_M, query_vector)
-        mbarrier.wait(ready.index(slot), (m_tile // NUM_STAGES) & 1)
-        q_hi, q_lo = tile_parts(ring_q, slot, 2)                          # [BM,D]
-        grad_attn_hi, grad_attn_lo = tile_parts(ring_grad_attn, slot, 2)
-        grad_p_t = issue_products(v_hi, v_lo, grad_attn_hi.permute((1, 0)),
-                                  grad_attn_lo.permute((1, 0)), zeros_tile, False,
-                                  PRODUCTS)                                # [BN,BM]
-        # dV of the previous tile is done reading the registers about to be reused
-        p_t_hi, p_t_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_t_hi, p_t_lo))
-        p_t = gl.where((queries < SEQ_LEN)[None, :], p_t_next, 0.0)
-        p_t_hi, p_t_lo = split_operand(p_t, dtype, PRODUCTS, a_layout, 1.0)
-        grad_v = issue_products(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v, True,
-                                PRODUCTS)
-        p_t_next = next_p_t_tile(probs_head, key_offsets, queries, m_start, n_start,
-                                 SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
-        # dP^T, and dK of the previous tile with it: that tile's slot is read no more
-        grad_p_t, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
-            PRODUCTS, deps=(grad_p_t, grad_s_t_hi, grad_s_t_lo))
-        # every consumer thread is past those products; predicated, not branched on: a
-        # branch here made ptxas 3.9's serialize every wgmma (C7513)
-        cta_barrier()
-        mbarrier.arrive(empty.index((m_tile + NUM_STAGES - 1) % NUM_STAGES), count=1,
-                        pred=m_tile > 0)
-        grad_s_t = p_t * (grad_p_t - delta[None, :])                      # [BN,BM]
-        grad_s_t_hi, grad_s_t_lo = split_operand(grad_s_t, dtype, PRODUCTS, a_layout, 1.0)
-        grad_k = issue_products(grad_s_t_hi, grad_s_t_lo, q_hi, q_lo, grad_k, True,
-                                PRODUCTS)
-    grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
-        0, deps=(grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
-
-    store_cols_outputs(GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS, grad_k * scale, grad_v,
-                       batch, head, n_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, 1, SUM_ROWS,
-                       BLOCK_N, acc_layout)
-
-
-@gluon.jit
-def rows_compute_partition(PROBS, DELTA, GRAD_Q16, GRAD_Q_HALVES, GRAD_Q_SUMS, scale, own,
-                           ring_k, ring_v, own_ready, ready, empty,
-                           NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                           BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                           PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
-                           num_warps: gl.constexpr):
-    """The consumers of the rows pass: three products per key tile (module docstring)
-    with P, dP and P * dP [BM,BN] in registers, then dQ and delta of the program's
-    queries stored."""
-    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
-    PRODUCTS: gl.constexpr = 3
-    dtype: gl.constexpr = own.dtype                                       # bf16
-    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)      # [BM,BN]
-    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_DIM)      # [BM,D]
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                 k_width=2)
-    query_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
-    key_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
-
-    batch_head = gl.program_id(1)
-    batch = batch_head // NUM_HEADS
-    head = batch_head % NUM_HEADS
-    m_start = gl.program_id(0) * BLOCK_M
-    queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
-    probs_rows = PROBS + batch_head.to(gl.int64) * SEQ_LEN * SEQ_LEN
-    # P tiles [BM,BN]: element (query, key) at query * SEQ_LEN + key
-    row_offsets = (clamped(queries, SEQ_LEN) * SEQ_LEN)[:, None]
-    tile_keys = gl.arange(0, BLOCK_N, layout=key_vector)
-    p_next = gl.load(probs_rows + row_offsets + clamped(tile_keys, SEQ_LEN)[None, :])
-    for ahead in gl.static_range(1, PREFETCH + 1):
-        prefetch_to_l2(probs_rows, m_start, ahead * BLOCK_N, SEQ_LEN, BLOCK_M, BLOCK_N,
-                       num_warps)
-    delta = gl.zeros([BLOCK_M], gl.float32, layout=query_vector)          # summed below
-    zeros_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=tile_layout)
-    # the P k and (P*dP) k accumulators, and the register operands in flight (zero)
-    p_k, grad_s_k, p_hi, p_lo, grad_s_hi, grad_s_lo = cols_carried_values(
-        BLOCK_M, BLOCK_N, HEAD_DIM, dtype, acc_layout, a_layout)
-    mbarrier.wait(own_ready, 0)
-    grad_attn_hi, grad_attn_lo = tile_parts(own, 0, 2)                    # [BM,D]
-    for n_tile in range(NUM_TILES):
-        slot = n_tile % NUM_STAGES
-        n_start = n_tile * BLOCK_N
-        keys = n_start + tile_keys
-        mbarrier.wait(ready.index(slot), (n_tile // NUM_STAGES) & 1)
-        k_hi, k_lo = tile_parts(ring_k, slot, 2)                          # [BN,D]
-        v_hi, v_lo = tile_parts(ring_v, slot, 2)
-        grad_p = issue_products(grad_attn_hi, grad_attn_lo, v_hi.permute((1, 0)),
-                                v_lo.permute((1, 0)), zeros_tile, False,
-                                PRODUCTS)                                  # [BM,BN]
-        # P k of the previous tile is done reading the registers about to be reused
+    own_hi, own_lo = tile_parts(own, 0, 2)                      # v; rows pass dO
+    for tile in range(NUM_TILES):
+        slot = tile % NUM_STAGES
+        tile_start = tile * TILE_ROWS
+        walked = tile_start + tile_walked
+        if not ROWS_PASS:
+            delta = load_vector(delta_head, tile_start, SEQ_LEN, TILE_ROWS, walked_vector)
+        mbarrier.wait(ready.index(slot), (tile // NUM_STAGES) & 1)
+        a_hi, a_lo = tile_parts(ring_a, slot, 2)                # q; rows pass k
+        b_hi, b_lo = tile_parts(ring_b, slot, 2)                # dO; rows pass v
+        x = issue_products(own_hi, own_lo, b_hi.permute((1, 0)), b_lo.permute((1, 0)),
+                           zeros_tile, False, PRODUCTS)          # dP^T; rows pass dP
+        # the previous step's second product is done reading the registers reused next
         p_hi, p_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_hi, p_lo))
-        p = gl.where((keys < SEQ_LEN)[None, :], p_next, 0.0)
+        p = gl.where((walked < SEQ_LEN)[None, :], p_next, 0.0)
         p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout, 1.0)
-        p_k = issue_products(p_hi, p_lo, k_hi, k_lo, p_k, True, PRODUCTS)
-        p_next = gl.load(probs_rows + row_offsets
-                         + clamped(keys + BLOCK_N, SEQ_LEN)[None, :])
-        if PREFETCH > 0:
-            prefetch_to_l2(probs_rows, m_start, n_start + (PREFETCH + 1) * BLOCK_N,
-                           SEQ_LEN, BLOCK_M, BLOCK_N, num_warps)
-        # dP, and (P*dP) k of the previous tile with it: that tile's slot is read no more
-        grad_p, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
-            PRODUCTS, deps=(grad_p, grad_s_hi, grad_s_lo))
+        if ROWS_PASS:
+            second = issue_products(p_hi, p_lo, a_hi, a_lo, second, True, PRODUCTS)
+            p_next = gl.load(probs_head + own_offsets
+                             + clamped(walked + TILE_ROWS, SEQ_LEN)[None, :])
+            if PREFETCH > 0:
+                prefetch_to_l2(probs_head, own_start, tile_start + (PREFETCH + 1) * TILE_ROWS,
+                               SEQ_LEN, BLOCK_M, BLOCK_N, num_warps)
+        else:
+            second = issue_products(p_hi, p_lo, b_hi, b_lo, second, True, PRODUCTS)
+            p_next = next_p_t_tile(probs_head, own_offsets, walked, tile_start, own_start,
+                                   SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
+        # X, and the previous step's third product with it: its slot is read no more
+        x, s_hi, s_lo = warpgroup_mma_wait(PRODUCTS, deps=(x, s_hi, s_lo))
         # every consumer thread is past those products; predicated, not branched on: a
         # branch here made ptxas 3.9's serialize every wgmma (C7513)
         cta_barrier()
-        mbarrier.arrive(empty.index((n_tile + NUM_STAGES - 1) % NUM_STAGES), count=1,
-                        pred=n_tile > 0)
-        grad_s = p * grad_p
-        delta += gl.sum(grad_s, axis=1)
-        grad_s_hi, grad_s_lo = split_operand(grad_s, dtype, PRODUCTS, a_layout, 1.0)
-        grad_s_k = issue_products(grad_s_hi, grad_s_lo, k_hi, k_lo, grad_s_k, True,
-                                  PRODUCTS)
-    grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
-        0, deps=(grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo))
-    delta_acc = gl.convert_layout(delta, gl.SliceLayout(1, acc_layout))
-    grad_q = (grad_s_k - delta_acc[:, None] * p_k) * scale
-    store_rows_outputs(DELTA, GRAD_Q16, GRAD_Q_HALVES, GRAD_Q_SUMS, grad_q, delta,
-                       batch_head.to(gl.int64), batch, head, m_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, 1,
-                       SUM_ROWS, BLOCK_M, query_vector, acc_layout)
+        mbarrier.arrive(empty.index((tile + NUM_STAGES - 1) % NUM_STAGES), count=1,
+                        pred=tile > 0)
+        if ROWS_PASS:
+            s = p * x                                            # P * dP
+            delta += gl.sum(s, axis=1)
+        else:
+            s = p * (x - delta[None, :])                         # dS^T
+        s_hi, s_lo = split_operand(s, dtype, PRODUCTS, a_layout, 1.0)
+        third = issue_products(s_hi, s_lo, a_hi, a_lo, third, True, PRODUCTS)
+    second, third, p_hi, p_lo, s_hi, s_lo = warpgroup_mma_wait(
+        0, deps=(second, third, p_hi, p_lo, s_hi, s_lo))
+
+    if ROWS_PASS:                      # second: P k, third: (P*dP) k
+        delta_acc = gl.convert_layout(delta, gl.SliceLayout(1, acc_layout))
+        store_rows_outputs(DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS,
+                           (third - delta_acc[:, None] * second) * scale, delta,
+                           batch_head.to(gl.int64), batch, head, own_start, SEQ_LEN,
+                           NUM_HEADS, HEAD_DIM, 1, SUM_ROWS, BLOCK_M, own_vector, acc_layout)
+    else:                              # second: dV, third: dK / scale
+        store_cols_outputs(GRAD16, GRAD_HALVES, GRAD_SUMS, third * scale, second, batch,
+                           head, own_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, 1, SUM_ROWS,
+                           BLOCK_N, acc_layout)
 
 
 @gluon.jit
@@ -308,27 +256,13 @@ def attention_passes_ws_kernel(PROBS, own_hi_desc, own_lo_desc, a_hi_desc, a_lo_
         mbarrier.init(empty.index(stage), count=1)
     fence_async_shared()
 
-    # (the partitions' arguments written out in each call: a tuple of them held in a
-    # variable does not keep its constexprs constant)
-    if ROWS_PASS:
-        gl.warp_specialize([
-            (rows_compute_partition, (PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale,
-                                      own, ring_a, ring_b, own_ready, ready, empty,
-                                      NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                      NUM_STAGES, PREFETCH, SUM_ROWS, num_warps)),
-            (load_partition, (own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc,
-                              b_lo_desc, own, ring_a, ring_b, own_ready, ready, empty,
-                              NUM_HEADS, SEQ_LEN, HEAD_DIM, OWN_ROWS, TILE_ROWS,
-                              NUM_STAGES, HEADS_IN_ROWS, ROWS_PASS)),
-        ], [1], [WORKER_REGISTERS])
-    else:
-        gl.warp_specialize([
-            (cols_compute_partition, (PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale,
-                                      own, ring_a, ring_b, own_ready, ready, empty,
-                                      NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N,
-                                      NUM_STAGES, PREFETCH, SUM_ROWS, num_warps)),
-            (load_partition, (own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc,
-                              b_lo_desc, own, ring_a, ring_b, own_ready, ready, empty,
-                              NUM_HEADS, SEQ_LEN, HEAD_DIM, OWN_ROWS, TILE_ROWS,
-                              NUM_STAGES, HEADS_IN_ROWS, ROWS_PASS)),
-        ], [1], [WORKER_REGISTERS])
+    gl.warp_specialize([
+        (compute_partition, (PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own,
+                             ring_a, ring_b, own_ready, ready, empty, NUM_HEADS, SEQ_LEN,
+                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PREFETCH, SUM_ROWS,
+                             ROWS_PASS, num_warps)),
+        (load_partition, (own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc,
+                          b_lo_desc, own, ring_a, ring_b, own_ready, ready, empty, NUM_HEADS,
+                          SEQ_LEN, HEAD_DIM, OWN_ROWS, TILE_ROWS, NUM_STAGES, HEADS_IN_ROWS,
+                          ROWS_PASS)),
+    ], [1], [WORKER_REGISTERS])
