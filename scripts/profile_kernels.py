@@ -4,8 +4,8 @@ step (forward + backward), with the kernels grouped by kind; --autocast runs the
 module's forward under torch.autocast(bfloat16), --stock profiles the stock block
 (LayerNorm, Linear, SDPA, Linear) instead of ours.
 
-    python scripts/profile_kernels.py --batch 32 [--module [--autocast] [--stock]]
-                                      [--trace trace.json]
+    python scripts/profile_kernels.py --batch 32 [--module [--autocast] [--stock]
+        [--float32-precision high]] [--trace trace.json]
 """
 import contextlib
 import argparse
@@ -71,9 +71,14 @@ def main():
                         help="--module: the forward under torch.autocast(bfloat16)")
     parser.add_argument("--stock", action="store_true",
                         help="--module: the stock block instead of ours")
+    parser.add_argument("--float32-precision", choices=("highest", "high"),
+                        default="highest", help="--module: torch's float32 matmul "
+                        "precision for the run (the block follows it; \"high\": TF32 for "
+                        "--stock), default %(default)s")
     parser.add_argument("--rows", type=int, default=25)
     parser.add_argument("--trace", type=Path)
     args = parser.parse_args()
+    torch.set_float32_matmul_precision(args.float32_precision)
     if args.module:
         step = module_step(args.batch, args.autocast, args.stock)
     else:
