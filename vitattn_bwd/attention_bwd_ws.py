@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import buffers, compile_probe, launcher
+from . import buffers, compile_probe, gluon_core, launcher
 from .precision import HALF_DTYPES
 
 
@@ -306,6 +306,16 @@ def kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows):
                 num_warps=tiles.num_warps)
 
 
+_ELEMENT_TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}     # triton's names
+
+
+def _descriptor_type(rows, head_dim, dtype):
+    """The signature type of a TMA descriptor of [rows, head_dim] tiles of `dtype` (what
+    _descriptor makes), for a compile without a launch."""
+    layout = _shared_layout((rows, head_dim), _gl_dtype(dtype))
+    return f"tensordesc<{_ELEMENT_TYPES[dtype]}[{rows}, {head_dim}],{layout!r}>"
+
+
 def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=HEAD_DIM, dtype=torch.bfloat16,
                  heads_in_rows=False):
     """The main kernel compiled for sm_90 (triton's CompiledKernel: .asm["cubin"],
@@ -314,11 +324,10 @@ def compile_sm90(tiles, seq_len=577, num_heads=16, head_dim=HEAD_DIM, dtype=torc
     from .kernels.gluon_compat import compile_without_launch
     kernel = attention_bwd_ws_kernel
     constexprs = kernel_constexprs(num_heads, seq_len, head_dim, tiles, heads_in_rows)
-    element = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    element = _ELEMENT_TYPES[dtype]
 
     def descriptor(rows):
-        layout = _shared_layout((rows, head_dim), _gl_dtype(dtype))
-        return f"tensordesc<{element}[{rows}, {head_dim}],{layout!r}>"
+        return _descriptor_type(rows, head_dim, dtype)
     signature = dict(q_desc=descriptor(tiles.block_m), k_desc=descriptor(tiles.block_n),
                      v_desc=descriptor(tiles.block_n),
                      grad_attn_desc=descriptor(tiles.block_m), LSE_LOG2="*fp32",
@@ -407,11 +416,17 @@ def _check_pass(probs, grad_attn_hi, grad_attn_lo, parts, delta, tiles, rows_pas
                          f"{[batch, heads, seq_len]}, got {delta.dtype} {list(delta.shape)}")
     # a ring of one slot deadlocks: the consumers would wait for tile m before giving
     # back the slot tile m needs
-    own = tiles.block_m if rows_pass else tiles.block_n
-    if own != 128 or tiles.num_warps != 8 or tiles.num_stages < 2:
+    if _own_and_walked_rows(tiles, rows_pass)[0] != 128 or tiles.num_warps != 8 \
+            or tiles.num_stages < 2:
         side = "block_m" if rows_pass else "block_n"
         raise ValueError(f"tiles must have {side} 128, 8 warps and at least 2 stages, "
                          f"got {tiles}")
+
+
+def _own_and_walked_rows(tiles, rows_pass):
+    """(the rows a program owns, the rows of a walked tile): queries and keys in the
+    rows pass, keys and queries in the cols pass."""
+    return (tiles.block_m, tiles.block_n) if rows_pass else (tiles.block_n, tiles.block_m)
 
 
 def _launch_pass(rows_pass, probs, own, a, b, delta, grad16, halves, sums, scale, tiles,
@@ -422,13 +437,10 @@ def _launch_pass(rows_pass, probs, own, a, b, delta, grad16, halves, sums, scale
     qkv_part = a[0]                                        # q or k [B,H,S,D]
     heads_in_rows = _heads_in_rows(qkv_part)
     batch, heads, seq_len, head_dim = qkv_part.shape
-    own_rows, tile_rows = ((tiles.block_m, tiles.block_n) if rows_pass
-                           else (tiles.block_n, tiles.block_m))
-    own_layout = False if rows_pass else heads_in_rows     # grad_attn: [B,S,E]
-    b_layout = heads_in_rows if rows_pass else False
-    descriptors = (*(_descriptor(t, own_layout, own_rows, head_dim) for t in own),
-                   *(_descriptor(t, heads_in_rows, tile_rows, head_dim) for t in a),
-                   *(_descriptor(t, b_layout, tile_rows, head_dim) for t in b))
+    own_rows, tile_rows = _own_and_walked_rows(tiles, rows_pass)
+    # (grad_attn's [B,S,E] descriptors ignore heads_in_rows: _descriptor)
+    descriptors = (*(_descriptor(t, heads_in_rows, own_rows, head_dim) for t in own),
+                   *(_descriptor(t, heads_in_rows, tile_rows, head_dim) for t in (*a, *b)))
     grid = (-(-seq_len // own_rows), batch * heads)
     launcher.launch(attention_passes_ws_kernel, grid, probs, *descriptors, delta, grad16,
                     halves, sums, scale,
@@ -438,13 +450,14 @@ def _launch_pass(rows_pass, probs, own, a, b, delta, grad16, halves, sums, scale
 
 
 def launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta,
-                   grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, prefetch=2):
+                   grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles,
+                   prefetch=gluon_core.COLS_PREFETCH):
     """gluon_core.launch_cols's outputs with P given and bf16 halves (grad_kv16,
     grad_kv_halves, grad_kv_sums, filled), from the warp-specialized cols pass at
     `tiles` (PassWsTiles). probs: P [B,H,S,S] float32; q, v halves [B,H,S,D] bf16,
     contiguous or head views of a QKV projection, one set of strides; grad_attn halves
     [B,S,E] contiguous; delta [B,H,S] float32 (the rows pass's). prefetch: P tiles the
-    L2 is asked for ahead of the register loads."""
+    L2 is asked for ahead of the register loads (by default the two-pass kernel's)."""
     _check_pass(probs, grad_attn_hi, grad_attn_lo, (q_hi, q_lo, v_hi, v_lo), delta, tiles,
                 rows_pass=False)
     _launch_pass(False, probs, (v_hi, v_lo), (q_hi, q_lo), (grad_attn_hi, grad_attn_lo),
@@ -452,7 +465,8 @@ def launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, de
 
 
 def launch_rows_ws(probs, grad_attn_hi, grad_attn_lo, k_hi, k_lo, v_hi, v_lo, delta,
-                   grad_q_halves, grad_q_sums, grad_q16, scale, tiles, prefetch=4):
+                   grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
+                   prefetch=gluon_core.ROWS_PREFETCH):
     """gluon_core.launch_rows's outputs with P given and bf16 halves (delta, grad_q16,
     grad_q_halves, grad_q_sums, filled), from the warp-specialized rows pass at `tiles`
     (PassWsTiles); the arguments as launch_cols_ws's, with k in place of q and delta
@@ -461,28 +475,6 @@ def launch_rows_ws(probs, grad_attn_hi, grad_attn_lo, k_hi, k_lo, v_hi, v_lo, de
                 rows_pass=True)
     _launch_pass(True, probs, (grad_attn_hi, grad_attn_lo), (k_hi, k_lo), (v_hi, v_lo),
                  delta, grad_q16, grad_q_halves, grad_q_sums, scale, tiles, prefetch)
-
-
-def cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta, scale, tiles,
-            prefetch=2):
-    """launch_cols_ws into new buffers -> (grad_kv16, grad_kv_halves, grad_kv_sums), as
-    gluon_core.gluon_softmax_bwd_cols returns them."""
-    from .gluon_core import cols_outputs
-    grad_kv16, grad_kv_halves, grad_kv_sums = cols_outputs(q_hi, 3, buffers.output_buffer)
-    launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta,
-                   grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, prefetch)
-    return grad_kv16, grad_kv_halves, grad_kv_sums
-
-
-def rows_ws(probs, grad_attn_hi, grad_attn_lo, k_hi, k_lo, v_hi, v_lo, scale, tiles,
-            prefetch=4):
-    """launch_rows_ws into new buffers -> (grad_q16, grad_q_halves, delta, grad_q_sums),
-    as gluon_core.gluon_softmax_bwd_rows returns them."""
-    from .gluon_core import rows_outputs
-    grad_q16, grad_q_halves, delta, grad_q_sums = rows_outputs(k_hi, 3, buffers.output_buffer)
-    launch_rows_ws(probs, grad_attn_hi, grad_attn_lo, k_hi, k_lo, v_hi, v_lo, delta,
-                   grad_q_halves, grad_q_sums, grad_q16, scale, tiles, prefetch)
-    return grad_q16, grad_q_halves, delta, grad_q_sums
 
 
 def passes_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch, heads_in_rows,
@@ -503,18 +495,14 @@ def compile_pass_ws_sm90(tiles, rows_pass, seq_len=577, num_heads=16, head_dim=H
     from .kernels.attention_passes_ws import attention_passes_ws_kernel
     from .kernels.gluon_compat import compile_without_launch
     kernel = attention_passes_ws_kernel
-    constexprs = passes_ws_constexprs(num_heads, seq_len, head_dim, tiles,
-                                      4 if rows_pass else 2, heads_in_rows, rows_pass)
-    own_rows, tile_rows = ((tiles.block_m, tiles.block_n) if rows_pass
-                           else (tiles.block_n, tiles.block_m))
-
-    def descriptor(rows):
-        layout = _shared_layout((rows, head_dim), _gl_dtype(torch.bfloat16))
-        return f"tensordesc<bf16[{rows}, {head_dim}],{layout!r}>"
-    signature = dict(PROBS="*fp32", own_hi_desc=descriptor(own_rows),
-                     own_lo_desc=descriptor(own_rows), a_hi_desc=descriptor(tile_rows),
-                     a_lo_desc=descriptor(tile_rows), b_hi_desc=descriptor(tile_rows),
-                     b_lo_desc=descriptor(tile_rows), DELTA="*fp32", GRAD16="*fp16",
+    prefetch = gluon_core.ROWS_PREFETCH if rows_pass else gluon_core.COLS_PREFETCH
+    constexprs = passes_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch,
+                                      heads_in_rows, rows_pass)
+    own, walked = (_descriptor_type(rows, head_dim, torch.bfloat16)
+                   for rows in _own_and_walked_rows(tiles, rows_pass))
+    signature = dict(PROBS="*fp32", own_hi_desc=own, own_lo_desc=own, a_hi_desc=walked,
+                     a_lo_desc=walked, b_hi_desc=walked, b_lo_desc=walked, DELTA="*fp32",
+                     GRAD16="*fp16",
                      GRAD_HALVES="*bf16", GRAD_SUMS="*fp32", scale="fp32")
     signature.update({name: "constexpr" for name in constexprs})
     signature = {name: signature[name] for name in kernel.arg_names}
