@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from .attention_bwd_ws import head_coordinates
 from .gluon_compat import cta_barrier, tma_load
 from .softmax_bwd_gluon import (clamped, cols_carried_values, issue_products, load_vector,
-                                next_p_t_tile, prefetch_to_l2, split_operand,
+                                next_p_t_tile, next_p_tile, prefetch_to_l2, split_operand,
                                 store_cols_outputs, store_rows_outputs, tile_parts,
                                 wgmma_layout)
 
@@ -177,11 +177,8 @@ def compute_partition(PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own, 
         p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout, 1.0)
         if ROWS_PASS:
             second = issue_products(p_hi, p_lo, a_hi, a_lo, second, True, PRODUCTS)
-            p_next = gl.load(probs_head + own_offsets
-                             + clamped(walked + TILE_ROWS, SEQ_LEN)[None, :])
-            if PREFETCH > 0:
-                prefetch_to_l2(probs_head, own_start, tile_start + (PREFETCH + 1) * TILE_ROWS,
-                               SEQ_LEN, BLOCK_M, BLOCK_N, num_warps)
+            p_next = next_p_tile(probs_head, own_offsets, walked, own_start, tile_start,
+                                 SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
         else:
             second = issue_products(p_hi, p_lo, b_hi, b_lo, second, True, PRODUCTS)
             p_next = next_p_t_tile(probs_head, own_offsets, walked, tile_start, own_start,

@@ -311,6 +311,22 @@ def store_column_sums(SUMS, value, batch, row_start, col, SEQ_LEN: gl.constexpr,
 
 
 @gluon.jit
+def next_p_tile(probs_rows, row_offsets, keys, m_start, n_start, SEQ_LEN: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PREFETCH: gl.constexpr,
+                num_warps: gl.constexpr):
+    """A rows pass's P tile [BM,BN] of the key tile after the current one (its `keys`,
+    in the tile layout's key vector, from n_start), loaded into registers from clamped
+    indices (row_offsets: the program's queries, clamped, times SEQ_LEN, as a column);
+    and the L2 asked for the tile PREFETCH tiles after that one (prefetch_to_l2). The
+    cols passes' twin is next_p_t_tile."""
+    p = gl.load(probs_rows + row_offsets + clamped(keys + BLOCK_N, SEQ_LEN)[None, :])
+    if PREFETCH > 0:
+        prefetch_to_l2(probs_rows, m_start, n_start + (PREFETCH + 1) * BLOCK_N, SEQ_LEN,
+                       BLOCK_M, BLOCK_N, num_warps)
+    return p
+
+
+@gluon.jit
 def next_p_t_tile(probs_head, key_offsets, queries, m_start, n_start, SEQ_LEN: gl.constexpr,
                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, PREFETCH: gl.constexpr,
                   num_warps: gl.constexpr):
@@ -649,11 +665,8 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             p = p_next
             p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout, P_FACTOR)
             p_k = issue_products(p_hi, p_lo, k_hi, k_lo, p_k, True, PRODUCTS)
-            p_next = gl.load(probs_rows + row_offsets
-                             + clamped(keys + BLOCK_N, SEQ_LEN)[None, :])
-            if PREFETCH > 0:
-                prefetch_to_l2(probs_rows, m_start, n_start + (PREFETCH + 1) * BLOCK_N,
-                               SEQ_LEN, BLOCK_M, BLOCK_N, num_warps)
+            p_next = next_p_tile(probs_rows, row_offsets, keys, m_start, n_start, SEQ_LEN,
+                                 BLOCK_M, BLOCK_N, PREFETCH, num_warps)
             grad_p, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
                 PRODUCTS, deps=(grad_p, grad_s_hi, grad_s_lo))
             grad_s = p * grad_p
