@@ -98,31 +98,6 @@ def test_cuda_graphs_for_small_batches_on_every_thread():
     assert _in_a_thread(lambda: uses_cuda_graph("cuda", 1))
 
 
-def test_module_float32_graphs_replay_at_batch_one_only():
-    from vitattn_bwd.graph import MODULE_FLOAT32_CUDA_GRAPH_MAX_BATCH, uses_cuda_graph
-    assert uses_cuda_graph("cuda", 1, module_float32=True)
-    assert not uses_cuda_graph("cuda", MODULE_FLOAT32_CUDA_GRAPH_MAX_BATCH + 1,
-                               module_float32=True)
-    assert uses_cuda_graph("cuda", MODULE_FLOAT32_CUDA_GRAPH_MAX_BATCH + 1)
-    assert not uses_cuda_graph("cpu", 1, module_float32=True)
-
-
-def test_backward_routes_module_float32_apart_from_the_contract(monkeypatch):
-    """compiled_backward asks for the module's float32 graphs' CUDA-graph limit with the
-    module's float32 inputs (qkv), and the contract's limit with the contract's."""
-    from vitattn_bwd import graph
-    asked = []
-
-    def recording(device_type, batch, module_float32=False):
-        asked.append(module_float32)
-        return False
-    monkeypatch.setattr(graph, "uses_cuda_graph", recording)
-    contract.run(*make_case(2, 9, 2, 8).values())
-    block = vitattn_bwd.VisionAttentionBlock(16, 2)
-    block(torch.randn(2, 9, 16, requires_grad=True)).sum().backward()
-    assert asked == [False, True]
-
-
 def test_batch_buckets_cover_every_batch_size_once():
     from vitattn_bwd.graph import batch_bucket
     assert batch_bucket(1) is None

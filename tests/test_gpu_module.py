@@ -225,37 +225,6 @@ def test_large_batch_compiled_forward_without_cuda_graphs(monkeypatch):
     _check(block, x, torch.randn_like(x))
 
 
-def test_float32_block_replays_cuda_graphs_at_batch_one_only(monkeypatch):
-    """A float32 block's forward and backward replay CUDA graphs at batch 1 and run
-    directly at batch 2 (graph.MODULE_FLOAT32_CUDA_GRAPH_MAX_BATCH), where the
-    one-product path ("medium" under autocast) still replays them; the gradients
-    float32-grade against float64 either way."""
-    from vitattn_bwd import cuda_graphs, graph
-    monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
-    replays = recorded_calls(monkeypatch, cuda_graphs._Captured, "replay",
-                             lambda self, inputs: True)
-    block = _block()
-    torch.manual_seed(5)
-    for batch in (1, 2):
-        del replays[:]
-        x = torch.randn(batch, SEQ, EMBED, device=DEVICE)
-        grad_y = torch.randn_like(x)
-        for _ in range(2):
-            got = block_step(block, x, grad_y)
-        assert len(replays) == (4 if batch <= graph.MODULE_FLOAT32_CUDA_GRAPH_MAX_BATCH
-                                else 0), (batch, replays)
-        names = ["y", "x"] + [n for n, _ in block.named_parameters()]
-        for name, err in zip(names, relative_errors(got, block_step_float64(block, x,
-                                                                            grad_y))):
-            assert err < float32_grade_bound(name), (batch, name, err)
-    del replays[:]
-    medium = _block(precision="medium")
-    x = torch.randn(2, SEQ, EMBED, device=DEVICE)
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        medium(x.requires_grad_()).float().sum().backward()
-    assert len(replays) == 2, replays                 # its forward and its backward
-
-
 def test_float64_is_refused_in_the_forward():
     block = _block().double()
     x = torch.randn(1, 9, EMBED, device=DEVICE, dtype=torch.float64, requires_grad=True)

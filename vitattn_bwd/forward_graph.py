@@ -25,7 +25,7 @@ forward (attention_fwd.attention_fwd_half), qkv and attn_output saved in half_dt
 
 `attention_block_forward` is what VisionAttentionFunction calls: on CUDA (float32) the
 compiled graph, per configuration and batch bucket as the backward's (graph.py), with
-small batches replayed as CUDA graphs (graph.uses_cuda_graph, cuda_graphs.py; their
+batches up to graph.CUDA_GRAPH_MAX_BATCH replayed as CUDA graphs (cuda_graphs.py; their
 outputs are copied out, so the tensors saved for the backward stay valid); elsewhere, or
 for an empty batch, the same math eagerly with F.linear.
 """
@@ -156,8 +156,7 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
                         for shape, dtype in output_specs(x, num_heads, half_dtype))
     elif x.is_cuda and x.dtype in (torch.float32, half_dtype):
         fn = _compile(x.dtype, S, E, num_heads, eps, graph.batch_bucket(B),
-                      graph.uses_cuda_graph("cuda", B, module_float32=half_dtype is None),
-                      precision, half_dtype)
+                      graph.uses_cuda_graph("cuda", B), precision, half_dtype)
         outputs = _run_compiled(fn, tensors)
     else:
         outputs = block_forward(**tensors, num_heads=num_heads, eps=eps,

@@ -45,10 +45,8 @@ from .split_gemm import fp16_halves, matmul_fp16x3, transposed
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
 BATCH_BUCKETS = ((2, 15), (16, float("inf")))
-# Batches up to these sizes run as CUDA graphs (uses_cuda_graph): the contract's calls
-# and the one-product path, and the module's float32-grade path.
+# Batches up to this size run as CUDA graphs (uses_cuda_graph).
 CUDA_GRAPH_MAX_BATCH = 15
-MODULE_FLOAT32_CUDA_GRAPH_MAX_BATCH = 1
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v", "qkv",
                   "attn_weights", "attn_output")   # those present are marked dynamic
 # Rows (B*S) of the weight gradients' sums up to which precision "high" keeps the
@@ -261,25 +259,18 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     return tuple(g.to(x.dtype) for g in grads) if x.dtype in HALF_DTYPES else grads
 
 
-def uses_cuda_graph(device_type, batch, module_float32=False):
+def uses_cuda_graph(device_type, batch):
     """Small batches run as CUDA graphs (cuda_graphs.py), on any thread: their GPU work
     (0.1-1.5 ms) is shorter than launching their ~40 kernels one by one, and copying
     their inputs into the graphs' static buffers is cheap. Large batches run without:
     their input copies (P is 21 MB per image) would cost more than the launch gaps. (The
     module's one-product path at batch 32, whose GPU work is shorter than its launches,
     ran no faster as CUDA graphs: its input and output copies cost as much on the H200;
-    docs/performance.md, the one-product core.)
-
-    module_float32: the module's float32-grade graphs (VisionAttentionBlock's forward and
-    backward with activations in float32), which replay graphs up to
-    MODULE_FLOAT32_CUDA_GRAPH_MAX_BATCH only. Their saved activations are float32
-    (qkv alone is 7 MB per image), and in a 12-layer CLIP tower at "high" the copies
-    into and out of the static buffers took 0.185 of the block's 1.44 ms of GPU time at
-    batch 8, while the launch gaps they save hide behind the rest of the layer: the
-    tower ran 1.34x stock without graphs at batch 4 and 8 against 1.25x with them
-    (docs/performance.md, "The float32 tower without CUDA graphs")."""
-    limit = MODULE_FLOAT32_CUDA_GRAPH_MAX_BATCH if module_float32 else CUDA_GRAPH_MAX_BATCH
-    return device_type == "cuda" and batch <= limit
+    docs/performance.md, the one-product core. A float32 block at batch 2 and 8 without
+    graphs spent 8% less GPU time in a 12-layer tower, its input copies gone, but the
+    tower turned host-bound, 1.6-2.6x slower on an H100 host: "The float32 tower without
+    CUDA graphs".)"""
+    return device_type == "cuda" and batch <= CUDA_GRAPH_MAX_BATCH
 
 
 def _max_autotune(device_type):
@@ -409,9 +400,7 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad, precision="high"):
     num_heads = inputs["attn_weights"].shape[1]
     activation_dtype = inputs["qkv" if "qkv" in inputs else "q"].dtype
     fn = _compile(x.device.type, x.dtype, activation_dtype, S, E, num_heads, scale,
-                  norm_eps, ln_grad, batch_bucket(B),
-                  uses_cuda_graph(x.device.type, B, module_float32=(
-                      "qkv" in inputs and activation_dtype == torch.float32)),
+                  norm_eps, ln_grad, batch_bucket(B), uses_cuda_graph(x.device.type, B),
                   tuple(inputs), split_precision_of(x.device.type, precision, B * S,
                                                     inputs["attn_weights"].dim() == 4))
     return fn(**inputs)
