@@ -307,9 +307,14 @@ def test_first_module_step_does_not_import_cuda_graph_trees():
     import subprocess
     import sys
     env = dict(os.environ, VITATTN_BWD_COMPILE_MODE="default")
+    # the GPU memory this process's allocator caches from earlier tests given back for
+    # the child: on an 80 GB H100 the child failed after the margin properties (batch 56)
+    # and passed alone (suspected: out of memory; its error was cut off)
+    torch.cuda.empty_cache()
     child = subprocess.run([sys.executable, "-c", _FIRST_STEP_IN_A_FRESH_PROCESS],
                            env=env, capture_output=True, text=True, timeout=300)
-    assert child.returncode == 0, child.stderr[-3000:]
+    # the error's head and tail (Inductor's graph dump lies between them)
+    assert child.returncode == 0, child.stderr[:2000] + "\n...\n" + child.stderr[-2000:]
     line = child.stdout.strip().splitlines()[-1]
     assert line in ("trees imported before: False after: False",
                     "trees imported before: True after: True"), line
