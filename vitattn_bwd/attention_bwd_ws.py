@@ -22,7 +22,7 @@ docs/performance.md, "The warp-specialized core").
 At the end of this file, the host side of the two passes with P given warp-specialized
 the same way (kernels/attention_passes_ws.py: launch_rows_ws, launch_cols_ws, three
 products of bf16 halves, the contract's mode), which share its descriptors and
-layouts; not yet run on a GPU.
+layouts; not autotune choices either (slower than the two-pass kernels, below).
 """
 import functools
 import math
@@ -359,10 +359,11 @@ def compile_failure():
 # ---- the two passes warp-specialized (kernels/attention_passes_ws.py) ----------------
 # The rows pass (dQ, delta) and the cols pass (dK, dV) with P given, three products per
 # matmul: the two-pass kernels' math and outputs (gluon_core.launch_rows / launch_cols
-# with bf16 halves), their operand tiles fed by a producer warp. Compiled for sm_90 on
-# the CPU (tests/test_attention_passes_ws.py); not yet run on a GPU, and not autotune
-# choices: scripts/time_core_passes_ws.py checks and times them against the two-pass
-# kernels on the H200.
+# with bf16 halves), their operand tiles fed by a producer warp. Not autotune choices:
+# on the H200 at batch 32 (scripts/time_core_passes_ws.py) their gradients are bitwise
+# the two-pass kernels', and they are slower (rows 0.676 ms against 0.619, cols 0.810
+# against 0.674), P's register loads costing them 0.16-0.18 ms a pass
+# (docs/performance.md, "What P's loads cost the warp-specialized passes").
 
 class PassWsTiles(NamedTuple):
     """One launch of a warp-specialized pass: block_m queries and block_n keys per tile,
