@@ -362,7 +362,7 @@ def compile_failure():
 # with bf16 halves), their operand tiles fed by a producer warp. Not autotune choices:
 # on the H200 at batch 32 (scripts/time_core_passes_ws.py) their gradients are bitwise
 # the two-pass kernels', and they are slower (rows 0.676 ms against 0.619, cols 0.810
-# against 0.674), P's register loads costing them 0.16-0.18 ms a pass
+# against 0.674), P's register loads costing them 0.16-0.18 ms a pass on an H100
 # (docs/performance.md, "What P's loads cost the warp-specialized passes").
 
 class PassWsTiles(NamedTuple):
