@@ -267,9 +267,9 @@ def uses_cuda_graph(device_type, batch):
     module's one-product path at batch 32, whose GPU work is shorter than its launches,
     ran no faster as CUDA graphs: its input and output copies cost as much on the H200;
     docs/performance.md, the one-product core. A float32 block at batch 2 and 8 without
-    graphs spent 8% less GPU time in a 12-layer tower, its input copies gone, but the
-    tower turned host-bound, 1.6-2.7x slower on an H100 host: "The float32 tower without
-    CUDA graphs".)"""
+    graphs spent 8% less GPU time in a 12-layer tower, its copies into and out of the
+    graphs gone, but the tower turned host-bound, 1.6-2.7x slower on an H100 host: "The
+    float32 tower without CUDA graphs".)"""
     return device_type == "cuda" and batch <= CUDA_GRAPH_MAX_BATCH
 
 
