@@ -89,7 +89,8 @@ def gpu_main(batch, out_dir):
             reference = two_pass[("rows", (64, 32, 4, 2)) if rows_pass
                                  else ("cols", (32, 64, 4, 3))]
             for tiles in configurations:
-                label = f"ws {name} {tuple(tiles)[:3]}"
+                label = (f"ws {name} {tuple(tiles)[:3]}"
+                         f"{' P by producer' if tiles.p_by_producer else ''}")
 
                 def run(tiles=tiles, rows_pass=rows_pass):
                     if rows_pass:

@@ -371,13 +371,16 @@ class PassWsTiles(NamedTuple):
     rows pass: two consumer warpgroups of 64, num_warps 8), num_stages ring slots of the
     other side's tiles, the registers per thread the launch asks for (maxnreg: 384
     threads with the producer warp's padding, so at most 170) and those the producer
-    keeps (setmaxnreg; the consumers get the rest)."""
+    keeps (setmaxnreg; the consumers get the rest); p_by_producer: P's tiles copied into
+    a ring of their own by the producer partition, four warps (the padding put to work),
+    instead of loaded by the consumers."""
     block_m: int
     block_n: int
     num_stages: int = 3
     maxnreg: int = 168
     worker_registers: int = 40
     num_warps: int = 8
+    p_by_producer: bool = False
 
 
 # Compiled for sm_90 with triton 3.6 and 3.9: no spills, 24 HGMMAs and three waits in the
@@ -385,8 +388,12 @@ class PassWsTiles(NamedTuple):
 # slot 16 KB). 64-row tiles of the other side spilled 340 bytes in the cols pass, 100 of
 # them in the walk (the consumers' 240 registers do not hold two [128,64] accumulators,
 # the [128,64] P tile and the one loaded ahead, their halves and dP).
-COLS_WS_TILES = (PassWsTiles(32, 128), PassWsTiles(32, 128, 4), PassWsTiles(32, 128, 6))
-ROWS_WS_TILES = (PassWsTiles(128, 32), PassWsTiles(128, 32, 4), PassWsTiles(128, 32, 6))
+COLS_WS_TILES = (PassWsTiles(32, 128), PassWsTiles(32, 128, 4), PassWsTiles(32, 128, 6),
+                 PassWsTiles(32, 128, p_by_producer=True),
+                 PassWsTiles(32, 128, 4, p_by_producer=True))
+ROWS_WS_TILES = (PassWsTiles(128, 32), PassWsTiles(128, 32, 4), PassWsTiles(128, 32, 6),
+                 PassWsTiles(128, 32, p_by_producer=True),
+                 PassWsTiles(128, 32, 4, p_by_producer=True))
 
 
 def _check_pass(probs, grad_attn_hi, grad_attn_lo, parts, delta, tiles, rows_pass):
@@ -484,7 +491,8 @@ def passes_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch, heads_in
     return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
                 PREFETCH=prefetch, SUM_ROWS=COLUMN_SUM_ROWS, HEADS_IN_ROWS=heads_in_rows,
-                ROWS_PASS=rows_pass, WORKER_REGISTERS=tiles.worker_registers,
+                ROWS_PASS=rows_pass, P_BY_PRODUCER=tiles.p_by_producer,
+                WORKER_REGISTERS=tiles.worker_registers,
                 num_warps=tiles.num_warps)
 
 

@@ -8,7 +8,8 @@ A program owns 128 rows of one (batch, head) (program ids: row block, batch * NU
 + head, the two-pass kernels' grids): keys in the cols pass, queries in the rows pass.
 It walks the tiles of the other side in two partitions:
 
-    producer (one warp, few registers): TMA  the program's own [128,D] tiles, hi and lo,
+    producer (one warp, few registers; four with P_BY_PRODUCER, which also copy each
+        step's P tile into a ring of its own): TMA  the program's own [128,D] tiles, hi and lo,
         once (v in the cols pass, dO in the rows pass); then the pair of tiles of each
         step (q_m and dO_m [BM,D]; k_n and v_n [BN,D]), hi and lo, into a
         NUM_STAGES-deep ring, each slot guarded by a ready and an empty mbarrier
@@ -50,8 +51,14 @@ tensor's end. Where it matters their columns of P are zeroed (queries or keys pa
 end add nothing: finite rows, as in kernels/attention_bwd_ws.py, where a NaN or inf in
 a neighbour's first rows would reach through a zero of P), and the program's own rows
 past the end are never stored (left out of the stores, delta and the column sums). P's
-rows (577 floats) are 4-byte aligned only, so P is loaded by the consumers, as in the
-two-pass kernels, from clamped indices (softmax_bwd_gluon.clamped).
+rows (577 floats) are 4-byte aligned only, and a TMA box's innermost coordinate must be
+a multiple of 16 bytes (a box from column 1 of a float32 tensor raised "illegal
+instruction" on an H100, docs/performance.md), so P comes by one of two routes, both
+from clamped indices (softmax_bwd_gluon.clamped): loaded by the consumers into
+registers a tile ahead, as in the two-pass kernels; or, with P_BY_PRODUCER, copied by
+the producer partition (four warps: the warpgroup the producer warp pads out) with
+4-byte cp.async into a ring of [own, walked] tiles beside the operands' (load_p_tile),
+which the consumers read from shared memory when its mbarrier completes.
 
 tests/test_attention_passes_ws.py checks its machine code for sm_90 on the CPU;
 scripts/time_core_passes_ws.py checks it against float64 and the two-pass kernels and
@@ -60,25 +67,32 @@ them (attention_bwd_ws.py says by how much), so not an autotune choice.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
                                                               warpgroup_mma_wait)
 
 from .attention_bwd_ws import head_coordinates
-from .gluon_compat import cta_barrier, tma_load
+from .gluon_compat import async_load, cta_barrier, tma_load
 from .softmax_bwd_gluon import (clamped, cols_carried_values, issue_products, load_vector,
                                 next_p_t_tile, next_p_tile, prefetch_to_l2, split_operand,
                                 store_cols_outputs, store_rows_outputs, tile_parts,
                                 wgmma_layout)
 
+# the producer partition's warps where it also loads P (P_BY_PRODUCER); the one TMA warp
+# otherwise (padded to a warpgroup either way: the launch's registers are the same)
+P_LOADER_WARPS = gl.constexpr(4)
+
 
 @gluon.jit
-def load_partition(own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc, b_lo_desc,
-                   own, ring_a, ring_b, own_ready, ready, empty, NUM_HEADS: gl.constexpr,
-                   SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, OWN_ROWS: gl.constexpr,
-                   TILE_ROWS: gl.constexpr, NUM_STAGES: gl.constexpr,
-                   HEADS_IN_ROWS: gl.constexpr, ROWS_PASS: gl.constexpr):
+def load_partition(PROBS, own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc,
+                   b_lo_desc, own, ring_a, ring_b, ring_p, own_ready, ready, p_ready, empty,
+                   NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                   OWN_ROWS: gl.constexpr, TILE_ROWS: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, HEADS_IN_ROWS: gl.constexpr,
+                   ROWS_PASS: gl.constexpr, P_BY_PRODUCER: gl.constexpr):
     """The producer: the program's own tiles (v; dO in the rows pass), then each step's
-    two tiles (a: q, b: dO; rows pass a: k, b: v) through the ring, in order."""
+    two tiles (a: q, b: dO; rows pass a: k, b: v) through the ring, in order; with
+    P_BY_PRODUCER also each step's P tile (load_p_tile)."""
     NUM_TILES: gl.constexpr = (SEQ_LEN + TILE_ROWS - 1) // TILE_ROWS
     batch_head = gl.program_id(1)
     own_start = gl.program_id(0) * OWN_ROWS
@@ -104,15 +118,52 @@ def load_partition(own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc, b_
         tma_load(a_lo_desc, [qkv_row + tile * TILE_ROWS, qkv_col], bar, a_lo)
         tma_load(b_hi_desc, [b_row + tile * TILE_ROWS, b_col], bar, b_hi)
         tma_load(b_lo_desc, [b_row + tile * TILE_ROWS, b_col], bar, b_lo)
+        if P_BY_PRODUCER:
+            load_p_tile(PROBS, batch_head, own_start, tile * TILE_ROWS, ring_p.index(slot),
+                        p_ready.index(slot), SEQ_LEN, OWN_ROWS, TILE_ROWS, ROWS_PASS)
+
+
+@gluon.jit
+def load_p_tile(PROBS, batch_head, own_start, tile_start, p_slot, p_ready,
+                SEQ_LEN: gl.constexpr, OWN_ROWS: gl.constexpr, TILE_ROWS: gl.constexpr,
+                ROWS_PASS: gl.constexpr):
+    """cp.async copies of a step's P tile [own, walked] (rows pass: P[own queries,
+    walked keys]; cols pass: P^T[own keys, walked queries]) into p_slot, by every thread
+    of the producer partition, 4 bytes each (module docstring: no TMA for P). In chunks
+    of 32 own rows, so that a thread holds 8 addresses at a time (the rows pass's
+    addresses of all 128 rows at once spilled the producer's 40 registers); a warp's
+    copy reads whole 32-byte sectors: 4 rows of 8 keys in the rows pass, 32 keys of
+    one query in the cols pass. p_ready (count: the partition's threads) completes when
+    every thread's copies have landed."""
+    CHUNK: gl.constexpr = 32
+    if ROWS_PASS:                      # along the walked keys, contiguous in P
+        layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [P_LOADER_WARPS, 1],
+                                                [1, 0])
+    else:                              # along the own keys, contiguous in P^T's columns
+        layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, P_LOADER_WARPS],
+                                                [0, 1])
+    probs_head = PROBS + batch_head.to(gl.int64) * SEQ_LEN * SEQ_LEN
+    walked = clamped(tile_start + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(0, layout)),
+                     SEQ_LEN)
+    for chunk in gl.static_range(OWN_ROWS // CHUNK):
+        owned = clamped(own_start + chunk * CHUNK
+                        + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)), SEQ_LEN)
+        if ROWS_PASS:
+            pointers = probs_head + (owned * SEQ_LEN)[:, None] + walked[None, :]
+        else:
+            pointers = probs_head + owned[:, None] + (walked * SEQ_LEN)[None, :]
+        async_load(p_slot.slice(chunk * CHUNK, CHUNK, dim=0), pointers)
+    async_copy.mbarrier_arrive(p_ready, increment_count=False)
 
 
 @gluon.jit
 def compute_partition(PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own, ring_a,
-                      ring_b, own_ready, ready, empty, NUM_HEADS: gl.constexpr,
-                      SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                      BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-                      PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
-                      ROWS_PASS: gl.constexpr, num_warps: gl.constexpr):
+                      ring_b, ring_p, own_ready, ready, p_ready, empty,
+                      NUM_HEADS: gl.constexpr, SEQ_LEN: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                      NUM_STAGES: gl.constexpr, PREFETCH: gl.constexpr,
+                      SUM_ROWS: gl.constexpr, ROWS_PASS: gl.constexpr,
+                      P_BY_PRODUCER: gl.constexpr, num_warps: gl.constexpr):
     """The consumers of either pass: three products per step (module docstring) with
     the [own, walked] tiles in registers: X = own @ b^T (dP^T = v dO^T; rows pass dP =
     dO v^T), the second product's accumulator += P' @ (b; rows pass a) (dV; P k), the
@@ -142,13 +193,15 @@ def compute_partition(PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own, 
     # so the rows pass's own rows are P's rows and the cols pass's its columns (P^T)
     if ROWS_PASS:
         own_offsets = (clamped(owned, SEQ_LEN) * SEQ_LEN)[:, None]
-        p_next = gl.load(probs_head + own_offsets + clamped(tile_walked, SEQ_LEN)[None, :])
         delta = gl.zeros([OWN_ROWS], gl.float32, layout=own_vector)      # summed below
     else:
         own_offsets = clamped(owned, SEQ_LEN)[:, None]
+    if ROWS_PASS and not P_BY_PRODUCER:
+        p_next = gl.load(probs_head + own_offsets + clamped(tile_walked, SEQ_LEN)[None, :])
+    elif not P_BY_PRODUCER:
         p_next = gl.load(probs_head + own_offsets
                          + (clamped(tile_walked, SEQ_LEN) * SEQ_LEN)[None, :])
-    for ahead in gl.static_range(1, PREFETCH + 1):
+    for ahead in gl.static_range(1, 0 if P_BY_PRODUCER else PREFETCH + 1):
         if ROWS_PASS:
             prefetch_to_l2(probs_head, own_start, ahead * TILE_ROWS, SEQ_LEN, BLOCK_M,
                            BLOCK_N, num_warps)
@@ -174,14 +227,19 @@ def compute_partition(PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own, 
                            zeros_tile, False, PRODUCTS)          # dP^T; rows pass dP
         # the previous step's second product is done reading the registers reused next
         p_hi, p_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_hi, p_lo))
+        if P_BY_PRODUCER:
+            mbarrier.wait(p_ready.index(slot), (tile // NUM_STAGES) & 1)
+            p_next = ring_p.index(slot).load(tile_layout)
         p = gl.where((walked < SEQ_LEN)[None, :], p_next, 0.0)
         p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout, 1.0)
         if ROWS_PASS:
             second = issue_products(p_hi, p_lo, a_hi, a_lo, second, True, PRODUCTS)
-            p_next = next_p_tile(probs_head, own_offsets, walked, own_start, tile_start,
-                                 SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
         else:
             second = issue_products(p_hi, p_lo, b_hi, b_lo, second, True, PRODUCTS)
+        if ROWS_PASS and not P_BY_PRODUCER:
+            p_next = next_p_tile(probs_head, own_offsets, walked, own_start, tile_start,
+                                 SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
+        elif not P_BY_PRODUCER:
             p_next = next_p_t_tile(probs_head, own_offsets, walked, tile_start, own_start,
                                    SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
         # X, and the previous step's third product with it: its slot is read no more
@@ -221,7 +279,8 @@ def attention_passes_ws_kernel(PROBS, own_hi_desc, own_lo_desc, a_hi_desc, a_lo_
                                BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
                                PREFETCH: gl.constexpr, SUM_ROWS: gl.constexpr,
                                HEADS_IN_ROWS: gl.constexpr, ROWS_PASS: gl.constexpr,
-                               WORKER_REGISTERS: gl.constexpr, num_warps: gl.constexpr):
+                               P_BY_PRODUCER: gl.constexpr, WORKER_REGISTERS: gl.constexpr,
+                               num_warps: gl.constexpr):
     """One pass with P given, of the 128 rows a program owns of one (batch, head):
     program ids (row block, batch * NUM_HEADS + head). PROBS: P [B,H,S,S] float32. The
     descriptors: TMA descriptors of the bf16 halves (hi, lo) of
@@ -248,19 +307,29 @@ def attention_passes_ws_kernel(PROBS, own_hi_desc, own_lo_desc, a_hi_desc, a_lo_
     own_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    if P_BY_PRODUCER:                  # [own, walked] P tiles, read in the tile layout
+        ring_p = gl.allocate_shared_memory(
+            gl.float32, [NUM_STAGES, OWN_ROWS, TILE_ROWS],
+            gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
+        p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
+                                            mbarrier.MBarrierLayout())
+    else:                              # unused
+        ring_p, p_ready = own, ready
     mbarrier.init(own_ready, count=1)
     for stage in gl.static_range(NUM_STAGES):
         mbarrier.init(ready.index(stage), count=1)
         mbarrier.init(empty.index(stage), count=1)
+        if P_BY_PRODUCER:
+            mbarrier.init(p_ready.index(stage), count=32 * P_LOADER_WARPS)
     fence_async_shared()
 
     gl.warp_specialize([
         (compute_partition, (PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own,
-                             ring_a, ring_b, own_ready, ready, empty, NUM_HEADS, SEQ_LEN,
-                             HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, PREFETCH, SUM_ROWS,
-                             ROWS_PASS, num_warps)),
-        (load_partition, (own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc,
-                          b_lo_desc, own, ring_a, ring_b, own_ready, ready, empty, NUM_HEADS,
-                          SEQ_LEN, HEAD_DIM, OWN_ROWS, TILE_ROWS, NUM_STAGES, HEADS_IN_ROWS,
-                          ROWS_PASS)),
-    ], [1], [WORKER_REGISTERS])
+                             ring_a, ring_b, ring_p, own_ready, ready, p_ready, empty,
+                             NUM_HEADS, SEQ_LEN, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                             PREFETCH, SUM_ROWS, ROWS_PASS, P_BY_PRODUCER, num_warps)),
+        (load_partition, (PROBS, own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_desc,
+                          b_lo_desc, own, ring_a, ring_b, ring_p, own_ready, ready, p_ready,
+                          empty, NUM_HEADS, SEQ_LEN, HEAD_DIM, OWN_ROWS, TILE_ROWS,
+                          NUM_STAGES, HEADS_IN_ROWS, ROWS_PASS, P_BY_PRODUCER)),
+    ], [P_LOADER_WARPS if P_BY_PRODUCER else 1], [WORKER_REGISTERS])
