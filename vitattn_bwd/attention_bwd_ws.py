@@ -361,9 +361,11 @@ def compile_failure():
 # matmul: the two-pass kernels' math and outputs (gluon_core.launch_rows / launch_cols
 # with bf16 halves), their operand tiles fed by a producer warp. Not autotune choices:
 # on the H200 at batch 32 (scripts/time_core_passes_ws.py) their gradients are bitwise
-# the two-pass kernels', and they are slower (rows 0.676 ms against 0.619, cols 0.810
-# against 0.674), P's register loads costing them 0.16-0.18 ms a pass on an H100
-# (docs/performance.md, "What P's loads cost the warp-specialized passes").
+# the two-pass kernels', and they are slower (rows 0.682 ms against 0.631, cols 0.809
+# against 0.687), P's register loads costing them 0.16-0.18 ms a pass on an H100
+# (docs/performance.md, "What P's loads cost the warp-specialized passes"). P copied by
+# the producer partition instead (p_by_producer: 4-byte cp.async, since TMA cannot
+# start a box at P's unaligned rows) is slower still: rows 0.778, cols 0.934.
 
 class PassWsTiles(NamedTuple):
     """One launch of a warp-specialized pass: block_m queries and block_n keys per tile,
@@ -385,9 +387,10 @@ class PassWsTiles(NamedTuple):
 
 # Compiled for sm_90 with triton 3.6 and 3.9: no spills, 24 HGMMAs and three waits in the
 # walk, none serialized; 84-133 KB of shared memory (the own side's halves 32 KB, a ring
-# slot 16 KB). 64-row tiles of the other side spilled 340 bytes in the cols pass, 100 of
-# them in the walk (the consumers' 240 registers do not hold two [128,64] accumulators,
-# the [128,64] P tile and the one loaded ahead, their halves and dP).
+# slot 16 KB; 16 KB more a slot with p_by_producer: 133 KB at 3 stages, 166 at 4).
+# 64-row tiles of the other side spilled 340 bytes in the cols pass, 100 of them in the
+# walk (the consumers' 240 registers do not hold two [128,64] accumulators, the [128,64]
+# P tile and the one loaded ahead, their halves and dP).
 COLS_WS_TILES = (PassWsTiles(32, 128), PassWsTiles(32, 128, 4), PassWsTiles(32, 128, 6),
                  PassWsTiles(32, 128, p_by_producer=True),
                  PassWsTiles(32, 128, 4, p_by_producer=True))

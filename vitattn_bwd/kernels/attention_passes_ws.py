@@ -62,8 +62,9 @@ which the consumers read from shared memory when its mbarrier completes.
 
 tests/test_attention_passes_ws.py checks its machine code for sm_90 on the CPU;
 scripts/time_core_passes_ws.py checks it against float64 and the two-pass kernels and
-times it: on the H200 right, bitwise the two-pass kernels' gradients, and slower than
-them (attention_bwd_ws.py says by how much), so not an autotune choice.
+times it: on the H200 right, bitwise the two-pass kernels' gradients by either route
+for P, and slower than them (attention_bwd_ws.py says by how much), so not an autotune
+choice.
 """
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
