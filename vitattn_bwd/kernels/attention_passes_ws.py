@@ -8,11 +8,12 @@ A program owns 128 rows of one (batch, head) (program ids: row block, batch * NU
 + head, the two-pass kernels' grids): keys in the cols pass, queries in the rows pass.
 It walks the tiles of the other side in two partitions:
 
-    producer (one warp, few registers; four with P_BY_PRODUCER, which also copy each
-        step's P tile into a ring of its own): TMA  the program's own [128,D] tiles, hi and lo,
+    producer (one warp, few registers): TMA  the program's own [128,D] tiles, hi and lo,
         once (v in the cols pass, dO in the rows pass); then the pair of tiles of each
         step (q_m and dO_m [BM,D]; k_n and v_n [BN,D]), hi and lo, into a
-        NUM_STAGES-deep ring, each slot guarded by a ready and an empty mbarrier
+        NUM_STAGES-deep ring, each slot guarded by a ready and an empty mbarrier; with
+        P_BY_PRODUCER four warps, which also copy each step's P tile into a ring of its
+        own (load_p_tile), and the consumers read P_m there instead of loading it ahead
     consumers (two warpgroups, 64 of the program's rows each), cols pass, query tile m:
         issue  dP^T = v @ dO_m^T                              [BN,BM]
         wait   for dV of tile m-1 (it reads the P^T registers reused next)
@@ -197,18 +198,20 @@ def compute_partition(PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own, 
         delta = gl.zeros([OWN_ROWS], gl.float32, layout=own_vector)      # summed below
     else:
         own_offsets = clamped(owned, SEQ_LEN)[:, None]
-    if ROWS_PASS and not P_BY_PRODUCER:
-        p_next = gl.load(probs_head + own_offsets + clamped(tile_walked, SEQ_LEN)[None, :])
-    elif not P_BY_PRODUCER:
-        p_next = gl.load(probs_head + own_offsets
-                         + (clamped(tile_walked, SEQ_LEN) * SEQ_LEN)[None, :])
-    for ahead in gl.static_range(1, 0 if P_BY_PRODUCER else PREFETCH + 1):
+    if not P_BY_PRODUCER:              # the first P tile, and the L2 asked for the next
         if ROWS_PASS:
-            prefetch_to_l2(probs_head, own_start, ahead * TILE_ROWS, SEQ_LEN, BLOCK_M,
-                           BLOCK_N, num_warps)
+            p_next = gl.load(probs_head + own_offsets
+                             + clamped(tile_walked, SEQ_LEN)[None, :])
         else:
-            prefetch_to_l2(probs_head, ahead * TILE_ROWS, own_start, SEQ_LEN, BLOCK_M,
-                           BLOCK_N, num_warps)
+            p_next = gl.load(probs_head + own_offsets
+                             + (clamped(tile_walked, SEQ_LEN) * SEQ_LEN)[None, :])
+        for ahead in gl.static_range(1, PREFETCH + 1):
+            if ROWS_PASS:
+                prefetch_to_l2(probs_head, own_start, ahead * TILE_ROWS, SEQ_LEN, BLOCK_M,
+                               BLOCK_N, num_warps)
+            else:
+                prefetch_to_l2(probs_head, ahead * TILE_ROWS, own_start, SEQ_LEN, BLOCK_M,
+                               BLOCK_N, num_warps)
     zeros_tile = gl.zeros([OWN_ROWS, TILE_ROWS], gl.float32, layout=tile_layout)
     # the second and third products' accumulators, and the register operands in flight
     second, third, p_hi, p_lo, s_hi, s_lo = cols_carried_values(
@@ -228,21 +231,25 @@ def compute_partition(PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own, 
                            zeros_tile, False, PRODUCTS)          # dP^T; rows pass dP
         # the previous step's second product is done reading the registers reused next
         p_hi, p_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_hi, p_lo))
-        if P_BY_PRODUCER:
+        if P_BY_PRODUCER:              # this step's tile, from the producer's ring
             mbarrier.wait(p_ready.index(slot), (tile // NUM_STAGES) & 1)
-            p_next = ring_p.index(slot).load(tile_layout)
-        p = gl.where((walked < SEQ_LEN)[None, :], p_next, 0.0)
+            p = ring_p.index(slot).load(tile_layout)
+        else:                          # loaded a step ahead
+            p = p_next
+        p = gl.where((walked < SEQ_LEN)[None, :], p, 0.0)
         p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout, 1.0)
         if ROWS_PASS:
             second = issue_products(p_hi, p_lo, a_hi, a_lo, second, True, PRODUCTS)
         else:
             second = issue_products(p_hi, p_lo, b_hi, b_lo, second, True, PRODUCTS)
-        if ROWS_PASS and not P_BY_PRODUCER:
-            p_next = next_p_tile(probs_head, own_offsets, walked, own_start, tile_start,
-                                 SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
-        elif not P_BY_PRODUCER:
-            p_next = next_p_t_tile(probs_head, own_offsets, walked, tile_start, own_start,
-                                   SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
+        if not P_BY_PRODUCER:
+            if ROWS_PASS:
+                p_next = next_p_tile(probs_head, own_offsets, walked, own_start, tile_start,
+                                     SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH, num_warps)
+            else:
+                p_next = next_p_t_tile(probs_head, own_offsets, walked, tile_start,
+                                       own_start, SEQ_LEN, BLOCK_M, BLOCK_N, PREFETCH,
+                                       num_warps)
         # X, and the previous step's third product with it: its slot is read no more
         x, s_hi, s_lo = warpgroup_mma_wait(PRODUCTS, deps=(x, s_hi, s_lo))
         # every consumer thread is past those products; predicated, not branched on: a
