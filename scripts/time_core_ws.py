@@ -59,8 +59,9 @@ def walk_spills(sass):
 
 def ws_resources(compiled):
     """{shared_bytes, threads, spill_stores, walk_spills, hgmma, waits, setmaxnreg,
-    serialized} of a warp-specialized kernel compiled for sm_90 (triton's
-    CompiledKernel): what ptxas reports and the SASS shows."""
+    serialized, cp_async_copies, cp_async_arrives} of a warp-specialized kernel compiled
+    for sm_90 (triton's CompiledKernel): what ptxas reports and the SASS shows, and the
+    PTX's cp.async copies and its arrivals on an mbarrier when they land."""
     from kernel_resources import ptxas_report_and_sass
     notes, sass = ptxas_report_and_sass(compiled)
     return dict(
@@ -72,7 +73,11 @@ def ws_resources(compiled):
         waits=len(re.findall(r"WARPGROUP\.DEPBAR", sass)),
         setmaxnreg=sorted({int(n) for n in re.findall(
             r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])}),
-        serialized=re.findall(r"\(C75\d\d\)[^\n]*", notes))
+        serialized=re.findall(r"\(C75\d\d\)[^\n]*", notes),
+        cp_async_copies=len(re.findall(r"\bcp\.async\.c[ag]\.shared\.global",
+                                       compiled.asm["ptx"])),
+        cp_async_arrives=len(re.findall(r"\bcp\.async\.mbarrier\.arrive",
+                                        compiled.asm["ptx"])))
 
 
 def sm90_report():

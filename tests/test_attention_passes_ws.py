@@ -58,6 +58,15 @@ def test_configurations_fit_one_program_per_sm_without_spills(resources):
         assert r["spill_stores"] == 0 and r["walk_spills"] == 0, (name, tiles, r)
 
 
+def test_p_by_producer_moves_p_into_the_producers_copies(resources):
+    """With p_by_producer the producer copies each step's [128, 32] P tile, 32 4-byte
+    cp.async a thread (4 chunks of 8), and arrives once on the slot's mbarrier when they
+    land; without it nothing is copied by cp.async (the consumers load P themselves)."""
+    for name, tiles, heads_in_rows, r in resources:
+        expected = (32, 1) if tiles.p_by_producer else (0, 0)
+        assert (r["cp_async_copies"], r["cp_async_arrives"]) == expected, (name, tiles, r)
+
+
 def _inputs(batch=1, heads=2, seq_len=5, head_dim=64, dtype=torch.bfloat16):
     """Arguments of either pass: `q_hi`, `q_lo` stand for k's halves in the rows pass."""
     def halves(*shape):

@@ -375,7 +375,8 @@ class PassWsTiles(NamedTuple):
     threads with the producer warp's padding, so at most 170) and those the producer
     keeps (setmaxnreg; the consumers get the rest); p_by_producer: P's tiles copied into
     a ring of their own by the producer partition, four warps (the padding put to work),
-    instead of loaded by the consumers."""
+    instead of loaded by the consumers (who then ask the L2 for nothing: the prefetch
+    distance is not used)."""
     block_m: int
     block_n: int
     num_stages: int = 3

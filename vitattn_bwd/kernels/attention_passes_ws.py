@@ -134,9 +134,10 @@ def load_p_tile(PROBS, batch_head, own_start, tile_start, p_slot, p_ready,
     of the producer partition, 4 bytes each (module docstring: no TMA for P). In chunks
     of 32 own rows, so that a thread holds 8 addresses at a time (the rows pass's
     addresses of all 128 rows at once spilled the producer's 40 registers); a warp's
-    copy reads whole 32-byte sectors: 4 rows of 8 keys in the rows pass, 32 keys of
-    one query in the cols pass. p_ready (count: the partition's threads) completes when
-    every thread's copies have landed."""
+    copy reads 4 rows of 8 keys in the rows pass, 32 keys of one query in the cols pass
+    (each row's 32 bytes may straddle two sectors: P's rows start 4-byte aligned).
+    p_ready (count: the partition's threads) completes when every thread's copies have
+    landed."""
     CHUNK: gl.constexpr = 32
     if ROWS_PASS:                      # along the walked keys, contiguous in P
         layout: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [P_LOADER_WARPS, 1],
@@ -300,7 +301,8 @@ def attention_passes_ws_kernel(PROBS, own_hi_desc, own_lo_desc, a_hi_desc, a_lo_
         [B,S,2E] bf16, GRAD_SUMS [B,G,E] float32;
     as the two-pass kernels' (head_coordinates says where a head lies in q, k, v and
     grad_attn). The owned rows are 16 * num_warps (one consumer warpgroup per 64); the
-    producer warp keeps WORKER_REGISTERS registers per thread."""
+    producer partition (one warp; four with P_BY_PRODUCER, which then copies P's tiles)
+    keeps WORKER_REGISTERS registers per thread."""
     OWN_ROWS: gl.constexpr = BLOCK_M if ROWS_PASS else BLOCK_N
     TILE_ROWS: gl.constexpr = BLOCK_N if ROWS_PASS else BLOCK_M
     gl.static_assert(OWN_ROWS == 16 * num_warps, "one consumer warpgroup per 64 rows")
@@ -321,7 +323,7 @@ def attention_passes_ws_kernel(PROBS, own_hi_desc, own_lo_desc, a_hi_desc, a_lo_
             gl.SwizzledSharedLayout(vec=2, per_phase=1, max_phase=8, order=[1, 0]))
         p_ready = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1],
                                             mbarrier.MBarrierLayout())
-    else:                              # unused
+    else:                              # placeholders: one argument list for both routes
         ring_p, p_ready = own, ready
     mbarrier.init(own_ready, count=1)
     for stage in gl.static_range(NUM_STAGES):

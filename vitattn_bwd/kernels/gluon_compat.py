@@ -70,7 +70,7 @@ tma_add = _first(tma, "async_atomic_add") or _tma_add_from_builder()
 _REQUIRED = {gl: ("NVMMADistributedLayout", "DotOperandLayout", "BlockedLayout",
                   "SliceLayout", "NVMMASharedLayout", "allocate_shared_memory",
                   "inline_asm_elementwise", "convert_layout", "static_range"),
-             async_copy: ("commit_group", "wait_group"),
+             async_copy: ("commit_group", "wait_group", "mbarrier_arrive"),
              hopper: ("fence_async_shared", "warpgroup_mma", "warpgroup_mma_init",
                       "warpgroup_mma_wait")}
 MISSING = tuple(
