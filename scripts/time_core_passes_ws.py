@@ -11,11 +11,11 @@ its own) and their bf16 halves, rounded (time_core_gluon's). At batch 1 and --ba
 the two-pass Gluon rows and cols kernels at each of their tiles, then each
 configuration of ROWS_WS_TILES (into its own delta) and of COLS_WS_TILES (with the
 two-pass rows pass's delta): the relative errors of dQ, dK, dV (rebuilt from the bf16
-halves) and of the column sums (relative to the gradient's norm) against float64, whether the gradients and delta are
-bitwise those of the two-pass kernel with the same tiles of the walked side (64 x 32
-rows, 32 x 64 cols: the same products in the same order; the column sums are grouped
-by each kernel's row block, so only their totals compare), bitwise repeatable over 3
-calls, and every element written (outputs poisoned with NaN first). Each
+halves) and of the column sums (relative to the gradient's norm) against float64,
+whether the gradients and delta are bitwise those of the two-pass kernel with the
+same tiles of the walked side (64 x 32 rows, 32 x 64 cols: the same products in the
+same order; the column sums are grouped by each kernel's row block, so only their
+totals compare), bitwise repeatable over 3 calls, and every element written (outputs poisoned with NaN first). Each
 configuration's first calls run under a 120 s deadline that ends the process (exit
 status 3, "HANG") if they never finish. At --batch: the median time with the L2
 flushed of each, with TFLOP/s of a pass's 9 bf16 products of 2*B*H*S^2*D. Prints a
@@ -96,8 +96,7 @@ def gpu_main(batch, out_dir):
             reference = two_pass[("rows", (64, 32, 4, 2)) if rows_pass
                                  else ("cols", (32, 64, 4, 3))]
             for tiles in configurations:
-                label = (f"ws {name} {tuple(tiles)[:3]}"
-                         f"{' P by producer' if tiles.p_by_producer else ''}")
+                label = f"ws {name} {tiles.label}"
 
                 def run(tiles=tiles, rows_pass=rows_pass):
                     if rows_pass:

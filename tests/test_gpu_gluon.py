@@ -197,8 +197,7 @@ def test_fp16_halves_kernels_are_float32_grade(recompute, tiles, B, H, S):
 @pytest.mark.parametrize("rows_pass, tiles",
                          [(True, t) for t in attention_bwd_ws.ROWS_WS_TILES]
                          + [(False, t) for t in attention_bwd_ws.COLS_WS_TILES],
-                         ids=lambda t: str(t if isinstance(t, bool) else tuple(t)[:3])
-                         + (' P by producer' if getattr(t, 'p_by_producer', False) else ''))
+                         ids=lambda t: str(t) if isinstance(t, bool) else t.label)
 @pytest.mark.parametrize("B,H,S", [(2, 16, 577), (1, 2, 1), (3, 1, 100), (1, 3, 64),
                                    (1, 2, 129)])
 def test_warp_specialized_pass_matches_float64(rows_pass, tiles, B, H, S):

@@ -385,6 +385,11 @@ class PassWsTiles(NamedTuple):
     num_warps: int = 8
     p_by_producer: bool = False
 
+    @property
+    def label(self):
+        """(block_m, block_n, num_stages), and the route for P where it is the producer."""
+        return f"{tuple(self)[:3]}{' P by producer' if self.p_by_producer else ''}"
+
 
 # Compiled for sm_90 with triton 3.6 and 3.9: no spills, 24 HGMMAs and three waits in the
 # walk, none serialized; 84-133 KB of shared memory (the own side's halves 32 KB, a ring

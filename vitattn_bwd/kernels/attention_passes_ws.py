@@ -189,21 +189,20 @@ def compute_partition(PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own, 
     head = batch_head % NUM_HEADS
     own_start = gl.program_id(0) * OWN_ROWS
     owned = own_start + gl.arange(0, OWN_ROWS, layout=own_vector)
-    probs_head = PROBS + batch_head.to(gl.int64) * SEQ_LEN * SEQ_LEN
     delta_head = DELTA + batch_head.to(gl.int64) * SEQ_LEN
     tile_walked = gl.arange(0, TILE_ROWS, layout=walked_vector)
-    # the P tile of a step, [own, walked]: element (query, key) at query * SEQ_LEN + key,
-    # so the rows pass's own rows are P's rows and the cols pass's its columns (P^T)
     if ROWS_PASS:
-        own_offsets = (clamped(owned, SEQ_LEN) * SEQ_LEN)[:, None]
         delta = gl.zeros([OWN_ROWS], gl.float32, layout=own_vector)      # summed below
-    else:
-        own_offsets = clamped(owned, SEQ_LEN)[:, None]
     if not P_BY_PRODUCER:              # the first P tile, and the L2 asked for the next
+        # the P tile of a step, [own, walked]: element (query, key) at query * SEQ_LEN +
+        # key, so the rows pass's own rows are P's rows and the cols pass's its columns
+        probs_head = PROBS + batch_head.to(gl.int64) * SEQ_LEN * SEQ_LEN
         if ROWS_PASS:
+            own_offsets = (clamped(owned, SEQ_LEN) * SEQ_LEN)[:, None]
             p_next = gl.load(probs_head + own_offsets
                              + clamped(tile_walked, SEQ_LEN)[None, :])
         else:
+            own_offsets = clamped(owned, SEQ_LEN)[:, None]
             p_next = gl.load(probs_head + own_offsets
                              + (clamped(tile_walked, SEQ_LEN) * SEQ_LEN)[None, :])
         for ahead in gl.static_range(1, PREFETCH + 1):
