@@ -126,6 +126,19 @@ def load_partition(PROBS, own_hi_desc, own_lo_desc, a_hi_desc, a_lo_desc, b_hi_d
 
 
 @gluon.jit
+def p_offsets(owned, walked, SEQ_LEN: gl.constexpr, ROWS_PASS: gl.constexpr):
+    """Where a step's P tile [own, walked] lies in one head's P [S,S], from clamped
+    indices (softmax_bwd_gluon.clamped): the owned rows' offsets as a column and the
+    walked rows' as a row, to be added. Element (query, key) lies at query * SEQ_LEN +
+    key, so the rows pass's own rows are P's rows and the cols pass's are its columns.
+    The consumers' next tiles (softmax_bwd_gluon.next_p_tile, next_p_t_tile, shared with
+    the two-pass kernels) take the owned offsets from here."""
+    if ROWS_PASS:
+        return (clamped(owned, SEQ_LEN) * SEQ_LEN)[:, None], clamped(walked, SEQ_LEN)[None, :]
+    return clamped(owned, SEQ_LEN)[:, None], (clamped(walked, SEQ_LEN) * SEQ_LEN)[None, :]
+
+
+@gluon.jit
 def load_p_tile(PROBS, batch_head, own_start, tile_start, p_slot, p_ready,
                 SEQ_LEN: gl.constexpr, OWN_ROWS: gl.constexpr, TILE_ROWS: gl.constexpr,
                 ROWS_PASS: gl.constexpr):
@@ -146,16 +159,13 @@ def load_p_tile(PROBS, batch_head, own_start, tile_start, p_slot, p_ready,
         layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, P_LOADER_WARPS],
                                                 [0, 1])
     probs_head = PROBS + batch_head.to(gl.int64) * SEQ_LEN * SEQ_LEN
-    walked = clamped(tile_start + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(0, layout)),
-                     SEQ_LEN)
+    walked = tile_start + gl.arange(0, TILE_ROWS, layout=gl.SliceLayout(0, layout))
     for chunk in gl.static_range(OWN_ROWS // CHUNK):
-        owned = clamped(own_start + chunk * CHUNK
-                        + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout)), SEQ_LEN)
-        if ROWS_PASS:
-            pointers = probs_head + (owned * SEQ_LEN)[:, None] + walked[None, :]
-        else:
-            pointers = probs_head + owned[:, None] + (walked * SEQ_LEN)[None, :]
-        async_load(p_slot.slice(chunk * CHUNK, CHUNK, dim=0), pointers)
+        owned = own_start + chunk * CHUNK + gl.arange(0, CHUNK,
+                                                      layout=gl.SliceLayout(1, layout))
+        own_offsets, walked_offsets = p_offsets(owned, walked, SEQ_LEN, ROWS_PASS)
+        async_load(p_slot.slice(chunk * CHUNK, CHUNK, dim=0),
+                   probs_head + own_offsets + walked_offsets)
     async_copy.mbarrier_arrive(p_ready, increment_count=False)
 
 
@@ -194,17 +204,9 @@ def compute_partition(PROBS, DELTA, GRAD16, GRAD_HALVES, GRAD_SUMS, scale, own, 
     if ROWS_PASS:
         delta = gl.zeros([OWN_ROWS], gl.float32, layout=own_vector)      # summed below
     if not P_BY_PRODUCER:              # the first P tile, and the L2 asked for the next
-        # the P tile of a step, [own, walked]: element (query, key) at query * SEQ_LEN +
-        # key, so the rows pass's own rows are P's rows and the cols pass's its columns
         probs_head = PROBS + batch_head.to(gl.int64) * SEQ_LEN * SEQ_LEN
-        if ROWS_PASS:
-            own_offsets = (clamped(owned, SEQ_LEN) * SEQ_LEN)[:, None]
-            p_next = gl.load(probs_head + own_offsets
-                             + clamped(tile_walked, SEQ_LEN)[None, :])
-        else:
-            own_offsets = clamped(owned, SEQ_LEN)[:, None]
-            p_next = gl.load(probs_head + own_offsets
-                             + (clamped(tile_walked, SEQ_LEN) * SEQ_LEN)[None, :])
+        own_offsets, walked_offsets = p_offsets(owned, tile_walked, SEQ_LEN, ROWS_PASS)
+        p_next = gl.load(probs_head + own_offsets + walked_offsets)
         for ahead in gl.static_range(1, PREFETCH + 1):
             if ROWS_PASS:
                 prefetch_to_l2(probs_head, own_start, ahead * TILE_ROWS, SEQ_LEN, BLOCK_M,
