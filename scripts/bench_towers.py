@@ -17,6 +17,10 @@ compiled steps of 19-25 s per 12-layer model, docs/runs/towers/):
                  batch 32) and a SigLIP so400m-shaped HF tower (hidden 1152, 16 heads of
                  72, 729 tokens, 6 layers, batch 16), float32 and autocast, eager and
                  compiled (~6 min)
+  head_dims      HF CLIP towers of OpenCLIP ViT-H/14's shapes (1280 wide, 16 heads of
+                 80, MLP 5120) and ViT-bigG/14's (1664 wide, 16 heads of 104, MLP 8192),
+                 224 px (257 tokens), 6 layers, batch 32, float32 and autocast, eager and
+                 compiled (~5 min)
   deterministic  HF CLIP 12 layers, batch 32, autocast and float32 "high", eager, each
                  model without and with torch.use_deterministic_algorithms(True)
                  (CUBLAS_WORKSPACE_CONFIG=:4096:8 for the whole process): the step times,
@@ -83,8 +87,8 @@ from profile_host import host_us  # noqa: E402
 from vitattn_bwd import VisionAttentionBlock, reference, routing  # noqa: E402
 from vitattn_bwd.integrations import swap_attention  # noqa: E402
 
-SUITES = ("autocast", "float32", "integrations", "deterministic", "restart", "host",
-          "halves")
+SUITES = ("autocast", "float32", "integrations", "head_dims", "deterministic", "restart",
+          "host", "halves")
 DETERMINISTIC_CUBLAS = ":4096:8"
 
 
@@ -101,6 +105,28 @@ def hf_siglip(device, layers):
     torch.manual_seed(0)
     config = SiglipVisionConfig(num_hidden_layers=layers, **size)
     return SiglipVisionModel(config).to(device).train()
+
+
+def hf_clip_of_head_dim(head_dim, hidden_size, intermediate_size):
+    """A builder of random-init HF CLIPVisionModels, 224 px in patches of 14 (257
+    tokens), 16 heads of head_dim on CUDA (hidden_size wide); on the CPU 4 heads of
+    head_dim // 4, 17 tokens."""
+    def build(device, layers):
+        from transformers import CLIPVisionConfig, CLIPVisionModel
+        size = (dict(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                     num_attention_heads=16, image_size=224, patch_size=14)
+                if device == "cuda" else
+                dict(hidden_size=head_dim, intermediate_size=2 * head_dim,
+                     num_attention_heads=4, image_size=32, patch_size=8))
+        torch.manual_seed(0)
+        config = CLIPVisionConfig(num_hidden_layers=layers, hidden_act="gelu", **size)
+        return CLIPVisionModel(config).to(device).train()
+    return build
+
+
+# OpenCLIP's ViT-H/14 and ViT-bigG/14 (head dims 80 and 104), as HF CLIP towers
+HEAD_DIM_TOWERS = (("vit-h/14 shapes", hf_clip_of_head_dim(80, 1280, 5120)),
+                   ("vit-bigg/14 shapes", hf_clip_of_head_dim(104, 1664, 8192)))
 
 
 def timm_vit(device, layers):
@@ -392,6 +418,20 @@ def suite_integrations(args, device, record):
         del tower
 
 
+def suite_head_dims(args, device, record):
+    """HEAD_DIM_TOWERS (6 layers, batch 32), float32 at the first --float32-precisions and
+    autocast: the attention core's kernels at head dims that are not powers of two
+    (padded tiles)."""
+    cuda = device == "cuda"
+    torch.set_float32_matmul_precision(args.float32_precisions[0])
+    for name, build in HEAD_DIM_TOWERS:
+        tower = build(device, 6 if cuda else 1)
+        for setting in (f"float32 {args.float32_precisions[0]}", "autocast"):
+            run_towers(record, tower, setting, args.batch_sizes or [32 if cuda else 2],
+                       args, device, fields={"tower": name})
+        del tower
+
+
 def bitwise_repeat(model, step):
     """Whether two steps on the same inputs give bit-identical gradients: (all equal,
     how many parameter gradients differ)."""
@@ -656,7 +696,8 @@ def suite_halves(args, device, record):
 
 
 SUITE_FUNCTIONS = {"autocast": suite_autocast, "float32": suite_float32,
-                   "integrations": suite_integrations, "deterministic": suite_deterministic,
+                   "integrations": suite_integrations, "head_dims": suite_head_dims,
+                   "deterministic": suite_deterministic,
                    "restart": suite_restart, "host": suite_host, "halves": suite_halves}
 
 
@@ -691,7 +732,7 @@ def print_kernel_changes(title, changes):
 def summary(suite, results):
     """The suite's closing table (printed last)."""
     lines = []
-    if suite in ("autocast", "float32", "integrations"):
+    if suite in ("autocast", "float32", "integrations", "head_dims"):
         lines += ["| tower | setting | batch | stock ms | swapped ms | compiled stock ms | "
                   "compiled swapped ms | eager ratio | compiled ratio | "
                   "compiled stock / swapped eager | compiled swapped wall/busy | "

@@ -4,9 +4,9 @@ what it measured: medians inside their spreads, ratios of the medians it printed
 breaks for the stock and swapped towers (the swapped float32 tower runs our operators
 inside torch.compile), and under torch.use_deterministic_algorithms(True) every model's
 step repeats bit for bit. Needs transformers (skipped without it, as tests/test_hf.py);
-the GPU runs of the same suites are the script's docstring's commands. The integrations
-and restart suites share run_towers / train_step with these and are left to the GPU run
-(their compiles of four more towers would take minutes here)."""
+the GPU runs of the same suites are the script's docstring's commands. The integrations,
+head_dims and restart suites share run_towers / train_step with these and are left to
+the GPU run (their compiles of four or more towers would take minutes here)."""
 import json
 import os
 import subprocess
