@@ -109,6 +109,60 @@ def test_power_of_two_scale_of_zeros_is_finite():
     assert scale == 2.0 ** 127 and torch.equal(torch.zeros(5) * scale, torch.zeros(5))
 
 
+@pytest.mark.parametrize("bad", [float("inf"), -float("inf"), float("nan")])
+def test_power_of_two_scale_reads_the_finite_elements_only(bad):
+    """An inf or NaN leaves the scale to the finite elements (scaled, it stays an inf
+    or NaN), where it made the scale -inf and every scaled element NaN."""
+    t = _randn(7, 33) * 1e-3
+    t[2, 5] = -3.5
+    t[4, 1] = bad
+    assert power_of_two_scale(t) == 0.5 and power_of_two_scale(t, 14) == 2.0 ** 13
+    scaled = t * power_of_two_scale(t)
+    assert torch.equal(torch.isfinite(scaled), torch.isfinite(t))
+
+
+def test_power_of_two_scale_stays_a_normal_float_at_the_top_of_float32():
+    """max|t| in [2^127, 2^128): at top_exponent 0 the scale 2^-127 is not a normal
+    float32 (it was 0, and 1 / scale inf); 2^-126 takes max|t| into [2, 4), exactly."""
+    t = _randn(100)
+    t[3] = 2.0 ** 127 * 1.5
+    scale = power_of_two_scale(t)
+    assert scale == 2.0 ** -126 and torch.isfinite(1 / scale)
+    assert 2 <= (t * scale).abs().max() < 4
+    normal = t.abs() >= 1                          # scaled, still normal float32s: exact
+    assert torch.equal((t * scale / scale)[normal], t[normal])
+    assert power_of_two_scale(t, 14) == 2.0 ** (14 - 127)
+
+
+@pytest.mark.parametrize("precision", ["high", "highest"])
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), 2.0 ** 120])
+def test_split_products_keep_non_finite_gradients_where_the_math_has_them(
+        triton_interpreter, precision, bad):
+    """The CUDA graph's products, run here on the CPU, with one inf, NaN or 2^120 in the
+    upstream gradient: its outputs are non-finite exactly where float32 eager math's
+    are, and finite ones as close to float64 as with finite inputs. (An inf made
+    "high"'s gradient scale -inf, and every output NaN; at "highest" the finite ones
+    were wrong; 2^120 overflowed a split GEMM's tile as it was unscaled.)"""
+    from tests.helpers import make_case, reference_grads
+    from vitattn_bwd import graph
+    from vitattn_bwd.workloads import OUTPUT_NAMES
+    inputs = make_case(2, 17, 4, 16, seed=3)
+    inputs["grad_output"][1, 3, 5] = bad
+    tensors = {name: t for name, t in inputs.items() if torch.is_tensor(t)}
+    outputs = graph.block_backward(**{n: t for n, t in tensors.items() if n != "x_norm"},
+                                   x_norm=tensors["x_norm"], scale=inputs["scale"],
+                                   norm_eps=inputs["norm_eps"], ln_grad="contract",
+                                   split_precision=precision)
+    float32_math = reference_grads(inputs, 4, "contract", dtype=torch.float32)
+    exact = reference_grads(inputs, 4, "contract")
+    for name, got, math, want in zip(OUTPUT_NAMES, outputs, float32_math, exact):
+        finite = torch.isfinite(got)
+        assert torch.equal(finite, torch.isfinite(math)), name
+        if finite.any():
+            error = (got.double() - want)[finite].abs().max() / want[finite].abs().max()
+            assert error < 1e-3, (name, error.item())
+
+
 @pytest.mark.parametrize("loss_scale", [1.0, 1e-5, 1e-7, 1e-9])
 def test_split_products_keep_the_qkv_weight_gradient_at_small_loss_scales(
         triton_interpreter, loss_scale):

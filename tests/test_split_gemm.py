@@ -55,6 +55,21 @@ def test_math_unscales_tiny_operands_one_scale_at_a_time(monkeypatch):
     _check_against_float32(*_operands(40, 50, 30, seed=5, **TINY))
 
 
+# 1/scales near 2^105 and 2^-26: a tile times 2^105 first (~2^136) left float32's range
+HUGE = dict(a_magnitude=1e36, b_magnitude=1e-4)
+
+
+def test_kernel_unscales_a_huge_operand_smaller_scale_first(triton_interpreter):
+    """Operands of 1e36 and 1e-4, whose product (~1e33) is a normal float32: the
+    unscale's two factors are balanced, so no partial product overflows."""
+    _check_against_float32(*_operands(40, 50, 30, seed=6, **HUGE))
+
+
+def test_math_unscales_a_huge_operand_smaller_scale_first(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _check_against_float32(*_operands(40, 50, 30, seed=6, **HUGE))
+
+
 def test_kernel_and_math_agree_to_rounding(triton_interpreter, monkeypatch):
     a, b, _ = _operands(64, 96, 48, seed=2)
     halves_a, halves_b = split_gemm.fp16_halves(a), split_gemm.fp16_halves(b)

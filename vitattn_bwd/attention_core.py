@@ -251,12 +251,14 @@ def fp16_operand_scales(grad_attn, q, k, v):
     tensor's fp16_scale) and s_ds, the power of two that brings 2 * max_i |dO_i| *
     max_j |v_j| (norms of rows of one head, in the scaled units) into [2^13, 2^14):
     |dS| <= |dP| + |delta| <= that bound (P <= 1, rows of P summing to 1), so dS * s_ds
-    stays below 2^14."""
+    stays below 2^14. The norms are of the scaled rows, the finite ones only: a row
+    holding an inf or NaN gives non-finite dS wherever it reaches, as in unscaled math,
+    and is left out of the bound that scales every other dS."""
     scales = [fp16_scale(t) for t in (grad_attn, q, k, v)]
     head_dim = q.shape[-1]
-    row_norm = lambda t: torch.linalg.vector_norm(                          # noqa: E731
-        t.reshape(-1, head_dim), dim=-1).amax()
-    bound = 2 * (row_norm(grad_attn) * scales[0]) * (row_norm(v) * scales[3])
+    row_norm = lambda t, scale: torch.linalg.vector_norm(                   # noqa: E731
+        (t * scale).reshape(-1, head_dim), dim=-1).nan_to_num(nan=0.0, posinf=0.0).amax()
+    bound = 2 * row_norm(grad_attn, scales[0]) * row_norm(v, scales[3])
     return torch.stack([*scales, power_of_two_scale(bound, FP16_TOP_EXPONENT - 1)])
 
 

@@ -94,18 +94,26 @@ def power_of_two_scale(t, top_exponent=0):
     brings max|t| into [2^top_exponent, 2^(top_exponent + 1)). Read off the exponent
     bits, so no log or pow rounds it. top_exponent: 0 to 63.
 
+    The maximum is over t's finite elements, so that an inf or NaN in t stays where it
+    is once scaled, as in unscaled math (read off an inf, the scale was -inf, and every
+    gradient scaled by it NaN). The scale is at least 2^-126, a normal float32 whose
+    reciprocal is finite: for max|t| >= 2^127 at top_exponent 0 it is 2^-126, and the
+    scaled max|t| lies in [2, 4).
+
     The largest magnitude is taken per row first, then over the rows: under
     torch.use_deterministic_algorithms(True) Inductor gives a reduction its heuristic
     config instead of timing several, and one reduction of the backward's [B*S, E]
     gradient to a scalar then ran 4.56 ms per step of a 12-layer tower at batch 32 on
     the H200, against 0.40 without the flag (docs/performance.md, "Deterministic
     flag")."""
-    magnitudes = t.detach().abs()
+    magnitudes = t.detach().abs().nan_to_num(nan=0.0, posinf=0.0)     # finite ones
     if magnitudes.dim() > 1:
         magnitudes = magnitudes.flatten(0, -2).amax(dim=-1)              # [rows]
     exponent_bits = magnitudes.amax().float().view(torch.int32) & 0x7F800000
     top_bits = top_exponent << 23
-    return (0x7F000000 + top_bits - exponent_bits.clamp_min(top_bits)).view(torch.float32)
+    # biased exponent of the scale: 254 + top_exponent - that of max|t|, kept in [1, 254]
+    exponent_bits = exponent_bits.clamp(top_bits, min(0x7E800000 + top_bits, 0x7F000000))
+    return (0x7F000000 + top_bits - exponent_bits).view(torch.float32)
 
 
 def fp16_scale(t):

@@ -119,9 +119,20 @@ def matmul_fp16x3(a, b):
 
 
 def unscale_of(a, b):
-    """The split GEMM's unscale for Fp16Halves a and b: float32 [2], 1/a.scale and
-    1/b.scale (exact: powers of two)."""
-    return torch.stack([1 / a.scale, 1 / b.scale])
+    """The split GEMM's unscale for Fp16Halves a and b: float32 [2], two powers of two
+    whose product is 1 / (a.scale * b.scale), balanced (exponents floor(k / 2) and the
+    rest, for the product's exponent k): the kernel multiplies a tile by one, then the
+    other, and with the first no nearer the ends of float32's range than the result, no
+    partial product overflows where the result does not (1/a.scale, then 1/b.scale,
+    took an operand of 2^120's tiles past float32's range on the way to ~2^110).
+    The scales are normal float32 powers of two (precision.power_of_two_scale), read off
+    their exponent bits: exact, but for two scales of 2^127 (tensors below 2^-113),
+    whose product's 2^-254 is taken as 2^-252, where float32's products are 0 anyway."""
+    biased = torch.stack([a.scale, b.scale]).view(torch.int32) >> 23        # [2]
+    exponent = 254 - biased.sum()                     # of 1 / (a.scale * b.scale)
+    first = torch.div(exponent, 2, rounding_mode="floor")
+    halves = torch.stack([first, exponent - first]).clamp(-126, 127)
+    return ((halves + 127) << 23).to(torch.int32).view(torch.float32)
 
 
 def linear_fp16x3(a, weight, bias):
