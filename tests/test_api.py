@@ -190,6 +190,33 @@ def test_contract_run_names_a_bad_q(change, error, message):
     assert "x's embed dim" not in str(caught.value)
 
 
+def test_contract_run_blames_q_where_k_and_v_agree():
+    """A q of another head split than k and v (here 1 head of 16 against 2 of 8): q is
+    where contract.run reads num_heads from, so q is named, not k with a num_heads that
+    contract.run does not take."""
+    inputs = make_case(2, 5, 2, 8)
+    inputs["q"] = inputs["q"].transpose(1, 2).reshape(2, 1, 5, 16)
+    with pytest.raises(ValueError, match=r"q must have k's and v's shape \(2, 2, 5, 8\).*"
+                       r"got \(2, 1, 5, 16\) \(num_heads is read from q's dim 1\)"):
+        contract.run(*inputs.values())
+
+
+@pytest.mark.parametrize("attribute", ["dtype", "device"])
+def test_an_x_unlike_every_other_input_is_the_one_named(attribute):
+    """x alone in float64 (or on another device): the error names x, not the first
+    other tensor it was compared with."""
+    inputs = make_case(2, 5, 2, 8)
+    if attribute == "dtype":
+        inputs["x"] = inputs["x"].double()
+        error, message = TypeError, (r"x has dtype torch.float64, but every other input "
+                                     r"has torch.float32")
+    else:
+        inputs["x"] = inputs["x"].to("meta")
+        error, message = ValueError, "x is on meta, but every other input is on cpu"
+    with pytest.raises(error, match=message):
+        vitattn_bwd.attention_block_backward(**inputs, num_heads=2)
+
+
 def test_contract_run_names_a_bad_x_not_q():
     inputs = make_case(2, 5, 2, 8)
     inputs["x"] = None

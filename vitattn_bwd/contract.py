@@ -5,10 +5,10 @@ import torch
 from .api import attention_block_backward
 
 
-def heads_of(q, x):
+def heads_of(q, x, k=None, v=None):
     """num_heads as the contract passes it: q's dim 1, q being [B,H,S,D] (head-major).
     Checks q's layout first, so that a wrong q is blamed on q, not on a num_heads that
-    the caller never passed."""
+    the caller never passed; and where k and v share a shape that q does not, blames q."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor [B, H, S, D], got {type(q).__name__}")
     if q.dim() != 4:
@@ -25,6 +25,10 @@ def heads_of(q, x):
                 f"{tuple(q.shape)}"
                 + ("; that is [B, S, H, D]: pass q.transpose(1, 2) (and k, v likewise)"
                    if looks_sequence_major else ""))
+    if (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+            and k.shape == v.shape != q.shape):
+        raise ValueError(f"q must have k's and v's shape {tuple(k.shape)} [B, H, S, D], got "
+                         f"{tuple(q.shape)} (num_heads is read from q's dim 1)")
     return q.shape[1]
 
 
@@ -35,4 +39,4 @@ def run(grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
     return tuple(attention_block_backward(
         grad_output, x, x_mean, x_var, x_norm, ln_weight, qkv_weight, q, k, v,
         attn_weights, attn_output, out_weight, scale, norm_eps,
-        num_heads=heads_of(q, x), ln_grad="contract"))
+        num_heads=heads_of(q, x, k, v), ln_grad="contract"))

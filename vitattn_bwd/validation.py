@@ -175,9 +175,25 @@ def _dtype_mismatch(name, t, x):
                      "share one dtype")
 
 
+def _x_is_the_odd_one(tensors, x, attribute):
+    """Whether x's dtype or device (`attribute`) differs from what every other tensor of
+    `tensors` shares: the mismatch is then x's, not the first other tensor's."""
+    others = {getattr(t, attribute) for name, t in tensors.items() if t is not x}
+    return len(others) == 1 and getattr(x, attribute) not in others
+
+
 def check_like_x(tensors, x, num_heads, same_dtype=True):
     """Each of `tensors` (name -> tensor, all of SHAPES) has its shape for x [B,S,E] and
-    num_heads, and x's device (and dtype, if same_dtype)."""
+    num_heads, and x's device (and dtype, if same_dtype). Where x alone differs in
+    dtype or device from the rest, the error names x."""
+    if same_dtype and _x_is_the_odd_one(tensors, x, "dtype"):
+        other = next(t.dtype for t in tensors.values() if t is not x)
+        raise TypeError(f"x has dtype {x.dtype}, but every other input has {other}; all "
+                        "inputs must share one dtype")
+    if _x_is_the_odd_one(tensors, x, "device"):
+        other = next(t.device for t in tensors.values() if t is not x)
+        raise ValueError(f"x is on {x.device}, but every other input is on {other}; all "
+                         "inputs must be on one device")
     shapes = expected_shapes(*x.shape, num_heads)
     for name, t in tensors.items():
         if t.shape != shapes[name]:
