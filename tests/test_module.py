@@ -229,6 +229,21 @@ def test_eps_zero_is_accepted_and_used():
     torch.testing.assert_close(block(x), want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("set_on", ["norm", "block"])
+def test_eps_set_after_construction_is_used(set_on):
+    """block.norm.eps and block.eps are one value, read at each call: set on either
+    after construction (a config edit), the block computes with it (it kept the
+    constructor's before)."""
+    block = _randomize(VisionAttentionBlock(16, 2, eps=1e-5, dtype=torch.float64))
+    setattr(block.norm if set_on == "norm" else block, "eps", 0.5)
+    assert block.eps == block.norm.eps == 0.5
+    x = torch.randn(2, 5, 16, dtype=torch.float64) * 0.1
+    params = [p.detach() for p in (block.norm.weight, block.norm.bias, block.qkv.weight,
+                                   block.qkv.bias, block.out_proj.weight, block.out_proj.bias)]
+    want = reference.block_forward(x, *params, num_heads=2, eps=0.5)
+    torch.testing.assert_close(block(x), want, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("dtype,precision", [(torch.float64, None),
                                              (torch.float32, "medium"),
                                              (torch.bfloat16, "medium")])

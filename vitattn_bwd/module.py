@@ -262,12 +262,22 @@ class VisionAttentionBlock(nn.Module):
                  precision=None):
         super().__init__()
         embed_dim, num_heads, eps = check_config(embed_dim, num_heads, eps)
-        self.embed_dim, self.num_heads, self.eps = embed_dim, num_heads, eps
+        self.embed_dim, self.num_heads = embed_dim, num_heads
         self.precision = check_precision(precision)
         factory = dict(device=device, dtype=dtype)
         self.norm = nn.LayerNorm(embed_dim, eps=eps, **factory)
         self.qkv = nn.Linear(embed_dim, 3 * embed_dim, **factory)
         self.out_proj = nn.Linear(embed_dim, embed_dim, **factory)
+
+    @property
+    def eps(self):
+        """The LayerNorm's epsilon: self.norm.eps, read at each call (as a swapped layer
+        reads its own LayerNorm's), so that setting either one changes the block."""
+        return self.norm.eps
+
+    @eps.setter
+    def eps(self, value):
+        self.norm.eps = value
 
     def forward(self, x):
         check_x(x, self.embed_dim)
