@@ -24,7 +24,9 @@ candidates at the first batch size a graph sees, so the buckets keep small and l
 batches from sharing one choice of tiles and GEMM kernels. Each graph is compiled with
 fullgraph=True, so exceeding dynamo's recompile limit raises instead of silently running
 eager code. Nothing here changes process-wide settings: every option is given per
-compile.
+compile. What Inductor itself does when it compiles stays: it raises Python's recursion
+limit to at least 2000 and, on the CPU, sets the private environment variable its C++
+wrappers read (_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR), as for any torch.compile.
 """
 import functools
 import os
