@@ -281,6 +281,28 @@ def test_double_backward_raises_a_clear_error():
     torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
 
 
+def test_second_derivatives_as_the_double_backward_error_advises():
+    """torch.func.grad of torch.func.grad runs the block's stock ops, and with SDPA's math
+    backend gives the second derivative of the stock block's math (the advice of the
+    double-backward error)."""
+    from torch.func import functional_call, grad
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    block = _randomize(VisionAttentionBlock(16, 2, dtype=torch.float64))
+    params = dict(block.named_parameters())
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+
+    def curvature(forward):
+        def loss(x):
+            return forward(x).pow(3).sum()
+        return grad(lambda x: grad(loss)(x).pow(2).sum())(x)
+    with sdpa_kernel(SDPBackend.MATH):
+        got = curvature(lambda x: functional_call(block, params, (x,)))
+        want = curvature(lambda x: reference.block_forward(
+            x, *(p.detach() for p in params.values()), num_heads=2, eps=block.eps))
+    assert got.abs().sum() > 0
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
 def _check_against_truth(block, x, grad_y, bounds):
     """bounds: dtype of the tensor (y, x's gradient, a parameter's gradient) -> bound on
     its relative error against float64 autograd."""

@@ -98,8 +98,11 @@ from .validation import (check_block_inputs, check_config, check_fused_inputs, c
 
 DOUBLE_BACKWARD_MESSAGE = (
     "VisionAttentionBlock does not support double backward (create_graph=True): its "
-    "backward is a fused kernel without a graph of its own. Use the stock block "
-    "(vitattn_bwd.reference.block_forward) where second derivatives are needed.")
+    "backward is a fused kernel without a graph of its own. Where second derivatives "
+    "are needed, run the stock ops with an attention backend that has them: "
+    "torch.func transforms (torch.func.grad of torch.func.grad) run the block's stock "
+    "ops, inside torch.nn.attention.sdpa_kernel(SDPBackend.MATH); or unswap_attention "
+    "a swapped tower.")
 
 
 def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
