@@ -6,9 +6,11 @@ two-level accumulation, as one custom operator and the graph-level helpers aroun
 
 a_hi, a_lo [M,K] and b_hi, b_lo [K,N] are fp16 halves (hi + lo, 22 of float32's 24
 mantissa bits) of float32 operands scaled by powers of two into fp16's range
-(`fp16_halves`); unscale, float32 [2] (the scales' inverses, `unscale_of`), takes them
-back out exactly, one after the other: their product can lie outside float32's range
-where a @ b does not (operands at 1e-18 and 1e-15: scales 2^74 and 2^64).
+(`fp16_halves`); unscale, float32 [2] (two balanced powers of two whose product is the
+scales' inverse, `unscale_of`), takes them back out exactly, one after the other: the
+inverse can lie outside float32's range where a @ b does not (operands at 1e-18 and
+1e-15: scales 2^74 and 2^64), and a tile times the larger factor alone could leave it
+(operands at 1e36 and 1e-4).
 Any strides: a transposed view of halves is read as it lies (`transposed`).
 
 On CUDA and under TRITON_INTERPRET=1 the operator runs the Triton kernel of

@@ -89,8 +89,9 @@ def split_gemm_tile(A_HI, A_LO, B_HI, B_LO, M, N, K, stride_am, stride_ak, strid
 
 @triton.jit
 def unscaled(acc, UNSCALE):
-    """The tile with the operands' scales taken out, one after the other (exact, powers
-    of two; their product may lie outside float32's range)."""
+    """The tile with the operands' scales taken out, one factor after the other (exact,
+    powers of two; split_gemm.unscale_of balances them, since their product may lie
+    outside float32's range)."""
     return acc * tl.load(UNSCALE) * tl.load(UNSCALE + 1)
 
 
