@@ -194,6 +194,32 @@ def test_fp16_halves_kernels_are_float32_grade(recompute, tiles, B, H, S):
     assert ((delta.double() - want_delta).norm() / want_delta.norm()).item() < 4e-6
 
 
+@pytest.mark.parametrize("recompute", [False, True], ids=["P", "lse"])
+@pytest.mark.parametrize("magnitudes", [(0, 1, 1), (1, 0, 1), (1e-30, 1, 1e-30)],
+                         ids=["dO zeros", "q zeros", "dO v tiny"])
+def test_fp16_halves_kernels_with_zero_or_tiny_operands(recompute, magnitudes):
+    """The fp16x3 kernels where an operand is all zeros (a loss term times 0 gives an
+    all-zero dO; a zero-initialised projection zero q, k or v) or tiny: every output
+    finite and as float64's (zeros where it is). An all-zero dO had scale 2^127, and the
+    scales' products made every gradient NaN."""
+    B, H, S = 2, 4, 100
+    probs, grad_attn, q, k, v, attn_output, scale = _case(B, H, S, recompute, seed=6)
+    do_m, q_m, v_m = magnitudes
+    if recompute:          # the forward's output of the scaled v
+        attn_output = attn_output * v_m
+    case = (probs, grad_attn * do_m, q * q_m, k, v * v_m, attn_output, scale)
+    if q_m == 0 and recompute:
+        pytest.skip("q of zeros changes the log-sum-exp; P given covers it")
+    grad_q, delta, _, grad_kv, _ = _run_fp16_halves(*case, gluon_core.ROWS_TILES[0],
+                                                    gluon_core.COLS_TILES[0])
+    for out in (grad_q, delta, grad_kv):
+        assert torch.isfinite(out).all()
+    want = _float64(*case)
+    for got, w in zip((grad_q, *grad_kv.chunk(2, dim=-1)), want):
+        error = (got.double() - w).norm().item()
+        assert error <= 4e-6 * w.norm().item(), (error, w.norm().item())
+
+
 @pytest.mark.parametrize("rows_pass, tiles",
                          [(True, t) for t in attention_bwd_ws.ROWS_WS_TILES]
                          + [(False, t) for t in attention_bwd_ws.COLS_WS_TILES],

@@ -249,6 +249,54 @@ def test_fp16_operand_scales_bring_every_operand_and_ds_into_fp16s_range():
     assert 2 ** 4 < scaled < 2 ** 14, scaled
 
 
+@pytest.mark.parametrize("magnitudes", [(0, 1, 1, 1), (1, 0, 0, 1), (0, 0, 0, 0),
+                                        (1e-36, 1, 1, 1e-30), (1e-30, 1e-30, 1e-30, 1e-30),
+                                        (1e-25, 1e-20, 1e-20, 1e-20)],
+                         ids=["dO zeros", "q k zeros", "all zeros", "dO below 2^-113",
+                              "all 1e-30", "all tiny"])
+def test_fp16_operand_scales_keep_the_kernels_products_of_scales_in_range(magnitudes):
+    """What the Gluon fp16x3 kernels make of the scales (kernels/softmax_bwd_gluon.py, in
+    their order: s_do * s_v, s_q * s_k, s_ds * (s_do * s_v) * s_q or s_k, 2^14 * s_do, and
+    the reciprocals of those), finite and nonzero in float32 where operands are zeros or
+    tiny: an all-zero dO had s_do = 2^127, s_do * s_v inf, and every gradient NaN on the
+    GPU. Zero operands take scale 1; every operand stays in fp16's range once scaled."""
+    from vitattn_bwd import attention_core
+    g = torch.Generator().manual_seed(3)
+    B, H, S, D = 2, 3, 40, 16
+    q, k, v = (torch.randn(B, H, S, D, generator=g) * m for m in magnitudes[1:])
+    grad_attn = torch.randn(B, S, H * D, generator=g) * magnitudes[0]
+    scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)
+    s_do, s_q, s_k, s_v, s_ds = scales.unbind()
+    grad_p_units = s_do * s_v
+    for product in (grad_p_units, s_q * s_k, s_ds * grad_p_units * s_q,
+                    s_ds * grad_p_units * s_k, 2.0 ** 14 * s_do):
+        assert torch.isfinite(product) and product > 0 and torch.isfinite(1 / product)
+    assert s_ds / 2.0 ** 14 > 0
+    for t, t_scale in zip((grad_attn, q, k, v), scales[:4]):
+        assert (t * t_scale).abs().max() < 2 ** 15
+        if not t.any():
+            assert t_scale == 1
+
+
+def test_fp16_operand_scales_of_ordinary_operands_are_each_ones_own():
+    """Where no product of scales nears float32's range, nothing is lowered: each scale
+    is its operand's fp16_scale, and s_ds the bound's (gradients of a mean loss, 1e-9,
+    included)."""
+    from vitattn_bwd import attention_core
+    g = torch.Generator().manual_seed(4)
+    B, H, S, D = 2, 3, 40, 16
+    for magnitudes in ((1, 1, 1, 1), (1e-9, 1, 1, 1), (1e-7, 1e3, 1e-3, 7), (1e20, 1, 1, 1e-20)):
+        q, k, v = (torch.randn(B, H, S, D, generator=g) * m for m in magnitudes[1:])
+        grad_attn = torch.randn(B, S, H * D, generator=g) * magnitudes[0]
+        scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)
+        own = [fp16_scale(t) for t in (grad_attn, q, k, v)]
+        assert torch.equal(scales[:4], torch.stack(own)), magnitudes
+        row_norm = lambda t, s: torch.linalg.vector_norm(                  # noqa: E731
+            (t * s).reshape(-1, D), dim=-1).amax()
+        bound = 2 * row_norm(grad_attn, own[0]) * row_norm(v, own[3])
+        assert scales[4] == power_of_two_scale(bound, 13), magnitudes
+
+
 def test_operators_with_operand_scales_return_float32_gradients_and_check_them(
         monkeypatch):
     """The attention-core operators given operand_scales (fp16 halves): float32

@@ -246,6 +246,28 @@ def _kernel_operands(grad_attn, q, k, v):
     return [part for t in (grad_attn, q, k, v) for part in split_bf16_truncated(t.contiguous())]
 
 
+# The Gluon fp16x3 kernels (kernels/softmax_bwd_gluon.py) multiply the scales together
+# (s_do * s_v, s_q * s_k, s_ds * s_do * s_v * s_q or s_k, P_SCALE = 2^14 times s_do) and
+# divide by those products: each is kept at most 2^MAX_SCALES_EXPONENT.
+MAX_SCALES_EXPONENT = 126
+
+
+def _exponents(powers_of_two):
+    """The exponents (int32) of normal float32 powers of two."""
+    return (powers_of_two.view(torch.int32) >> 23) - 127
+
+
+def _powers_of_two(exponents):
+    """2^exponents as float32, for int32 exponents in [-126, 127]."""
+    return ((exponents + 127) << 23).view(torch.float32)
+
+
+def _pair_within(a, b, bound):
+    """Exponents a, b with a + b at most `bound`, the larger lowered by the excess."""
+    excess = (a + b - bound).clamp_min(0)
+    return torch.where(a >= b, a - excess, a), torch.where(a >= b, b, b - excess)
+
+
 def fp16_operand_scales(grad_attn, q, k, v):
     """The operand_scales of the fp16 halves, float32 [5]: s_do, s_q, s_k, s_v (each
     tensor's fp16_scale) and s_ds, the power of two that brings 2 * max_i |dO_i| *
@@ -253,13 +275,30 @@ def fp16_operand_scales(grad_attn, q, k, v):
     |dS| <= |dP| + |delta| <= that bound (P <= 1, rows of P summing to 1), so dS * s_ds
     stays below 2^14. The norms are of the scaled rows, the finite ones only: a row
     holding an inf or NaN gives non-finite dS wherever it reaches, as in unscaled math,
-    and is left out of the bound that scales every other dS."""
-    scales = [fp16_scale(t) for t in (grad_attn, q, k, v)]
+    and is left out of the bound that scales every other dS.
+
+    The kernels' products of scales stay within 2^MAX_SCALES_EXPONENT: a tensor of
+    zeros (fp16_scale 2^127: an all-zero dO, from a loss term times 0, made s_do * s_v
+    inf, the cols pass's delta 0 * inf, and every gradient NaN), or of nothing above
+    2^-113, takes scale 1; where a pair's product would still pass the bound, the larger
+    scale is lowered (its tensor's fp16 halves then hold fewer bits), and s_ds last.
+    For tensors of ordinary magnitude nothing is lowered."""
+    scales = torch.stack([fp16_scale(t) for t in (grad_attn, q, k, v)])       # [4]
+    exponents = _exponents(scales)
+    exponents = torch.where(exponents == 127, 0, exponents)         # zeros: any scale
+    do_e, q_e, k_e, v_e = exponents.unbind()
+    do_e = do_e.clamp_max(MAX_SCALES_EXPONENT - 14)                          # P_SCALE * s_do
+    do_e, v_e = _pair_within(do_e, v_e, MAX_SCALES_EXPONENT)
+    q_e, k_e = _pair_within(q_e, k_e, MAX_SCALES_EXPONENT)
+    do_s, v_s = _powers_of_two(do_e), _powers_of_two(v_e)
     head_dim = q.shape[-1]
     row_norm = lambda t, scale: torch.linalg.vector_norm(                   # noqa: E731
         (t * scale).reshape(-1, head_dim), dim=-1).nan_to_num(nan=0.0, posinf=0.0).amax()
-    bound = 2 * row_norm(grad_attn, scales[0]) * row_norm(v, scales[3])
-    return torch.stack([*scales, power_of_two_scale(bound, FP16_TOP_EXPONENT - 1)])
+    bound = 2 * row_norm(grad_attn, do_s) * row_norm(v, v_s)
+    ds_e = _exponents(power_of_two_scale(bound, FP16_TOP_EXPONENT - 1))
+    ds_e = torch.where(ds_e == 127, 0, ds_e)                                 # dS all zero
+    ds_e = torch.minimum(ds_e, MAX_SCALES_EXPONENT - (do_e + v_e + torch.maximum(q_e, k_e)))
+    return _powers_of_two(torch.stack([do_e, q_e, k_e, v_e, ds_e]))
 
 
 def check_operand_scales(q, operand_scales):
