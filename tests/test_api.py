@@ -217,6 +217,24 @@ def test_an_x_unlike_every_other_input_is_the_one_named(attribute):
         vitattn_bwd.attention_block_backward(**inputs, num_heads=2)
 
 
+def test_compiled_backward_is_keyed_by_x_device_with_its_index(monkeypatch):
+    """graph._compile's key holds x's torch.device, not only its type: dynamo guards on
+    the device, so GPUs of one process sharing a compiled graph's code object would
+    each add graphs to it, past its recompile limit (8) an error under fullgraph."""
+    from vitattn_bwd import graph
+    keys = []
+    real = graph._compile
+
+    def recorded(*key):
+        keys.append(key)
+        return real(*key)
+    monkeypatch.setattr(graph, "_compile", recorded)
+    inputs = make_case(1, 5, 2, 8)
+    vitattn_bwd.attention_block_backward(**inputs, num_heads=2)
+    assert keys and keys[0][0] == torch.device("cpu")
+    assert isinstance(keys[0][0], torch.device)
+
+
 def test_contract_run_names_a_bad_x_not_q():
     inputs = make_case(2, 5, 2, 8)
     inputs["x"] = None

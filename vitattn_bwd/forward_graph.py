@@ -122,11 +122,11 @@ def output_specs(x, num_heads, half_dtype):
 
 
 @functools.cache
-def _compile(dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph,
+def _compile(device, dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph,
              precision, half_dtype):
     """The compiled forward of one configuration and batch bucket (CUDA); the arguments
-    are the cache key."""
-    del dtype, seq_len, embed_dim                              # they key the cache only
+    are the cache key (device with its index, as graph._compile's)."""
+    del device, dtype, seq_len, embed_dim                      # they key the cache only
 
     def forward_graph(**tensors):
         return block_forward(**tensors, num_heads=num_heads, eps=eps,
@@ -155,7 +155,7 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
         outputs = tuple(x.new_empty(shape, dtype=dtype)
                         for shape, dtype in output_specs(x, num_heads, half_dtype))
     elif x.is_cuda and x.dtype in (torch.float32, half_dtype):
-        fn = _compile(x.dtype, S, E, num_heads, eps, graph.batch_bucket(B),
+        fn = _compile(x.device, x.dtype, S, E, num_heads, eps, graph.batch_bucket(B),
                       graph.uses_cuda_graph("cuda", B), precision, half_dtype)
         outputs = _run_compiled(fn, tensors)
     else:

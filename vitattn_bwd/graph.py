@@ -342,12 +342,16 @@ def _with_own_code(fn):
 
 
 @functools.cache
-def _compile(device_type, dtype, activation_dtype, seq_len, embed_dim, num_heads, scale,
+def _compile(device, dtype, activation_dtype, seq_len, embed_dim, num_heads, scale,
              norm_eps, ln_grad, batch_bucket, cuda_graph, input_names, split_precision):
     """One compiled backward; the arguments are the cache key (input_names: the
     contract's inputs, or the module's: qkv for q, k, v, ln_bias for x_norm;
-    activation_dtype: q's, which is bf16 / fp16 on the one-product path)."""
+    activation_dtype: q's, which is bf16 / fp16 on the one-product path). device, with
+    its index: dynamo guards on a tensor's device, so GPUs sharing one code object would
+    each add graphs to it, and past its recompile limit (8) the fullgraph compile
+    raises (five GPUs of one process at two graphs each)."""
     del seq_len, embed_dim, num_heads, input_names     # they key the cache only
+    device_type = device.type
     constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
                      split_precision=split_precision)
 
@@ -401,7 +405,7 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad, precision="high"):
     B, S, E = x.shape
     num_heads = inputs["attn_weights"].shape[1]
     activation_dtype = inputs["qkv" if "qkv" in inputs else "q"].dtype
-    fn = _compile(x.device.type, x.dtype, activation_dtype, S, E, num_heads, scale,
+    fn = _compile(x.device, x.dtype, activation_dtype, S, E, num_heads, scale,
                   norm_eps, ln_grad, batch_bucket(B), uses_cuda_graph(x.device.type, B),
                   tuple(inputs), split_precision_of(x.device.type, precision, B * S,
                                                     inputs["attn_weights"].dim() == 4))
