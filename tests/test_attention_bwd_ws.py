@@ -77,6 +77,14 @@ def _inputs(dtype=torch.bfloat16, batch=1, heads=2, seq_len=5, head_dim=64):
                 lse=torch.randn(batch, heads, seq_len), scale=0.125)
 
 
+def _misaligned(t):
+    """A contiguous copy of t starting one element (2 bytes) past an aligned address."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype)
+    view = storage[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda i: dict(i, q=i["q"].float(), k=i["k"].float(), v=i["v"].float()),
      "q, k, v, grad_attn, attn_output must share one dtype"),
@@ -89,6 +97,8 @@ def _inputs(dtype=torch.bfloat16, batch=1, heads=2, seq_len=5, head_dim=64):
     (lambda i: dict(i, lse=i["lse"].double()), "lse must be contiguous float32"),
     (lambda i: _inputs(head_dim=128), "head_dim must be 64, got 128"),
     (lambda i: _inputs(head_dim=48), "head_dim must be 64, got 48"),
+    (lambda i: dict(i, grad_attn=_misaligned(i["grad_attn"])),
+     "grad_attn must start at a 16-byte aligned address"),
 ])
 def test_bad_arguments_are_named(change, message):
     with pytest.raises(ValueError, match=message):

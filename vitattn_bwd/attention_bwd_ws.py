@@ -226,6 +226,13 @@ def _check(q, k, v, grad_attn, attn_output, lse, tiles):
         raise ValueError(f"q's batch * heads * seq_len (seq_len rounded up to whole "
                          f"{tiles.block_m}-query tiles) must be below 2**31, got "
                          f"{list(q.shape)}")
+    # TMA reads these from their first element: triton only asserts it (an
+    # AssertionError from inside autograd, nothing under python -O)
+    for name, t in (("q", q), ("k", k), ("v", v), ("grad_attn", grad_attn),
+                    ("attn_output", attn_output)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must start at a 16-byte aligned address (TMA reads "
+                             f"it), got {t.data_ptr():#x}; pass a copy (.clone())")
     if ((tiles.block_m, tiles.block_n) != (128, 128) or tiles.grad_q_buffers not in (1, 2)
             or tiles.grad_q_swizzle not in (0, 32, 64, 128)):
         raise ValueError(f"tiles must have block_m and block_n 128, grad_q_buffers 1 or 2 "
