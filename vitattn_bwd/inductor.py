@@ -284,7 +284,9 @@ def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, lay
 
 def _selected_outputs(template, choices, inputs, layout, template_outputs, mutated):
     """The tuned choice's outputs: the template's node and its mutated buffers, or all
-    outputs of the Gluon operator if a Gluon choice won."""
+    outputs of the Gluon operator if a Gluon choice won. Buffer names repeat from graph to
+    graph, so an entry a failed lowering left under this name is dropped first."""
+    _GLUON_WINNERS.pop(mutated.get_name(), None)
     first = _select(template, choices, inputs, layout)
     winner = _GLUON_WINNERS.pop(mutated.get_name(), None)
     if winner is None:
