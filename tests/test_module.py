@@ -394,26 +394,34 @@ def test_autocast_with_precision_medium_runs_the_one_product_path(monkeypatch):
     output dtype of the stock block, an output as close to float64 as the stock one, no
     gradient further from float64 than the stock block's (ours leave their GEMMs in
     float32 where autocast rounds them to bf16), fewer bytes saved for the backward,
-    the projections and the attention output saved in bf16."""
+    the projections and the attention output saved in bf16. The errors are summed over
+    8 seeded draws: one draw's LayerNorm weight gradient (a sum over 39 rows) ranged
+    0.72-1.07x stock's over 24 seeds, and 1.41x in an unseeded draw, where the sums over
+    24 seeds are 0.76x."""
     calls = _recorded_precisions(monkeypatch)
-    block = _randomize(VisionAttentionBlock(32, 4, precision="medium"))
-    x = torch.randn(3, 13, 32)
-    grad_y = torch.randn(3, 13, 32)
-    (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(
-        block, x, grad_y, autocast=True)
-    assert calls == [["torch.bfloat16", "torch.bfloat16"]]
-    assert y.dtype == want_y.dtype == torch.float32
-    assert saved < want_saved, (saved, want_saved)
-    truth = block_step_float64(block, x, grad_y)
-    ours_errors = relative_errors([y, *grads], truth)
-    stock_errors = relative_errors([want_y, *want_grads], truth)
-    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
-    for name, g, src, ours, stock in zip(names, [y, *grads], [x, x, *block.parameters()],
-                                         ours_errors, stock_errors):
-        assert g.dtype == src.dtype, (name, g.dtype)
+    names = ["y", "x"] + [n for n, _ in VisionAttentionBlock(32, 4).named_parameters()]
+    ours_sums, stock_sums = [0.0] * len(names), [0.0] * len(names)
+    for seed in range(8):
+        torch.manual_seed(seed)
+        block = _randomize(VisionAttentionBlock(32, 4, precision="medium"))
+        x = torch.randn(3, 13, 32)
+        grad_y = torch.randn(3, 13, 32)
+        (y, grads, saved), (want_y, want_grads, want_saved) = _ours_and_stock(
+            block, x, grad_y, autocast=True)
+        assert y.dtype == want_y.dtype == torch.float32
+        assert saved < want_saved, (saved, want_saved)
+        for name, g, src in zip(names, [y, *grads], [x, x, *block.parameters()]):
+            assert g.dtype == src.dtype, (name, g.dtype)
+        truth = block_step_float64(block, x, grad_y)
+        ours_errors = relative_errors([y, *grads], truth)
+        stock_errors = relative_errors([want_y, *want_grads], truth)
+        ours_sums = [a + b for a, b in zip(ours_sums, ours_errors)]
+        stock_sums = [a + b for a, b in zip(stock_sums, stock_errors)]
+        # bf16 math, not float32 math: far from the float64 truth, like the stock block
+        assert ours_errors[0] > 1e-3
+    assert calls == [["torch.bfloat16", "torch.bfloat16"]] * 8
+    for name, ours, stock in zip(names, ours_sums, stock_sums):
         assert ours <= 1.1 * stock, (name, ours, stock)
-    # bf16 math, not float32 math: far from the float64 truth, like the stock block
-    assert ours_errors[0] > 1e-3
     block.zero_grad()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, saved_dtypes = _saved_dtypes(lambda: block(x))
