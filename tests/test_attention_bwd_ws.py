@@ -8,7 +8,8 @@ import torch
 
 from vitattn_bwd import attention_bwd_ws
 
-from .helpers import H200_SHARED_MEMORY, sm90_compile_report, triton_environments
+from .helpers import (H200_SHARED_MEMORY, sm90_compile_report, triton_environments,
+                      triton_version_in)
 
 
 @pytest.fixture(scope="module", params=list(triton_environments()))
@@ -51,19 +52,24 @@ def test_configured_tiles_fit_without_spills_in_the_walk(resources, request):
     registers the 384 threads of two consumer warpgroups did not launch), and as many
     programs as its registers allow on an SM fit its shared memory with their 2 or 3
     ring stages. The configured tiles spill nothing in the consumers' walk over the
-    query tiles with the installed triton, and at most 8 words in all (shared-memory
-    addresses computed once, reloaded once per work item); with the newest, whose ptxas
-    chooses other values to reload, up to 5 local loads a tile (L1 hits; their cost on
-    a GPU is unmeasured: docs/performance.md). The candidates spill a few words more.
+    query tiles with triton 3.6 (the GPU runs' triton), and at most 8 words in all
+    (shared-memory addresses computed once, reloaded once per work item). Other tritons'
+    ptxas choose other values to keep: with 3.9 up to 5 local loads a tile in the walk
+    (L1 hits), with 3.8 none there and 13 words in all (torch 2.14.1's triton); their
+    cost on a GPU is unmeasured (docs/performance.md). The candidates spill a few words
+    more.
     """
-    walk_spills = 0 if request.node.callspec.params["resources"] == "installed triton" else 5
+    environment = triton_environments()[request.node.callspec.params["resources"]]
+    gpu_runs_triton = triton_version_in(environment).startswith("3.6.")
+    walk_spills, spill_bytes = (0, 32) if gpu_runs_triton else (5, 64)
     for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:
         r = resources[tiles]
         programs_per_sm = SM_REGISTERS // (tiles.maxnreg * r["threads"])
         assert programs_per_sm >= 1 and tiles.num_stages >= 2, (tiles, r)
         assert programs_per_sm * r["shared_bytes"] <= H200_SHARED_MEMORY, (tiles, r)
         if tiles in attention_bwd_ws.TILES:
-            assert r["walk_spills"] <= walk_spills and r["spill_stores"] <= 32, (tiles, r)
+            assert (r["walk_spills"] <= walk_spills
+                    and r["spill_stores"] <= spill_bytes), (tiles, r)
         else:
             assert r["spill_stores"] <= 64, (tiles, r)
 
