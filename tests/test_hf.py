@@ -330,6 +330,90 @@ def test_unsupported_layers_are_refused_at_the_swap():
     assert len(swapped_layers(swap_attention(encoder, vision_only=False))) == 2
 
 
+class MessageTokenLayer(transformers.models.clip.modeling_clip.CLIPEncoderLayer):
+    """A CLIP layer whose forward adds to the stock math (as X-CLIP's vision layers add a
+    cross-frame message token): the swap must not take it for a CLIP layer."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        hidden_states = hidden_states + 1.0
+        return super().forward(hidden_states, *args, **kwargs)
+
+
+class CopiedClipLayer(transformers.models.clip.modeling_clip.CLIPEncoderLayer):
+    """A layer whose forward is CLIP's math in code of its own (renamed variables)."""
+
+    def forward(self, hidden_states, attention_mask=None, **kwargs):
+        skip = hidden_states
+        hidden_states = skip + self.self_attn(self.layer_norm1(hidden_states),
+                                              attention_mask=attention_mask, **kwargs)[0]
+        return hidden_states + self.mlp(self.layer_norm2(hidden_states))
+
+
+def _with_layer_class(model, cls):
+    for module in model.modules():
+        if type(module).__name__ == "CLIPEncoderLayer":
+            module.__class__ = cls
+    return model
+
+
+def test_layers_that_compute_more_than_clips_forward_are_refused_at_the_swap():
+    """A layer class is swapped where its forward's code is CLIPEncoderLayer.forward's
+    (transformers copies it into SigLIP, Idefics2, OwlViT, ...) or it is registered;
+    one whose forward adds anything (X-CLIP's message token, MLCD's rotary embeddings)
+    was swapped and silently computed without it: now refused, naming the class."""
+    with pytest.raises(ValueError, match=r"MessageTokenLayer.forward is not "
+                                         r"CLIPEncoderLayer's"):
+        swap_attention(_with_layer_class(_clip(), MessageTokenLayer))
+    model = _with_layer_class(_clip(), CopiedClipLayer)
+    with pytest.raises(ValueError, match="CopiedClipLayer.forward is not"):
+        swap_attention(model)
+    assert not swapped_layers(model)
+    try:
+        hf.register_classes(layer=CopiedClipLayer)
+        stock = _with_layer_class(_clip(), CopiedClipLayer)
+        ours = swap_attention(copy.deepcopy(stock))
+        assert len(swapped_layers(ours)) == 2
+        pixels, weight = _inputs()
+        torch.testing.assert_close(_loss(ours, pixels, weight), _loss(stock, pixels, weight),
+                                   rtol=1e-12, atol=1e-12)
+    finally:
+        hf._REGISTERED_LAYERS.remove(CopiedClipLayer)
+        hf._runs_clips_forward.cache_clear()
+    if hasattr(transformers, "XCLIPVisionModel"):
+        xclip = transformers.XCLIPVisionModel(transformers.XCLIPVisionConfig(**TINY))
+        with pytest.raises(ValueError, match="XCLIPVisionEncoderLayer.forward is not"):
+            swap_attention(xclip)
+
+
+def test_attention_submodules_besides_the_projections_are_refused_at_the_swap():
+    """A query / key norm (or any module) in self_attn runs inside its forward, which
+    the fused block does not call."""
+    model = _clip()
+    layer = next(m for m in model.modules() if type(m).__name__ == "CLIPEncoderLayer")
+    layer.self_attn.q_norm = nn.LayerNorm(16)
+    with pytest.raises(ValueError, match=r"self_attn has submodules the fused block would "
+                                         r"not run: \['q_norm'\]"):
+        swap_attention(model)
+
+
+def test_layer_arguments_the_block_does_not_compute_are_refused_at_the_call():
+    """Rotary position embeddings or packed sequences' boundaries given to a swapped
+    layer (as MiniMax-M3-VL's and VideoLlama3's encoders pass them) would be left out:
+    refused by name, as are extra positional arguments; None and the output flags pass."""
+    _, ours = _pair()
+    layer = ours.get_submodule(swapped_layers(ours)[0])
+    x = torch.randn(1, 5, 32, dtype=torch.float64)
+    rope = (torch.ones(5, 16, dtype=torch.float64),) * 2
+    with pytest.raises(ValueError, match=r"does not support \['cu_seqlens', "
+                                         r"'position_embeddings'\]"):
+        layer(x, position_embeddings=rope, cu_seqlens=torch.tensor([0, 5]))
+    if not layer._vitattn_legacy:
+        with pytest.raises(ValueError, match="takes hidden_states and an attention mask"):
+            layer(x, None, rope)
+    out = layer(x, position_embeddings=None, output_hidden_states=True)
+    assert (out[0] if layer._vitattn_legacy else out).shape == x.shape
+
+
 _LOAD_IN_A_FRESH_PROCESS = """
 import sys, torch
 from vitattn_bwd.integrations import _common

@@ -1130,6 +1130,10 @@ class LegacyStyleCLIPEncoderLayer(nn.Module):
         return outputs
 
 
+# CLIP's math in code of its own (not transformers' CLIPEncoderLayer.forward): declared
+integrations.hf.register_classes(layer=LegacyStyleCLIPEncoderLayer)
+
+
 class LegacyStyleCLIPVisionTower(nn.Module):
     """As 4.x's CLIPEncoder calls its layers: (hidden, mask, causal mask,
     output_attentions=...)."""

@@ -13,7 +13,13 @@ precision "medium" one product per matmul; at precision None the stock ops under
 autocast and for an all-bf16/fp16 model, where they were the faster:
 vitattn_bwd.routing). Matched:
 - CLIP / SigLIP style (CLIPEncoderLayer, SiglipEncoderLayer, ...): `layer_norm1`,
-  `self_attn.{q_proj,k_proj,v_proj,out_proj}`, then `layer_norm2` and `mlp`;
+  `self_attn.{q_proj,k_proj,v_proj,out_proj}` (and no other submodule but dropouts),
+  then `layer_norm2` and `mlp`, in a layer whose forward is CLIPEncoderLayer.forward's
+  code (transformers copies it into SigLIP, SigLIP2, Idefics2/3, OwlViT, AltCLIP, Kosmos-2
+  and others' layers) or whose class is registered (`register_classes`); a layer whose
+  forward computes more (X-CLIP's message token, MLCD's or VideoLlama3's rotary
+  embeddings) is refused at the swap, and arguments the fused block would leave out
+  (position_embeddings, cu_seqlens, ...) at the call;
 - Molmo style (ResidualAttentionBlock): `attention_norm`, `attention.{wq,wk,wv,wo}`,
   then `ffn_norm` and `feed_forward`.
 
@@ -48,8 +54,11 @@ Works with transformers 4.4x (layers return a tuple and take output_attentions) 
 decides output_attentions without reading transformers 5's context variable while
 dynamo traces (_attentions_requested).
 """
+import ast
+import functools
 import inspect
 import sys
+import textwrap
 
 import torch
 from torch import nn
@@ -58,11 +67,73 @@ from ..module import vision_attention
 from ..validation import check_config
 from . import _common
 
-__all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped"]
+__all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped",
+           "register_classes"]
 
 _FUSED_CLASSES = {}        # stock layer class -> its fused subclass
+_REGISTERED_LAYERS = []    # register_classes(layer=...)
 is_swapped = _common.is_swapped
 swapped_layers = _common.swapped_layers
+
+# What a swapped CLIP-style layer's forward may be given besides hidden_states (values
+# other than None): masks (refused at the call), and transformers' output flags. Any
+# other argument (rotary position_embeddings, packed-sequence cu_seqlens, ...) is a
+# computation the fused block would leave out, and refused by name.
+_LAYER_ARGUMENTS = ("attention_mask", "causal_attention_mask", "output_attentions",
+                    "output_hidden_states", "return_dict")
+
+
+def register_classes(*, layer=()):
+    """Declare layer classes (Hugging Face style: layer_norm1, self_attn.q/k/v/out_proj,
+    layer_norm2, mlp) whose forward is exactly CLIPEncoderLayer's math (x + attention
+    half, then x + MLP half) though its code differs from CLIPEncoderLayer.forward's,
+    so that swap_attention swaps them. Classes whose forward computes anything else
+    must not be registered."""
+    for cls in (layer,) if isinstance(layer, type) else layer:
+        if cls not in _REGISTERED_LAYERS:
+            _REGISTERED_LAYERS.append(cls)
+    _runs_clips_forward.cache_clear()          # a class refused before may pass now
+
+
+def _forward_code(fn):
+    """fn's syntax tree without its name, docstring, decorators and annotations, as a
+    string; None where its source cannot be read."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    tree.name, tree.decorator_list, tree.returns = "forward", [], None
+    arguments = tree.args
+    for argument in (*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                     arguments.vararg, arguments.kwarg):
+        if argument is not None:
+            argument.annotation = None
+    if tree.body and isinstance(tree.body[0], ast.Expr) \
+            and isinstance(tree.body[0].value, ast.Constant):
+        tree.body = tree.body[1:]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.AnnAssign):
+            node.annotation = ast.Constant(None)
+    return ast.dump(tree)
+
+
+@functools.cache
+def _runs_clips_forward(cls):
+    """Whether a CLIP-style layer class computes what the swapped layer does: registered,
+    or its forward's code is transformers' CLIPEncoderLayer.forward's (the installed
+    version's), as transformers copies it into SigLIP, Idefics2, OwlViT and some 25
+    other models' layers. A layer whose forward adds anything (X-CLIP's cross-frame
+    message token, MLCD's rotary embeddings) is not."""
+    if any(issubclass(cls, k) and cls.forward is k.forward for k in _REGISTERED_LAYERS):
+        return True
+    try:
+        from transformers.models.clip.modeling_clip import CLIPEncoderLayer
+    except ImportError:                 # without transformers: registered classes only
+        return False
+    if cls.forward is CLIPEncoderLayer.forward:
+        return True
+    code = _forward_code(cls.forward)
+    return code is not None and code == _forward_code(CLIPEncoderLayer.forward)
 
 
 def _linear(module, name):
@@ -102,6 +173,17 @@ def _check_layer(name, layer, kind):
     conv = _CONVENTIONS[kind]
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
+    if kind == "clip" and not _runs_clips_forward(type(layer)):
+        raise ValueError(
+            f"{name}: {type(layer).__name__}.forward is not CLIPEncoderLayer's (x + "
+            "attention(layer_norm1(x)), then x + mlp(layer_norm2(x))), so the fused "
+            "layer would leave out what it computes besides; if its math is exactly "
+            "that, declare it with vitattn_bwd.integrations.hf.register_classes(layer=...)")
+    extra = [child for child, module in attn.named_children()
+             if child not in conv["proj"] and not isinstance(module, nn.Dropout)]
+    if extra:
+        raise ValueError(f"{name}: {conv['attn']} has submodules the fused block would not "
+                         f"run: {extra} (only the q/k/v/out projections are read)")
     _common.check_not_hooked(name, layer, {conv["norm"]: norm, conv["attn"]: attn},
                              library_hook=_is_output_capture_hook)
     E = q.in_features
@@ -239,9 +321,20 @@ def _clip_forward(self, hidden_states, *args, **kwargs):
         arguments = dict(zip(names, args))
         arguments.update(kwargs)
     else:                                # transformers 5 style: (hidden, mask, **kwargs)
+        if len(args) > 1:
+            raise ValueError(f"{_common._who(self)} takes hidden_states and an attention "
+                             f"mask by position, got {len(args) + 1} positional arguments: "
+                             "what the others compute (rotary position embeddings, say) "
+                             "the fused block does not")
         arguments = dict(kwargs)
         if args:
             arguments["attention_mask"] = args[0]
+    unknown = sorted(name for name, value in arguments.items()
+                     if value is not None and name not in _LAYER_ARGUMENTS)
+    if unknown:
+        raise ValueError(f"{_common._who(self)} does not support {unknown}: the fused block "
+                         "would leave out what they compute (rotary position embeddings, "
+                         "packed sequences' boundaries, ...)")
     for mask in ("attention_mask", "causal_attention_mask"):
         if arguments.get(mask) is not None:
             _common.refuse_mask(self, mask)
