@@ -175,25 +175,27 @@ def _dtype_mismatch(name, t, x):
                      "share one dtype")
 
 
-def _x_is_the_odd_one(tensors, x, attribute):
-    """Whether x's dtype or device (`attribute`) differs from what every other tensor of
-    `tensors` shares: the mismatch is then x's, not the first other tensor's."""
-    others = {getattr(t, attribute) for name, t in tensors.items() if t is not x}
-    return len(others) == 1 and getattr(x, attribute) not in others
+def _unlike_x(tensors, x, name, attribute):
+    """The error for tensors[name], whose dtype or device (`attribute`) is not x's: it
+    names x where every other input shares one value (x is then the odd one, not the
+    first tensor compared with it), else `name`."""
+    others = {getattr(t, attribute) for t in tensors.values() if t is not x}
+    if attribute == "dtype":
+        if len(others) == 1:
+            return TypeError(f"x has dtype {x.dtype}, but every other input has "
+                             f"{others.pop()}; all inputs must share one dtype")
+        return _dtype_mismatch(name, tensors[name], x)
+    if len(others) == 1:
+        return ValueError(f"x is on {x.device}, but every other input is on {others.pop()}; "
+                          "all inputs must be on one device")
+    return ValueError(f"{name} is on {tensors[name].device}, but x is on {x.device}; all "
+                      "inputs must be on one device")
 
 
 def check_like_x(tensors, x, num_heads, same_dtype=True):
     """Each of `tensors` (name -> tensor, all of SHAPES) has its shape for x [B,S,E] and
     num_heads, and x's device (and dtype, if same_dtype). Where x alone differs in
     dtype or device from the rest, the error names x."""
-    if same_dtype and _x_is_the_odd_one(tensors, x, "dtype"):
-        other = next(t.dtype for t in tensors.values() if t is not x)
-        raise TypeError(f"x has dtype {x.dtype}, but every other input has {other}; all "
-                        "inputs must share one dtype")
-    if _x_is_the_odd_one(tensors, x, "device"):
-        other = next(t.device for t in tensors.values() if t is not x)
-        raise ValueError(f"x is on {x.device}, but every other input is on {other}; all "
-                         "inputs must be on one device")
     shapes = expected_shapes(*x.shape, num_heads)
     for name, t in tensors.items():
         if t.shape != shapes[name]:
@@ -201,10 +203,9 @@ def check_like_x(tensors, x, num_heads, same_dtype=True):
                              f"({'x'.join(map(str, SHAPES[name]))}), got {tuple(t.shape)}"
                              + _heads_hint(name, t, x.shape[-1], num_heads))
         if same_dtype and t.dtype != x.dtype:
-            raise _dtype_mismatch(name, t, x)
+            raise _unlike_x(tensors, x, name, "dtype")
         if t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, but x is on {x.device}; all inputs "
-                             "must be on one device")
+            raise _unlike_x(tensors, x, name, "device")
 
 
 # --- the entry points ------------------------------------------------------------------
