@@ -56,8 +56,9 @@ import torch
 
 from . import buffers
 from .layout import merge_heads, split_heads
-from .precision import (FP16_TOP_EXPONENT, HALF_DTYPES, fp16_scale, power_of_two_scale,
-                        split_bf16_rounded, split_bf16_truncated)
+from .precision import (FP16_TOP_EXPONENT, HALF_DTYPES, exponents_of, fp16_scale,
+                        power_of_two_scale, powers_of_two, split_bf16_rounded,
+                        split_bf16_truncated)
 
 
 class TileConfig(NamedTuple):
@@ -252,16 +253,6 @@ def _kernel_operands(grad_attn, q, k, v):
 MAX_SCALES_EXPONENT = 126
 
 
-def _exponents(powers_of_two):
-    """The exponents (int32) of normal float32 powers of two."""
-    return (powers_of_two.view(torch.int32) >> 23) - 127
-
-
-def _powers_of_two(exponents):
-    """2^exponents as float32, for int32 exponents in [-126, 127]."""
-    return ((exponents + 127) << 23).view(torch.float32)
-
-
 def _pair_within(a, b, bound):
     """Exponents a, b with a + b at most `bound`, the larger lowered by the excess."""
     excess = (a + b - bound).clamp_min(0)
@@ -284,21 +275,21 @@ def fp16_operand_scales(grad_attn, q, k, v):
     scale is lowered (its tensor's fp16 halves then hold fewer bits), and s_ds last.
     For tensors of ordinary magnitude nothing is lowered."""
     scales = torch.stack([fp16_scale(t) for t in (grad_attn, q, k, v)])       # [4]
-    exponents = _exponents(scales)
+    exponents = exponents_of(scales)
     exponents = torch.where(exponents == 127, 0, exponents)         # zeros: any scale
     do_e, q_e, k_e, v_e = exponents.unbind()
     do_e = do_e.clamp_max(MAX_SCALES_EXPONENT - 14)                          # P_SCALE * s_do
     do_e, v_e = _pair_within(do_e, v_e, MAX_SCALES_EXPONENT)
     q_e, k_e = _pair_within(q_e, k_e, MAX_SCALES_EXPONENT)
-    do_s, v_s = _powers_of_two(do_e), _powers_of_two(v_e)
+    do_s, v_s = powers_of_two(do_e), powers_of_two(v_e)
     head_dim = q.shape[-1]
     row_norm = lambda t, scale: torch.linalg.vector_norm(                   # noqa: E731
         (t * scale).reshape(-1, head_dim), dim=-1).nan_to_num(nan=0.0, posinf=0.0).amax()
     bound = 2 * row_norm(grad_attn, do_s) * row_norm(v, v_s)
-    ds_e = _exponents(power_of_two_scale(bound, FP16_TOP_EXPONENT - 1))
+    ds_e = exponents_of(power_of_two_scale(bound, FP16_TOP_EXPONENT - 1))
     ds_e = torch.where(ds_e == 127, 0, ds_e)                                 # dS all zero
     ds_e = torch.minimum(ds_e, MAX_SCALES_EXPONENT - (do_e + v_e + torch.maximum(q_e, k_e)))
-    return _powers_of_two(torch.stack([do_e, q_e, k_e, v_e, ds_e]))
+    return powers_of_two(torch.stack([do_e, q_e, k_e, v_e, ds_e]))
 
 
 def check_operand_scales(q, operand_scales):

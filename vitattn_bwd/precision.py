@@ -116,6 +116,16 @@ def power_of_two_scale(t, top_exponent=0):
     return (0x7F000000 + top_bits - exponent_bits).view(torch.float32)
 
 
+def exponents_of(powers_of_two):
+    """The exponents (int32) of normal float32 powers of two (power_of_two_scale's)."""
+    return (powers_of_two.view(torch.int32) >> 23) - 127
+
+
+def powers_of_two(exponents):
+    """2^exponents as float32, for integer exponents in [-126, 127], from their bits."""
+    return ((exponents + 127) << 23).to(torch.int32).view(torch.float32)
+
+
 def fp16_scale(t):
     """The power of two that brings t into fp16's range for its fp16 halves."""
     return power_of_two_scale(t, FP16_TOP_EXPONENT)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 
 from . import buffers
-from .precision import fp16_scale, split_fp16
+from .precision import exponents_of, fp16_scale, powers_of_two, split_fp16
 
 
 class GemmTiles(NamedTuple):
@@ -130,11 +130,9 @@ def unscale_of(a, b):
     The scales are normal float32 powers of two (precision.power_of_two_scale), read off
     their exponent bits: exact, but for two scales of 2^127 (tensors below 2^-113),
     whose product's 2^-254 is taken as 2^-252, where float32's products are 0 anyway."""
-    biased = torch.stack([a.scale, b.scale]).view(torch.int32) >> 23        # [2]
-    exponent = 254 - biased.sum()                     # of 1 / (a.scale * b.scale)
+    exponent = -exponents_of(torch.stack([a.scale, b.scale])).sum()  # of 1/(a.scale*b.scale)
     first = torch.div(exponent, 2, rounding_mode="floor")
-    halves = torch.stack([first, exponent - first]).clamp(-126, 127)
-    return ((halves + 127) << 23).to(torch.int32).view(torch.float32)
+    return powers_of_two(torch.stack([first, exponent - first]).clamp(-126, 127))
 
 
 def linear_fp16x3(a, weight, bias):
