@@ -92,12 +92,13 @@ def register_classes(*, layer=()):
     for cls in (layer,) if isinstance(layer, type) else layer:
         if cls not in _REGISTERED_LAYERS:
             _REGISTERED_LAYERS.append(cls)
-    _runs_clips_forward.cache_clear()          # a class refused before may pass now
 
 
+@functools.cache
 def _forward_code(fn):
     """fn's syntax tree without its name, docstring, decorators and annotations, as a
-    string; None where its source cannot be read."""
+    string (made once per function: CLIPEncoderLayer.forward's is the reference for
+    every layer class); None where its source cannot be read."""
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
     except (OSError, TypeError, SyntaxError, IndexError):
@@ -117,7 +118,6 @@ def _forward_code(fn):
     return ast.dump(tree)
 
 
-@functools.cache
 def _runs_clips_forward(cls):
     """Whether a CLIP-style layer class computes what the swapped layer does: registered,
     or its forward's code is transformers' CLIPEncoderLayer.forward's (the installed
