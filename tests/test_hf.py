@@ -498,7 +498,8 @@ def test_projections_with_forwards_of_their_own_are_refused():
     stock = _clip()
     _encoder_layers(stock)[1].self_attn.v_proj.__class__ = _LoraLinear
     with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn\.v_proj is "
-                                         r"_LoraLinear, whose forward is not Linear's"):
+                                         r"tests.test_hf._LoraLinear, whose forward is not "
+                                         r"torch.nn.modules.linear.Linear's"):
         swap_attention(stock)
     assert not swapped_layers(stock)
     _, ours = _pair()
@@ -507,8 +508,28 @@ def test_projections_with_forwards_of_their_own_are_refused():
     attn.k_proj = _AdapterWrapper(attn.k_proj)
     with pytest.raises(ValueError, match=r"encoder\.layers\.0 \(VitAttnCLIPEncoderLayer, "
                                          r"vitattn_bwd fused attention\): self_attn\.k_proj "
-                                         r"is _AdapterWrapper"):
+                                         r"is tests.test_hf._AdapterWrapper"):
         ours(pixel_values=pixels)
+
+
+def test_attention_modules_with_forwards_of_their_own_are_refused():
+    """The fused layer reads self_attn's projections and never calls its forward: a
+    subclass of CLIPAttention with a forward of its own (attention editing, an extra
+    term) is refused at the swap, naming its class, rather than silently dropped."""
+    from transformers.models.clip.modeling_clip import CLIPAttention
+
+    class EditedAttention(CLIPAttention):
+        def forward(self, hidden_states, *args, **kwargs):
+            output, weights = super().forward(hidden_states, *args, **kwargs)
+            return 0.5 * output, weights
+
+    stock = _clip()
+    _encoder_layers(stock)[1].self_attn.__class__ = EditedAttention
+    with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn is tests\.test_hf\."
+                                         r".*EditedAttention, whose forward is not "
+                                         r"transformers' own"):
+        swap_attention(stock)
+    assert not swapped_layers(stock)
 
 
 def test_attention_mask_is_refused():

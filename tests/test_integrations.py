@@ -576,6 +576,106 @@ def test_timm_eval_mode_ignores_dropout_and_drop_path(spy):
     assert len(spy) == 2
 
 
+def test_timm_dropout_is_read_from_the_modules_that_apply_it(spy):
+    """Stock timm reads each dropout's own training flag: a model in eval mode with its
+    dropouts put back in training mode (MC dropout) draws masks, so the swapped block
+    refuses it rather than silently computing without; a model in training mode with
+    its dropouts in eval mode draws none, and the swapped block computes it."""
+    for kwargs, module, message in ((dict(proj_drop=0.2), "attn.proj_drop",
+                                     r"attn.proj_drop.p 0.2 > 0"),
+                                    (dict(drop_path=0.3), "drop_path1",
+                                     r"drop_path1.drop_prob 0.3 > 0"),
+                                    (dict(attn_drop=0.1), "attn.attn_drop",
+                                     r"attn.attn_drop.p 0.1 > 0")):
+        stock, ours = _pair(TimmStyleVisionTransformer, **kwargs)
+        ours.eval()
+        for blk in ours.blocks:
+            blk.get_submodule(module).train()
+        with pytest.raises(ValueError, match=message):
+            ours(_inputs()[0])
+    stock, ours = _pair(TimmStyleVisionTransformer, proj_drop=0.2, drop_path=0.3)
+    for model in (stock, ours):
+        model.train()
+        for module in model.modules():
+            if isinstance(module, (nn.Dropout, TimmStyleDropPath)):
+                module.eval()
+    assert ours.blocks[0].training and not ours.blocks[0].drop_path1.training
+    _assert_same(stock, ours, torch.float64, 1e-12)
+
+
+class LayerNormWithItsOwnForward(nn.LayerNorm):
+    """A LayerNorm subclass that computes something else. NOT a library's class."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_layer_norms_with_forwards_of_their_own_are_refused():
+    """The fused block computes a plain LayerNorm from the norm's weight and bias: a
+    subclass with a forward of its own is refused at the swap, naming its class."""
+    model = _make(TimmStyleVisionTransformer)
+    model.blocks[1].norm1.__class__ = LayerNormWithItsOwnForward
+    with pytest.raises(ValueError, match=r"^blocks.1: norm1 is tests.test_integrations."
+                                         r"LayerNormWithItsOwnForward, a LayerNorm whose "
+                                         r"forward is its own"):
+        swap_attention(model)
+    assert not swapped_layers(model)
+    model = _make(OpenCLIPStyleVisionTransformer)
+    model.transformer.resblocks[0].ln_1.__class__ = LayerNormWithItsOwnForward
+    with pytest.raises(ValueError, match=r"ln_1 is tests.test_integrations."
+                                         r"LayerNormWithItsOwnForward"):
+        swap_attention(model)
+
+
+class OpenCLIPStyleBlockWithItsOwnAttention(OpenCLIPStyleResidualAttentionBlock):
+    """Attention-editing code's pattern (MaskCLIP / SCLIP style): the block's forward
+    kept, its attention call overridden. NOT OpenCLIP."""
+
+    def attention(self, q_x, k_x=None, v_x=None, attn_mask=None):
+        return 0.5 * super().attention(q_x, k_x, v_x, attn_mask)
+
+
+def test_open_clip_blocks_with_their_attention_overridden_are_refused():
+    """The swapped forward replaces the block's `attention` call too: a block class or
+    instance that overrides it is not swapped (the class is not matched; the instance
+    is refused, naming the method), rather than silently computing stock attention."""
+    model = _make(OpenCLIPStyleVisionTransformer)
+    resblocks = model.transformer.resblocks
+    resblocks[0].__class__ = OpenCLIPStyleBlockWithItsOwnAttention
+    swap_attention(model)
+    assert not _common.is_swapped(resblocks[0]) and _common.is_swapped(resblocks[1])
+    model = _make(OpenCLIPStyleVisionTransformer)
+    block = model.transformer.resblocks[1]
+    block.attention = lambda q_x, **kwargs: 0.5 * type(block).attention(block, q_x, **kwargs)
+    with pytest.raises(ValueError, match=r"transformer.resblocks.1: its attention is "
+                                         r"overridden on the instance"):
+        swap_attention(model)
+    assert not swapped_layers(model)
+
+
+def test_text_towers_of_a_dual_encoder_stay_stock():
+    """A vision-text dual encoder's root class names "Vision": its text tower's layers
+    (below a module whose class names "Text" and not "Vision") are not in the vision
+    tower, its vision tower's are."""
+    root = type("VisionTextDualEncoderModel", (nn.Module,), {})()
+    root.text_model = type("CLIPTextTransformer", (nn.Module,), {})()
+    root.text_model.layer = nn.Linear(1, 1)
+    root.vision_model = type("CLIPVisionTransformer", (nn.Module,), {})()
+    root.vision_model.layer = nn.Linear(1, 1)
+    assert not _common._in_vision_tower(root, "text_model.layer")
+    assert _common._in_vision_tower(root, "vision_model.layer")
+    assert _common._in_vision_tower(root, "")
+
+
+def test_jit_trace_is_refused_by_name():
+    """torch.jit.trace would freeze the block's Python decisions into a trace (and passes
+    shapes as tensors): refused with a message that names it and the alternatives."""
+    _, ours = _pair(TimmStyleVisionTransformer)
+    with pytest.raises(RuntimeError, match="does not support torch.jit.trace; use "
+                                           "torch.export or torch.compile"):
+        torch.jit.trace(ours, (_inputs()[0],), check_trace=False)
+
+
 @pytest.mark.parametrize("cls,layer_scale", [
     (TimmStyleVisionTransformer, dict(init_values=0.3)),
     (OpenCLIPStyleVisionTransformer, dict(ls_init_value=0.3)),
@@ -696,19 +796,19 @@ def test_projections_with_forwards_of_their_own_are_refused():
     that keeps nn.Linear's forward (nn.MultiheadAttention's out_proj class) swaps."""
     model = _make(TimmStyleVisionTransformer)
     model.blocks[1].attn.proj = LoraLinear(model.blocks[1].attn.proj)
-    with pytest.raises(ValueError, match=r"^blocks.1: attn.proj is LoraLinear, whose forward "
-                                         r"is not Linear's: the fused block reads"):
+    with pytest.raises(ValueError, match=r"^blocks.1: attn.proj is tests.test_integrations.LoraLinear, "
+                                         r"whose forward is not torch.nn.modules.linear.Linear's: the fused block reads"):
         swap_attention(model)
     assert not swapped_layers(model)
     stock, ours = _pair(TimmStyleVisionTransformer)
     ours.blocks[0].attn.qkv = LoraLinear(ours.blocks[0].attn.qkv)
     with pytest.raises(ValueError, match=r"^blocks.0 \(VitAttnTimmStyleBlock, vitattn_bwd "
-                                         r"fused attention\): attn.qkv is LoraLinear"):
+                                         r"fused attention\): attn.qkv is tests.test_integrations.LoraLinear"):
         ours(_inputs()[0])
     model = _make(OpenCLIPStyleVisionTransformer)
     model.transformer.resblocks[0].attn.out_proj = LoraLinear(
         model.transformer.resblocks[0].attn.out_proj)
-    with pytest.raises(ValueError, match=r"attn.out_proj is LoraLinear, whose forward"):
+    with pytest.raises(ValueError, match=r"attn.out_proj is tests.test_integrations.LoraLinear, whose forward"):
         swap_attention(model)
     assert isinstance(_make(OpenCLIPStyleVisionTransformer).transformer.resblocks[0].attn
                       .out_proj, nn.modules.linear.NonDynamicallyQuantizableLinear)
@@ -759,7 +859,7 @@ def test_timm_refusals_at_the_call():
         blk(x, is_causal=True)
     ours.train()
     with pytest.raises(ValueError, match=r"blocks.0 \(VitAttnTimmStyleBlock, vitattn_bwd "
-                                         r"fused attention\) in training mode: "
+                                         r"fused attention\) with dropout in training mode: "
                                          r"attn.attn_drop.p 0.1 > 0 is not supported"):
         ours(x)
     _, ours = _pair(TimmStyleVisionTransformer, proj_drop=0.2)

@@ -259,6 +259,12 @@ def check_block_inputs(x, params, num_heads, eps, gamma=None):
     """vision_attention's tensors and configuration, in any floating dtypes (it casts):
     x [B,S,E], the six BLOCK_PARAMS and gamma (if given) of their shapes on x's device;
     returns num_heads and eps as int and float."""
+    if torch.jit.is_tracing():
+        # shapes are tensors under tracing, and the fused path's Python decisions (routing,
+        # compiled graphs, CUDA graphs) would be frozen into the trace
+        raise RuntimeError("vitattn_bwd's block does not support torch.jit.trace; use "
+                           "torch.export or torch.compile, or trace the stock model "
+                           "(vitattn_bwd.integrations.unswap_attention)")
     check_x(x)
     if x.device.type == "meta":
         # routing reads torch's autocast state for x's device, which meta has none of

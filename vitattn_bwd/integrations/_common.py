@@ -25,15 +25,16 @@ def is_swapped(layer):
 
 
 def _in_vision_tower(model, name):
-    """True if `model` or a module on the path to `name` has "Vision" in its class name."""
-    module, parts = model, name.split(".") if name else []
-    if "vision" in type(module).__name__.lower():
-        return True
-    for part in parts:
-        module = getattr(module, part)
-        if "vision" in type(module).__name__.lower():
-            return True
-    return False
+    """True if `model` or a module on the path to `name` has "Vision" in its class name,
+    and no module below `model` on that path is a text tower (a class name with "Text"
+    and without "Vision": the text tower of a VisionTextDualEncoderModel)."""
+    modules = [model]
+    for part in name.split(".") if name else []:
+        modules.append(getattr(modules[-1], part))
+    names = [type(module).__name__.lower() for module in modules]
+    if any("text" in n and "vision" not in n for n in names[1:]):
+        return False
+    return any("vision" in n for n in names)
 
 
 class ClassRegistry:
@@ -104,7 +105,7 @@ def refuse_mask(layer, what):
 
 
 def refuse_in_training(layer, what, value):
-    raise ValueError(f"{_who(layer)} in training mode: {what} {value} > 0 is not "
+    raise ValueError(f"{_who(layer)} with dropout in training mode: {what} {value} > 0 is not "
                      "supported (the fused block has no dropout). Set it to 0, or call "
                      "the model in eval mode, or "
                      "vitattn_bwd.integrations.unswap_attention(model).")
@@ -115,8 +116,13 @@ def dropout_p(module):
     return float(getattr(module, "p", 0.0) or 0.0)
 
 
+def _qualified_name(cls):
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 def _not_stock_message(attr, module, stock):
-    return (f"{attr} is {type(module).__name__}, whose forward is not {stock.__name__}'s: "
+    return (f"{attr} is {_qualified_name(type(module))}, whose forward is not "
+            f"{_qualified_name(stock)}'s: "
             "the fused block reads its weight and bias and never calls it, so what it adds "
             "(a LoRA or other adapter, a quantized or instrumented layer) would be left out; "
             "merge it into the weights, or keep this layer stock")
@@ -140,10 +146,19 @@ def refuse_replaced(layer, submodules):
             raise ValueError(f"{_who(layer)}: {_not_stock_message(attr, module, stock)}")
 
 
-def check_layer_norm(path, norm, attr, E):
+def check_layer_norm(path, norm, attr, E, known=()):
+    """Refuse, at the swap, a norm the fused block would not compute as its LayerNorm:
+    not an nn.LayerNorm, or a subclass whose forward is neither nn.LayerNorm's nor that
+    of one of the library's `known` classes (timm's and OpenCLIP's casting LayerNorms),
+    or of another width than the embed dim."""
     if not isinstance(norm, nn.LayerNorm):
         raise ValueError(f"{path}: {attr} is {type(norm).__name__}, not a LayerNorm (the "
                          "fused block normalizes with LayerNorm)")
+    if not stock_forward_is(type(norm), (nn.LayerNorm, *known)):
+        raise ValueError(f"{path}: {attr} is {_qualified_name(type(norm))}, a LayerNorm "
+                         "whose forward is its own: the fused block computes a plain "
+                         "LayerNorm and never calls it, so what it adds would be left "
+                         "out; keep this layer stock")
     if tuple(norm.normalized_shape) != (E,):
         raise ValueError(f"{path}: {attr} normalizes {tuple(norm.normalized_shape)}, not "
                          f"the embed dim ({E},)")
@@ -162,17 +177,21 @@ def _hook_name(hook):
     return f"{getattr(hook, '__module__', None)}.{getattr(hook, '__qualname__', hook)}"
 
 
-def check_not_hooked(path, layer, bypassed, library_hook=lambda hook: False):
-    """The swapped forward calls neither the layer's stock forward nor the forwards of
-    the submodules in `bypassed` (attr -> module) and of any module under them: refuse what would silently
-    stop working, a forward set on the instance (accelerate's device_map / offload
-    hooks do this), or forward, forward-pre, backward or backward-pre hooks on any of
-    those modules, except the hooks for which library_hook(hook) is true (a library's
-    own, which the swapped layer serves another way)."""
-    if "forward" in vars(layer) or hasattr(layer, "_hf_hook"):
-        raise ValueError(f"{path}: its forward is overridden on the instance (accelerate's "
-                         "device_map/offload hooks do this), which would bypass the swap; "
-                         "swap a model loaded without device_map")
+def check_not_hooked(path, layer, bypassed, library_hook=lambda hook: False,
+                     methods=("forward",)):
+    """The swapped forward calls neither the layer's stock forward (nor its other stock
+    `methods`, e.g. OpenCLIP's `attention`) nor the forwards of the submodules in
+    `bypassed` (attr -> module) and of any module under them: refuse what would silently
+    stop working, one of those methods set on the instance (accelerate's device_map /
+    offload hooks set forward; attention-editing code sets others), or forward,
+    forward-pre, backward or backward-pre hooks on any of those modules, except the
+    hooks for which library_hook(hook) is true (a library's own, which the swapped layer
+    serves another way)."""
+    overridden = [method for method in methods if method in vars(layer)]
+    if overridden or hasattr(layer, "_hf_hook"):
+        raise ValueError(f"{path}: its {(overridden or ['forward'])[0]} is overridden on "
+                         "the instance (accelerate's device_map/offload hooks do this to "
+                         "forward), which the swap would bypass; swap a model without it")
     for attr, root in bypassed.items():
         if root is None:
             continue
@@ -233,10 +252,11 @@ def check_layer_scale(path, ls, name, E, known, library):
                          f"{None if gamma is None else tuple(gamma.shape)}")
 
 
-def stock_forward_is(cls, known):
+def stock_forward_is(cls, known, methods=("forward",)):
     """True if `cls` is (a subclass of) one of the `known` classes and runs its forward
-    unchanged."""
-    return any(issubclass(cls, k) and cls.forward is k.forward for k in known)
+    (and its other `methods`) unchanged."""
+    return any(issubclass(cls, k) and all(getattr(cls, m) is getattr(k, m) for m in methods)
+               for k in known)
 
 
 def make_fused_class(stock_cls, kind, forward, module_globals, cache, library,

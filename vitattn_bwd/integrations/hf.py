@@ -136,6 +136,17 @@ def _runs_clips_forward(cls):
     return code is not None and code == _forward_code(CLIPEncoderLayer.forward)
 
 
+def _runs_transformers_attention(layer_cls, attn_cls):
+    """Whether a CLIP-style layer's attention module runs transformers' own forward (one
+    defined in transformers.models, as CLIPAttention's and its copies in SigLIP, Idefics2
+    and the others are), or the layer class is registered: a user's subclass with a
+    forward of its own (attention editing, extra terms) is not."""
+    if any(issubclass(layer_cls, k) and layer_cls.forward is k.forward
+           for k in _REGISTERED_LAYERS):
+        return True
+    return getattr(attn_cls.forward, "__module__", "").startswith("transformers.models.")
+
+
 def _linear(module, name):
     lin = getattr(module, name, None)
     return lin if isinstance(lin, nn.Linear) else None
@@ -179,6 +190,14 @@ def _check_layer(name, layer, kind):
             "attention(layer_norm1(x)), then x + mlp(layer_norm2(x))), so the fused "
             "layer would leave out what it computes besides; if its math is exactly "
             "that, declare it with vitattn_bwd.integrations.hf.register_classes(layer=...)")
+    if kind == "clip" and not _runs_transformers_attention(type(layer), type(attn)):
+        raise ValueError(
+            f"{name}: {conv['attn']} is {type(attn).__module__}.{type(attn).__qualname__}, "
+            "whose forward is not transformers' own: the fused layer reads its projections "
+            "and never calls it, so what it computes besides would be left out; if its "
+            "math is plain softmax attention, declare the layer class with "
+            "vitattn_bwd.integrations.hf.register_classes(layer=...)")
+    _common.check_layer_norm(name, norm, conv["norm"], norm.normalized_shape[-1])
     extra = [child for child, module in attn.named_children()
              if child not in conv["proj"] and not isinstance(module, nn.Dropout)]
     if extra:

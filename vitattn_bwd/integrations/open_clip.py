@@ -51,7 +51,11 @@ __all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped",
 _FUSED_CLASSES = {}
 _CLASSES = _common.ClassRegistry("open_clip.transformer", dict(
     block=("ResidualAttentionBlock",), attention=("Attention",),
-    layer_scale=("LayerScale",), refused=("CustomResidualAttentionBlock",)))
+    layer_scale=("LayerScale",), refused=("CustomResidualAttentionBlock",),
+    norm=("LayerNorm", "LayerNormFp32")))
+# The block's methods the swapped forward replaces: its forward, and the attention call
+# it makes (attention-editing code, MaskCLIP / SCLIP style, overrides that one).
+_BLOCK_METHODS = ("forward", "attention")
 is_swapped = _common.is_swapped
 swapped_layers = _common.swapped_layers
 
@@ -67,7 +71,7 @@ def register_classes(*, block=(), attention=(), layer_scale=(), refused=()):
 
 def _match(layer):
     cls = type(layer)
-    if _common.stock_forward_is(cls, _CLASSES.known("block")):
+    if _common.stock_forward_is(cls, _CLASSES.known("block"), _BLOCK_METHODS):
         return "block"
     if any(issubclass(cls, k) for k in _CLASSES.known("refused")):
         return "refused"
@@ -141,7 +145,7 @@ def _check_layer(path, layer, kind):
         raise ValueError(f"{path}: ln_1 is {type(norm).__name__}, not a LayerNorm (the "
                          "fused block normalizes with LayerNorm)")
     E = norm.normalized_shape[-1]
-    _common.check_layer_norm(path, norm, "ln_1", E)
+    _common.check_layer_norm(path, norm, "ln_1", E, _CLASSES.known("norm"))
     (_check_mha if is_mha else _check_open_clip_attention)(path, attn, E)
     weight = attn.in_proj_weight
     if tuple(weight.shape) != (3 * E, E):
@@ -155,19 +159,25 @@ def _check_layer(path, layer, kind):
     num_heads = _common.check_attention_heads(path, attn, E, norm.eps)
     _common.check_layer_scale(path, ls, "ls_1", E, _CLASSES.known("layer_scale"),
                               "OpenCLIP")
-    _common.check_not_hooked(path, layer, {"ln_1": norm, "attn": attn, "ls_1": ls})
+    _common.check_not_hooked(path, layer, {"ln_1": norm, "attn": attn, "ls_1": ls},
+                             methods=_BLOCK_METHODS)
     return num_heads
 
 
-def _check_training(layer):
+def _check_dropout(layer):
+    """What only the call can tell: dropout that is active, by the training flag of the
+    module that applies it (nn.MultiheadAttention's own; OpenCLIP Attention's dropout
+    modules'), so a layer in eval mode with its dropouts in training mode (MC dropout)
+    is refused too."""
     attn = layer.attn
     if isinstance(attn, nn.MultiheadAttention):
-        if attn.dropout > 0:
+        if attn.training and attn.dropout > 0:
             _common.refuse_in_training(layer, "attn.dropout", attn.dropout)
         return
     for attr in ("attn_drop", "out_drop"):
-        p = _common.dropout_p(getattr(attn, attr, None))
-        if p > 0:
+        module = getattr(attn, attr, None)
+        p = _common.dropout_p(module)
+        if p > 0 and module.training:
             _common.refuse_in_training(layer, f"attn.{attr}.p", p)
 
 
@@ -178,8 +188,7 @@ def _block_forward(self, q_x, k_x=None, v_x=None, attn_mask=None):
         _common.refuse_mask(self, "cross-attention (k_x / v_x)")
     if attn_mask is not None:
         _common.refuse_mask(self, "attn_mask")
-    if self.training:
-        _check_training(self)
+    _check_dropout(self)
     attn, ls = self.attn, self.ls_1
     _common.refuse_replaced(self, (("attn.out_proj", attn.out_proj, nn.Linear),))
     gamma = None if isinstance(ls, nn.Identity) else ls.gamma

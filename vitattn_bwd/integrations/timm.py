@@ -53,7 +53,7 @@ __all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped",
 _FUSED_CLASSES = {}
 _CLASSES = _common.ClassRegistry("timm.models.vision_transformer", dict(
     block=("Block",), attention=("Attention",), layer_scale=("LayerScale",),
-    drop_path=("DropPath",)))
+    drop_path=("DropPath",), norm=("LayerNorm", "LayerNormFp32")))
 is_swapped = _common.is_swapped
 swapped_layers = _common.swapped_layers
 
@@ -85,7 +85,7 @@ def _check_layer(path, layer, kind):
     if not isinstance(qkv, nn.Linear):
         raise ValueError(f"{path}: attn.qkv is {type(qkv).__name__}, not an nn.Linear")
     E = qkv.in_features
-    _common.check_layer_norm(path, norm, "norm1", E)
+    _common.check_layer_norm(path, norm, "norm1", E, _CLASSES.known("norm"))
     _common.check_linear(path, qkv, "attn.qkv", E, 3 * E,
                          " (an attention width other than embed_dim, or grouped-query "
                          "attention)")
@@ -110,16 +110,23 @@ def _check_layer(path, layer, kind):
     return num_heads
 
 
-def _check_training(layer):
-    """What only the call can tell: dropout that is active in training mode."""
+def _check_dropout(layer):
+    """What only the call can tell: dropout that is active, by the training flag of the
+    module whose flag stock reads (attn_drop: Attention's own in its fused path, the
+    dropout module's otherwise; proj_drop and drop_path1: their own), so a layer in
+    eval mode with its dropouts in training mode (MC dropout) is refused too."""
     attn = layer.attn
-    for attr in ("attn_drop", "proj_drop"):
-        p = _common.dropout_p(getattr(attn, attr, None))
-        if p > 0:
-            _common.refuse_in_training(layer, f"attn.{attr}.p", p)
+    attn_drop = getattr(attn, "attn_drop", None)
+    p = _common.dropout_p(attn_drop)
+    if p > 0 and (attn.training or attn_drop.training):
+        _common.refuse_in_training(layer, "attn.attn_drop.p", p)
+    proj_drop = getattr(attn, "proj_drop", None)
+    p = _common.dropout_p(proj_drop)
+    if p > 0 and proj_drop.training:
+        _common.refuse_in_training(layer, "attn.proj_drop.p", p)
     p = float(getattr(layer.drop_path1, "drop_prob", 0.0) or 0.0)
-    if p > 0:
-        _common.refuse_in_training(layer, "drop_path1.drop_prob", p)
+    if p > 0 and layer.drop_path1.training:
+        _common.refuse_in_training(layer, "drop_path1.drop_prob", round(p, 6))
 
 
 def _block_forward(self, x, attn_mask=None, is_causal=False):
@@ -129,8 +136,7 @@ def _block_forward(self, x, attn_mask=None, is_causal=False):
         _common.refuse_mask(self, "attn_mask")
     if is_causal:
         _common.refuse_mask(self, "is_causal=True (causal attention)")
-    if self.training:
-        _check_training(self)
+    _check_dropout(self)
     attn, ls = self.attn, self.ls1
     _common.refuse_replaced(self, (("attn.qkv", attn.qkv, nn.Linear),
                                    ("attn.proj", attn.proj, nn.Linear)))
