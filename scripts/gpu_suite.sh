@@ -9,7 +9,7 @@
 # Logs go to $OUT (the device tool's output folder) if set, else to results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=. HYPOTHESIS_PROFILE=gpu
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} HYPOTHESIS_PROFILE=gpu
 out=${OUT:-results}
 mkdir -p "$out"
 # tests that need the GPU's memory to themselves (beside the autotune-log test in a
