@@ -116,13 +116,13 @@ def dropout_p(module):
     return float(getattr(module, "p", 0.0) or 0.0)
 
 
-def _qualified_name(cls):
+def qualified_name(cls):
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _not_stock_message(attr, module, stock):
-    return (f"{attr} is {_qualified_name(type(module))}, whose forward is not "
-            f"{_qualified_name(stock)}'s: "
+    return (f"{attr} is {qualified_name(type(module))}, whose forward is not "
+            f"{qualified_name(stock)}'s: "
             "the fused block reads its weight and bias and never calls it, so what it adds "
             "(a LoRA or other adapter, a quantized or instrumented layer) would be left out; "
             "merge it into the weights, or keep this layer stock")
@@ -155,7 +155,7 @@ def check_layer_norm(path, norm, attr, E, known=()):
         raise ValueError(f"{path}: {attr} is {type(norm).__name__}, not a LayerNorm (the "
                          "fused block normalizes with LayerNorm)")
     if not stock_forward_is(type(norm), (nn.LayerNorm, *known)):
-        raise ValueError(f"{path}: {attr} is {_qualified_name(type(norm))}, a LayerNorm "
+        raise ValueError(f"{path}: {attr} is {qualified_name(type(norm))}, a LayerNorm "
                          "whose forward is its own: the fused block computes a plain "
                          "LayerNorm and never calls it, so what it adds would be left "
                          "out; keep this layer stock")

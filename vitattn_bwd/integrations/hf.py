@@ -124,7 +124,7 @@ def _runs_clips_forward(cls):
     version's), as transformers copies it into SigLIP, Idefics2, OwlViT and some 25
     other models' layers. A layer whose forward adds anything (X-CLIP's cross-frame
     message token, MLCD's rotary embeddings) is not."""
-    if any(issubclass(cls, k) and cls.forward is k.forward for k in _REGISTERED_LAYERS):
+    if _common.stock_forward_is(cls, _REGISTERED_LAYERS):
         return True
     try:
         from transformers.models.clip.modeling_clip import CLIPEncoderLayer
@@ -141,8 +141,7 @@ def _runs_transformers_attention(layer_cls, attn_cls):
     defined in transformers.models, as CLIPAttention's and its copies in SigLIP, Idefics2
     and the others are), or the layer class is registered: a user's subclass with a
     forward of its own (attention editing, extra terms) is not."""
-    if any(issubclass(layer_cls, k) and layer_cls.forward is k.forward
-           for k in _REGISTERED_LAYERS):
+    if _common.stock_forward_is(layer_cls, _REGISTERED_LAYERS):
         return True
     return getattr(attn_cls.forward, "__module__", "").startswith("transformers.models.")
 
@@ -192,12 +191,11 @@ def _check_layer(name, layer, kind):
             "that, declare it with vitattn_bwd.integrations.hf.register_classes(layer=...)")
     if kind == "clip" and not _runs_transformers_attention(type(layer), type(attn)):
         raise ValueError(
-            f"{name}: {conv['attn']} is {type(attn).__module__}.{type(attn).__qualname__}, "
+            f"{name}: {conv['attn']} is {_common.qualified_name(type(attn))}, "
             "whose forward is not transformers' own: the fused layer reads its projections "
             "and never calls it, so what it computes besides would be left out; if its "
             "math is plain softmax attention, declare the layer class with "
             "vitattn_bwd.integrations.hf.register_classes(layer=...)")
-    _common.check_layer_norm(name, norm, conv["norm"], norm.normalized_shape[-1])
     extra = [child for child, module in attn.named_children()
              if child not in conv["proj"] and not isinstance(module, nn.Dropout)]
     if extra:
@@ -208,9 +206,7 @@ def _check_layer(name, layer, kind):
     E = q.in_features
     for attr, module, stock in _projections(attn, conv):
         _common.check_stock_forward(name, module, attr, stock)
-    if len(norm.normalized_shape) != 1 or norm.normalized_shape[0] != E:
-        raise ValueError(f"{name}: {conv['norm']} normalizes {norm.normalized_shape}, "
-                         f"not the embed dim {E}")
+    _common.check_layer_norm(name, norm, conv["norm"], E)
     for lin in (q, k, v, o):
         if (lin.in_features, lin.out_features) != (E, E):
             raise ValueError(f"{name}: projections must be {E} -> {E} (no grouped-query "
