@@ -4,8 +4,11 @@
 #
 #     bash scripts/gpu_suite.sh serial    # GPU memory to themselves, one process each
 #     bash scripts/gpu_suite.sh slow      # the soak and the split GEMM's big operands
-#     bash scripts/gpu_suite.sh xdist     # everything else, under 8 pytest-xdist workers
+#     bash scripts/gpu_suite.sh xdist     # everything else, under pytest-xdist workers
 #
+# The xdist workers share the GPU's memory: one per 16 GiB, at most 8 (8 on an H200's
+# 139 GiB, 4 on an H100's 79: with 8 there, 7 tests ran out of memory). GPU_SUITE_WORKERS
+# overrides the count.
 # Logs go to $OUT (the device tool's output folder) if set, else to results/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,7 +38,10 @@ xdist)
     for test in "${SERIAL[@]}" "${SLOW[@]}" tests/test_gpu_autotune_logs.py; do
         if [[ $test == *::* ]]; then apart+=(--deselect "$test"); else apart+=(--ignore "$test"); fi
     done
-    python3 -m pytest -q -m gpu -n 8 "${apart[@]}" 2>&1 | tee "$out/gpu_tests_xdist.log" ;;
+    workers=${GPU_SUITE_WORKERS:-$(python3 -c 'import torch
+print(max(1, min(8, torch.cuda.get_device_properties(0).total_memory // (16 * 2**30))))')}
+    echo "xdist: $workers workers"
+    python3 -m pytest -q -m gpu -n "$workers" "${apart[@]}" 2>&1 | tee "$out/gpu_tests_xdist.log" ;;
 *)
     echo "usage: bash scripts/gpu_suite.sh serial|slow|xdist" >&2; exit 2 ;;
 esac
