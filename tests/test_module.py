@@ -678,6 +678,30 @@ def test_cuda_forward_graph_compiled_for_the_cpu_is_float32_grade():
     assert errors["qkv"] > 1e-7, errors
 
 
+def test_compiled_graph_is_one_graph_for_parameters_and_plain_tensors():
+    """A module's weights reach our compiled graphs as nn.Parameters requiring grad from
+    an eager call and as plain tensors from torch.compile(model)'s saved tensors: both
+    run one dynamo graph (a second would be a compile inside a reduce-overhead capture,
+    where GraphedCall runs the graph directly), with the same values."""
+    from vitattn_bwd import graph
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(8, 8))
+    x = torch.randn(2, 5, 8)
+
+    def scaled_product(x, weight):
+        return (x @ weight * 0.5,)
+    compiled = graph.compile_graph(scaled_product, "cpu", "test-plain-", (2, 15), ("x",),
+                                   cuda_graph=False)
+    counters = torch._dynamo.utils.counters["stats"]
+    before = counters["unique_graphs"]
+    from_parameter = compiled(x=x.requires_grad_(), weight=weight)
+    from_plain = compiled(x=x.detach(), weight=weight.detach().clone())
+    assert counters["unique_graphs"] - before == 1
+    assert not from_parameter[0].requires_grad
+    assert torch.equal(from_parameter[0], from_plain[0])
+    torch.testing.assert_close(from_plain[0], x.detach() @ weight.detach() * 0.5)
+
+
 @pytest.mark.parametrize("head_dim,split_attention", [(16, True), (12, False)])
 def test_split_forward_hands_the_kernel_split_operands_only_where_it_applies(
         head_dim, split_attention):

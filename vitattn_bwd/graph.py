@@ -293,10 +293,17 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     bucket keeps each to a graph or two and keeps one bucket's dynamic graph, tuned for
     its sizes, from serving another. fullgraph=True: exceeding the limit raises instead
     of silently running eager code. With cuda_graph, each input signature is replayed as
-    a CUDA graph (cuda_graphs.py). Inputs of other strides than row-major ones are
-    copied into row-major tensors first: dynamo guards on strides, so every new layout
-    of a caller's tensor (a transposed or sliced x) would compile a graph of its own,
-    and the ninth would raise."""
+    a CUDA graph (cuda_graphs.py). Each input reaches the compiled function as a plain
+    tensor that does not require grad (a detached view), in row-major strides (a copy
+    where it has others): dynamo guards on a tensor's type, requires_grad and strides, so a
+    module's nn.Parameter in one call and the same weight as a plain tensor in another
+    (eager against torch.compile(model)'s saved tensors) would each compile a graph of
+    their own, and so would every new layout of a caller's tensor (a transposed or
+    sliced x), and the ninth would raise. A second graph would also be a compile
+    inside the caller's CUDA-graph capture (torch.compile's "reduce-overhead"), which
+    a capture does not allow: GraphedCall's signature ignores type and requires_grad,
+    so it runs fn there for a signature it captured from the Parameters of an eager
+    call."""
     cache.load_env_cache_once()
     from .inductor import compile_options                    # registers the lowerings
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
@@ -309,13 +316,14 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     def run(**tensors):
         for input_name in dynamic_inputs:
             if input_name in tensors:
-                # on a tensor of its own (the same storage): the caller's x or gradient
+                # a tensor object of its own (detached below): the caller's x or gradient
                 # marked would have its batch dynamic in the caller's graphs too
-                tensors[input_name] = tensors[input_name].detach()
                 torch._dynamo.mark_dynamic(tensors[input_name], 0)
         return compiled(**tensors)
     call = GraphedCall(run) if cuda_graph else run
-    return lambda **tensors: call(**{name: _row_major(t) for name, t in tensors.items()})
+    # detach: a plain tensor object of its own, not requiring grad, on the same storage
+    return lambda **tensors: call(**{name: _row_major(t.detach())
+                                     for name, t in tensors.items()})
 
 
 def _row_major(t):
