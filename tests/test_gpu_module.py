@@ -232,7 +232,7 @@ def test_reduce_overhead_compile_after_eager_steps_at_a_graphed_batch(monkeypatc
     there and must compile nothing: a compile fails the capture), then replay it; each
     step gives the eager step's bits."""
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
-    block = _block()
+    block = _block(precision="high")               # our operators at any batch
     torch.manual_seed(5)
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
@@ -242,6 +242,35 @@ def test_reduce_overhead_compile_after_eager_steps_at_a_graphed_batch(monkeypatc
         torch.compiler.cudagraph_mark_step_begin()
         got = [t.clone() for t in block_step(compiled, x, grad_y)]
         assert all(torch.equal(g, e) for g, e in zip(got, eager)), step
+
+
+def test_compiled_float32_training_at_two_images_and_high_runs_the_stock_ops():
+    """Inside torch.compile at torch's "high", a training step of at most
+    routing.COMPILED_FLOAT32_STOCK_MAX_BATCH images traces the stock ops into the
+    user's graph, and a larger one our operator; the compiled stock route's gradients
+    are TF32-grade against float64."""
+    from vitattn_bwd import routing
+    block = _block()
+    torch.manual_seed(6)
+    largest = routing.COMPILED_FLOAT32_STOCK_MAX_BATCH
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        ops = {}
+        for batch in (largest, largest + 1):
+            explanation = torch._dynamo.explain(block)(
+                torch.randn(batch, SEQ, EMBED, device=DEVICE))
+            ops[batch] = {str(node.target) for gm in explanation.graphs
+                          for node in gm.graph.nodes if "vitattn_bwd" in str(node.target)}
+        x = torch.randn(largest, SEQ, EMBED, device=DEVICE)
+        grad_y = torch.randn_like(x)
+        got = block_step(torch.compile(block), x, grad_y)
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert ops == {largest: set(), largest + 1: {"vitattn_bwd.vision_attention_fwd"}}
+    names = ["y", "x"] + [n for n, _ in block.named_parameters()]
+    errors = dict(zip(names, relative_errors(got, block_step_float64(block, x, grad_y))))
+    assert all(err < 1e-2 for err in errors.values()), errors
 
 
 def test_float64_is_refused_in_the_forward():

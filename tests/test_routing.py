@@ -256,3 +256,30 @@ def test_the_deterministic_flag_leaves_the_fused_paths_and_float32_stock_alone()
         "high", BF16)
     assert _route((BF16,), precision="high", deterministic=True) == _fused("high")
     assert _route(device="cuda", fused_kernels=False, deterministic=True) == STOCK
+
+
+def test_small_float32_training_steps_inside_torch_compile_at_high_run_the_stock_ops():
+    """Inside torch.compile on a GPU at torch's "high", training steps of at most
+    routing.COMPILED_FLOAT32_STOCK_MAX_BATCH images take the stock ops (our operators
+    left that tower host-bound); everything else about the call keeps the fused path:
+    a larger batch, eager calls, no backward, "highest", the deterministic flag, an
+    explicit precision, the CPU, other dtypes."""
+    largest = routing.COMPILED_FLOAT32_STOCK_MAX_BATCH
+    facts = dict(device="cuda", torch_precision="high", compiling=True)
+    for batch in range(1, largest + 1):
+        assert _route(**facts, backward_batch=batch) == STOCK, batch
+    assert _route(**facts, backward_batch=largest + 1) == _fused("high", opaque_ops=True)
+    assert _route(**dict(facts, compiling=False), backward_batch=1) == _fused("high")
+    assert _route(**facts) == _fused("high", opaque_ops=True)
+    assert _route(**dict(facts, torch_precision="highest"), backward_batch=1) == _fused(
+        "highest", opaque_ops=True)
+    assert _route(**facts, deterministic=True, backward_batch=1) == _fused(
+        "high", opaque_ops=True)
+    assert _route(**facts, precision="high", backward_batch=1) == _fused(
+        "high", opaque_ops=True)
+    assert _route(**dict(facts, device="cpu"), backward_batch=1) == _fused(
+        "high", opaque_ops=True)
+    assert _route((F32, BF16), F32, **facts, backward_batch=1) == _fused(
+        "high", opaque_ops=True)
+    with pytest.raises(TypeError, match="float64"):
+        _route((F64,), **facts, backward_batch=1)
