@@ -494,12 +494,22 @@ def test_projections_with_forwards_of_their_own_are_refused():
     """The fused block reads the q / k / v / out projections' weights and biases and
     never calls their forwards: a projection whose forward is not nn.Linear's (an
     adapter) is refused at the swap, naming it, and so is one put in its place after
-    the swap, at the next call, rather than silently left out."""
+    the swap, at the next call, rather than silently left out. A wrapper that is no
+    nn.Linear (peft's LoRA layers) is refused at the swap too, not passed over as a
+    layer of another structure, which left the swap partial or finding no layer."""
     stock = _clip()
     _encoder_layers(stock)[1].self_attn.v_proj.__class__ = _LoraLinear
     with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn\.v_proj is "
                                          r"tests.test_hf._LoraLinear, whose forward is not "
                                          r"torch.nn.modules.linear.Linear's"):
+        swap_attention(stock)
+    assert not swapped_layers(stock)
+    stock = _clip()
+    attn = _encoder_layers(stock)[1].self_attn
+    attn.q_proj = _AdapterWrapper(attn.q_proj)
+    with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn\.q_proj is "
+                                         r"tests.test_hf._AdapterWrapper, whose forward is "
+                                         r"not torch.nn.modules.linear.Linear's"):
         swap_attention(stock)
     assert not swapped_layers(stock)
     _, ours = _pair()

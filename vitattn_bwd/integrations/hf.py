@@ -146,18 +146,16 @@ def _runs_transformers_attention(layer_cls, attn_cls):
     return getattr(attn_cls.forward, "__module__", "").startswith("transformers.models.")
 
 
-def _linear(module, name):
-    lin = getattr(module, name, None)
-    return lin if isinstance(lin, nn.Linear) else None
-
-
 def _layer_norm(module, name):
     ln = getattr(module, name, None)
     return ln if isinstance(ln, nn.LayerNorm) else None
 
 
 # Layer conventions: (layer norm, attention module, q, k, v, out projection names, second
-# half). `_match` returns the convention's name when a layer has that structure.
+# half). `_match` returns the convention's name when a layer has that structure, with any
+# module at the projections' names: `_check_layer` refuses, by name, those that are not
+# nn.Linear's forward (a peft LoRA layer wraps its nn.Linear and is none), where a match
+# of nn.Linear only would leave such a layer stock without a word.
 _CONVENTIONS = {
     "clip": dict(norm="layer_norm1", attn="self_attn",
                  proj=("q_proj", "k_proj", "v_proj", "out_proj"),
@@ -171,7 +169,8 @@ def _match(layer):
     for kind, conv in _CONVENTIONS.items():
         attn = getattr(layer, conv["attn"], None)
         if (_layer_norm(layer, conv["norm"]) is not None and isinstance(attn, nn.Module)
-                and all(_linear(attn, p) is not None for p in conv["proj"])
+                and all(isinstance(getattr(attn, p, None), nn.Module)
+                        for p in conv["proj"])
                 and all(isinstance(getattr(layer, r, None), nn.Module)
                         for r in conv["rest"])):
             return kind
@@ -203,9 +202,9 @@ def _check_layer(name, layer, kind):
                          f"run: {extra} (only the q/k/v/out projections are read)")
     _common.check_not_hooked(name, layer, {conv["norm"]: norm, conv["attn"]: attn},
                              library_hook=_is_output_capture_hook)
-    E = q.in_features
     for attr, module, stock in _projections(attn, conv):
         _common.check_stock_forward(name, module, attr, stock)
+    E = q.in_features
     _common.check_layer_norm(name, norm, conv["norm"], E)
     for lin in (q, k, v, o):
         if (lin.in_features, lin.out_features) != (E, E):
