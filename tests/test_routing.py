@@ -283,3 +283,21 @@ def test_small_float32_training_steps_inside_torch_compile_at_high_run_the_stock
         "high", opaque_ops=True)
     with pytest.raises(TypeError, match="float64"):
         _route((F64,), **facts, backward_batch=1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_small_batch_rule_under_torch_compile_leaves_a_dynamic_batch_alone(dynamic):
+    """Traced by torch.compile with the batch from a tensor's shape: a static batch of 2
+    takes the stock ops; a batch marked dynamic keeps our operators, with no guard that
+    would pin it to 2 (which raises for a batch the caller marked dynamic)."""
+    def stock_or_fused(x):
+        decision = routing.route(
+            device_type="cuda", dtypes={F32}, x_dtype=F32, autocast_dtype=None,
+            precision=None, float32_precision="high", compiling=True,
+            one_product=lambda dtype: False, backward_batch=x.shape[0])
+        return x + (1.0 if decision.stock else 2.0)
+    x = torch.zeros(routing.COMPILED_FLOAT32_STOCK_MAX_BATCH, 3)
+    if dynamic:
+        torch._dynamo.mark_dynamic(x, 0)
+    got = torch.compile(stock_or_fused, fullgraph=True, backend="eager")(x)
+    assert torch.equal(got, torch.full_like(x, 2.0 if dynamic else 1.0))

@@ -35,7 +35,10 @@ precision:
   `.bfloat16()` model, FSDP's bf16 parameters), and, on a GPU, a block whose head dim
   the attention kernels do not take (they take every multiple of 8 up to 128; without
   them the core runs as PyTorch math with P in memory, as a head-dim-72 tower did at
-  0.44x stock before its kernels existed). Otherwise the block runs the fused path at
+  0.44x stock before its kernels existed). So does, inside torch.compile on a GPU at
+  torch's "high", a float32 training step of at most
+  routing.COMPILED_FLOAT32_STOCK_MAX_BATCH images (a static batch), where our operators
+  left the step host-bound. Otherwise the block runs the fused path at
   torch.get_float32_matmul_precision(), read at each call (under torch.compile, when
   the graph is traced): "highest" (PyTorch's default), "high" or "medium", as below.
 - "highest": the fused float32 path, float32-faithful: every product fp16x3 from fp16
@@ -252,8 +255,9 @@ class VisionAttentionBlock(nn.Module):
     bfloat16 or all float16 (there they were the faster; "medium" runs our one-product
     path: in the autocast dtype, or natively in the block's), and otherwise the fused
     path at torch.get_float32_matmul_precision() ("highest": float32-faithful, "high":
-    faster, "medium": one bf16 product per matmul); an explicit precision runs at that
-    precision everywhere (see vitattn_bwd.module). On the fused float32 path the math is float32
+    faster, "medium": one bf16 product per matmul; inside torch.compile on a GPU, "high"
+    training steps of one or two images run the stock ops); an explicit precision runs
+    at that precision everywhere (see vitattn_bwd.module). On the fused float32 path the math is float32
     (float64 on the CPU for a float64 block), the output has x's dtype and each gradient
     its tensor's dtype; float64 on CUDA is refused in the forward, and double backward
     (create_graph=True) raises a RuntimeError (the stock path supports it where torch's

@@ -26,7 +26,8 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
   eager and compiled (docs/runs/towers/integrations_e47f939.log). Head dim 80 is timed
   as raw kernels only (docs/runs/kernels/core_head_dims_e59ebca.log); 104 is not timed.
   Except inside torch.compile at torch's "high" (TF32 for the stock ops) in training
-  steps of at most COMPILED_FLOAT32_STOCK_MAX_BATCH images on a GPU: the stock ops,
+  steps of at most COMPILED_FLOAT32_STOCK_MAX_BATCH images (a static batch) on a GPU:
+  the stock ops,
   which the user's compile fuses with the rest of the model. There a 12-layer Hugging
   Face CLIP ViT-L/14-336 tower at batch 2 is host-bound with our operators (each runs
   its own CUDA graphs; wall / GPU-busy 1.7 against compiled stock's 1.3) and ran 0.90x
@@ -34,8 +35,9 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
   lower; at batch 8 it ran 1.20-1.25x (docs/runs/towers/float32_high_*). Batch 1, with
   half batch 2's GPU work for the same launches, is taken to be host-bound too (not
   measured); batches 3-7 are not measured and keep our operators. Eager, the swapped
-  tower at batch 2 is 1.06-1.16x stock; "highest" and the deterministic flag keep our
-  path (the stock ops are not float32-faithful there, nor deterministic).
+  tower at batch 2 is 1.06-1.16x stock; "highest" and the deterministic flag (without
+  warn_only) keep our path (the stock ops are not float32-faithful there, nor
+  deterministic).
 
 Under torch.use_deterministic_algorithms(True) the stock route runs its attention as
 deterministic_sdpa's where it runs (Hopper, bf16 / fp16, head dim 64):
@@ -56,6 +58,7 @@ opaque to dynamo, instead of the autograd.Function that eager calls use.
 from typing import NamedTuple
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import attention_core, gluon_core
 from .precision import HALF_DTYPES
@@ -200,11 +203,13 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
                 return STOCK_DETERMINISTIC_ATTENTION
             return STOCK
         precision = float32_precision
-        # compared last, as the batch above
+        # compared last, as the batch above, and only where the batch is static: a
+        # dynamic batch (at least 2 to dynamo) compared with 2 would be pinned to 2, an
+        # error where the caller marked it dynamic
         if (compiling and device_type == "cuda" and precision == "high"
                 and dtypes == {torch.float32} and not deterministic
                 and backward_batch is not None
-                and backward_batch <= COMPILED_FLOAT32_STOCK_MAX_BATCH):
+                and statically_known_true(backward_batch <= COMPILED_FLOAT32_STOCK_MAX_BATCH)):
             return STOCK
     half_dtype = None
     if precision == "medium":

@@ -16,7 +16,8 @@ vitattn_bwd.module.vision_attention). A layer that matches but cannot be compute
 raises ValueError naming the layer and the reason, and then nothing is swapped. Inside
 torch.compile(model) a swapped model compiles without graph breaks (fullgraph=True too):
 a float32 block's forward and backward are opaque operators of the graph
-(vitattn_bwd.block_ops), and under autocast the block is the stock ops.
+(vitattn_bwd.block_ops), and under autocast the block is the stock ops (so is a float32
+training step of one or two images at torch's "high": vitattn_bwd.routing).
 
 None of the libraries is imported here or by the submodules: importing vitattn_bwd never
 requires them (timm and OpenCLIP classes are looked up among the imported modules).
