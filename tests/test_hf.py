@@ -490,13 +490,26 @@ class _AdapterWrapper(nn.Module):
         return 2 * self.base(x)
 
 
+class _BareWrapper(nn.Module):
+    """A module holding a Linear and adding to its output, with no Linear attribute of
+    its own (as peft's LoRA layer holds its base layer)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.base = linear
+
+    def forward(self, x):
+        return 2 * self.base(x)
+
+
 def test_projections_with_forwards_of_their_own_are_refused():
     """The fused block reads the q / k / v / out projections' weights and biases and
     never calls their forwards: a projection whose forward is not nn.Linear's (an
     adapter) is refused at the swap, naming it, and so is one put in its place after
     the swap, at the next call, rather than silently left out. A wrapper that is no
-    nn.Linear (peft's LoRA layers) is refused at the swap too, not passed over as a
-    layer of another structure, which left the swap partial or finding no layer."""
+    nn.Linear and has none of its attributes (peft's LoRA layers wrap their Linear) is
+    refused at the swap too, naming it, in a CLIP layer and in a Molmo-style one; the
+    other layers stay stock."""
     stock = _clip()
     _encoder_layers(stock)[1].self_attn.v_proj.__class__ = _LoraLinear
     with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn\.v_proj is "
@@ -506,12 +519,18 @@ def test_projections_with_forwards_of_their_own_are_refused():
     assert not swapped_layers(stock)
     stock = _clip()
     attn = _encoder_layers(stock)[1].self_attn
-    attn.q_proj = _AdapterWrapper(attn.q_proj)
+    attn.q_proj = _BareWrapper(attn.q_proj)
     with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn\.q_proj is "
-                                         r"tests.test_hf._AdapterWrapper, whose forward is "
+                                         r"tests.test_hf._BareWrapper, whose forward is "
                                          r"not torch.nn.modules.linear.Linear's"):
         swap_attention(stock)
     assert not swapped_layers(stock)
+    molmo = VisionTransformer()
+    molmo.resblocks[0].attention.wv = _BareWrapper(molmo.resblocks[0].attention.wv)
+    with pytest.raises(ValueError, match=r"resblocks\.0: attention\.wv is "
+                                         r"tests.test_hf._BareWrapper"):
+        swap_attention(molmo, vision_only=False)
+    assert not swapped_layers(molmo)
     _, ours = _pair()
     pixels, _ = _inputs()
     attn = _encoder_layers(ours)[0].self_attn
