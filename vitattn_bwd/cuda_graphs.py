@@ -106,7 +106,11 @@ class GraphedCall:
     The first call of a signature runs fn directly (compiling, autotuning; an error
     there reaches the caller), then captures, and returns the first replay's outputs:
     every call of a signature returns the graph's bits. A call made while the current
-    stream is capturing (the caller's CUDA graph) runs fn directly. One lock per
+    stream is capturing (the caller's CUDA graph) runs fn directly, so fn must not
+    compile there (a capture allows no compile): a compiled fn must have met the same
+    kinds of inputs outside the capture. After torch._dynamo.reset(), which drops fn's
+    compiled graphs but not the captured ones here, fn's next run compiles: inside a
+    capture, it fails. One lock per
     instance serializes calls, the first (compiling, autotuning) one included. If a
     capture fails, that signature runs fn directly from then on, with a warning:
     correct, only slower. Each captured signature keeps its static inputs and its
