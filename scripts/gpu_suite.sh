@@ -40,8 +40,8 @@ xdist)
     done
     workers=${GPU_SUITE_WORKERS:-$(python3 -c 'import torch
 print(max(1, min(8, torch.cuda.get_device_properties(0).total_memory // (16 * 2**30))))')}
-    echo "xdist: $workers workers"
-    python3 -m pytest -q -m gpu -n "$workers" "${apart[@]}" 2>&1 | tee "$out/gpu_tests_xdist.log" ;;
+    { echo "xdist: $workers workers"
+      python3 -m pytest -q -m gpu -n "$workers" "${apart[@]}" 2>&1; } | tee "$out/gpu_tests_xdist.log" ;;
 *)
     echo "usage: bash scripts/gpu_suite.sh serial|slow|xdist" >&2; exit 2 ;;
 esac

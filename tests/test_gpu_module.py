@@ -244,12 +244,13 @@ def test_reduce_overhead_compile_after_eager_steps_at_a_graphed_batch(monkeypatc
         assert all(torch.equal(g, e) for g, e in zip(got, eager)), step
 
 
-def test_compiled_float32_training_at_two_images_and_high_runs_the_stock_ops():
+def test_compiled_float32_training_at_two_images_and_high_runs_the_stock_ops(monkeypatch):
     """Inside torch.compile at torch's "high", a training step of at most
     routing.COMPILED_FLOAT32_STOCK_MAX_BATCH images traces the stock ops into the
     user's graph, and a larger one our operator; the compiled stock route's gradients
     are TF32-grade against float64."""
     from vitattn_bwd import routing
+    monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
     block = _block()
     torch.manual_seed(6)
     largest = routing.COMPILED_FLOAT32_STOCK_MAX_BATCH
