@@ -27,17 +27,16 @@ The defaults by setting, from measurements on the H200 (issue 34; docs/performan
   as raw kernels only (docs/runs/kernels/core_head_dims_e59ebca.log); 104 is not timed.
   Except inside torch.compile at torch's "high" (TF32 for the stock ops) in training
   steps of at most COMPILED_FLOAT32_STOCK_MAX_BATCH images (a static batch) on a GPU:
-  the stock ops,
-  which the user's compile fuses with the rest of the model. There a 12-layer Hugging
-  Face CLIP ViT-L/14-336 tower at batch 2 is host-bound with our operators (each runs
-  its own CUDA graphs; wall / GPU-busy 1.7 against compiled stock's 1.3) and ran 0.90x
-  and 0.93x torch.compile(stock) in two runs on an H100, though its GPU time was 16%
-  lower; at batch 8 it ran 1.20-1.25x (docs/runs/towers/float32_high_*). Batch 1, with
-  half batch 2's GPU work for the same launches, is taken to be host-bound too (not
-  measured); batches 3-7 are not measured and keep our operators. Eager, the swapped
-  tower at batch 2 is 1.06-1.16x stock; "highest" and the deterministic flag (without
-  warn_only) keep our path (the stock ops are not float32-faithful there, nor
-  deterministic).
+  the stock ops, which the user's compile fuses with the rest of the model. There a
+  12-layer Hugging Face CLIP ViT-L/14-336 tower at batch 2 is host-bound with our
+  operators (each runs its own CUDA graphs; wall / GPU-busy 1.7 against compiled stock's
+  1.3) and ran 0.90x and 0.93x torch.compile(stock) in two runs on an H100, though its
+  GPU time was 16% lower; at batch 8 it ran 1.20-1.25x
+  (docs/runs/towers/float32_high_*). Batch 1, with half batch 2's GPU work for the same
+  launches, is taken to be host-bound too (not measured); batches 3-7 are not measured
+  and keep our operators. Eager, the swapped tower at batch 2 is 1.06-1.16x stock;
+  "highest" and the deterministic flag (without warn_only) keep our path (the stock ops
+  are not float32-faithful there, nor deterministic).
 
 Under torch.use_deterministic_algorithms(True) the stock route runs its attention as
 deterministic_sdpa's where it runs (Hopper, bf16 / fp16, head dim 64):

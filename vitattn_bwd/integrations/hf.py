@@ -119,13 +119,11 @@ def _forward_code(fn):
 
 
 def _runs_clips_forward(cls):
-    """Whether a CLIP-style layer class computes what the swapped layer does: registered,
-    or its forward's code is transformers' CLIPEncoderLayer.forward's (the installed
+    """Whether an unregistered CLIP-style layer class computes what the swapped layer
+    does: its forward's code is transformers' CLIPEncoderLayer.forward's (the installed
     version's), as transformers copies it into SigLIP, Idefics2, OwlViT and some 25
     other models' layers. A layer whose forward adds anything (X-CLIP's cross-frame
     message token, MLCD's rotary embeddings) is not."""
-    if _common.stock_forward_is(cls, _REGISTERED_LAYERS):
-        return True
     try:
         from transformers.models.clip.modeling_clip import CLIPEncoderLayer
     except ImportError:                 # without transformers: registered classes only
@@ -136,13 +134,11 @@ def _runs_clips_forward(cls):
     return code is not None and code == _forward_code(CLIPEncoderLayer.forward)
 
 
-def _runs_transformers_attention(layer_cls, attn_cls):
-    """Whether a CLIP-style layer's attention module runs transformers' own forward (one
-    defined in transformers.models, as CLIPAttention's and its copies in SigLIP, Idefics2
-    and the others are), or the layer class is registered: a user's subclass with a
-    forward of its own (attention editing, extra terms) is not."""
-    if _common.stock_forward_is(layer_cls, _REGISTERED_LAYERS):
-        return True
+def _runs_transformers_attention(attn_cls):
+    """Whether an unregistered CLIP-style layer's attention module runs transformers' own
+    forward (one defined in transformers.models, as CLIPAttention's and its copies in
+    SigLIP, Idefics2 and the others are): a user's subclass with a forward of its own
+    (attention editing, extra terms) does not."""
     return getattr(attn_cls.forward, "__module__", "").startswith("transformers.models.")
 
 
@@ -182,19 +178,22 @@ def _check_layer(name, layer, kind):
     conv = _CONVENTIONS[kind]
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
-    if kind == "clip" and not _runs_clips_forward(type(layer)):
-        raise ValueError(
-            f"{name}: {type(layer).__name__}.forward is not CLIPEncoderLayer's (x + "
-            "attention(layer_norm1(x)), then x + mlp(layer_norm2(x))), so the fused "
-            "layer would leave out what it computes besides; if its math is exactly "
-            "that, declare it with vitattn_bwd.integrations.hf.register_classes(layer=...)")
-    if kind == "clip" and not _runs_transformers_attention(type(layer), type(attn)):
-        raise ValueError(
-            f"{name}: {conv['attn']} is {_common.qualified_name(type(attn))}, "
-            "whose forward is not transformers' own: the fused layer reads its projections "
-            "and never calls it, so what it computes besides would be left out; if its "
-            "math is plain softmax attention, declare the layer class with "
-            "vitattn_bwd.integrations.hf.register_classes(layer=...)")
+    # a registered layer class is the user's word for both its forward and its attention
+    if kind == "clip" and not _common.stock_forward_is(type(layer), _REGISTERED_LAYERS):
+        if not _runs_clips_forward(type(layer)):
+            raise ValueError(
+                f"{name}: {type(layer).__name__}.forward is not CLIPEncoderLayer's (x + "
+                "attention(layer_norm1(x)), then x + mlp(layer_norm2(x))), so the fused "
+                "layer would leave out what it computes besides; if its math is exactly "
+                "that, declare it with "
+                "vitattn_bwd.integrations.hf.register_classes(layer=...)")
+        if not _runs_transformers_attention(type(attn)):
+            raise ValueError(
+                f"{name}: {conv['attn']} is {_common.qualified_name(type(attn))}, "
+                "whose forward is not transformers' own: the fused layer reads its "
+                "projections and never calls it, so what it computes besides would be "
+                "left out; if its math is plain softmax attention, declare the layer "
+                "class with vitattn_bwd.integrations.hf.register_classes(layer=...)")
     extra = [child for child, module in attn.named_children()
              if child not in conv["proj"] and not isinstance(module, nn.Dropout)]
     if extra:
