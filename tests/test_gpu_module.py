@@ -225,18 +225,22 @@ def test_large_batch_compiled_forward_without_cuda_graphs(monkeypatch):
     _check(block, x, torch.randn_like(x))
 
 
-def test_reduce_overhead_compile_after_eager_steps_at_a_graphed_batch(monkeypatch):
+@pytest.mark.parametrize("reset", [False, True], ids=["", "after_dynamo_reset"])
+def test_reduce_overhead_compile_after_eager_steps_at_a_graphed_batch(monkeypatch, reset):
     """torch.compile(block, mode="reduce-overhead") at a batch our own CUDA graphs replay,
-    after eager steps of the same block there: Inductor's CUDA graph trees warm up, then
-    record a step with our operators inside (which run their compiled graphs directly
-    there and must compile nothing: a compile fails the capture), then replay it; each
-    step gives the eager step's bits."""
+    after eager steps of the same block there (and after torch._dynamo.reset(), which
+    drops our compiled graphs but not our CUDA graphs): Inductor's CUDA graph trees warm
+    up, then record a step with our operators inside (which run their compiled graphs
+    directly there and must compile nothing: a compile fails the capture), then replay
+    it; each step gives the eager step's bits."""
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
     block = _block(precision="high")               # our operators at any batch
     torch.manual_seed(5)
     x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
     eager = block_step(block, x, grad_y)
+    if reset:
+        torch._dynamo.reset()
     compiled = torch.compile(block, mode="reduce-overhead")
     for step in ("warm-up", "record", "replay"):
         torch.compiler.cudagraph_mark_step_begin()

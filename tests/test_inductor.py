@@ -136,3 +136,17 @@ def test_lowerings_take_their_first_choice_untimed_past_an_eighth_of_device_memo
         inductor._select(template, ["gluon", "triton"], [_Node(600), _Node(400)], None)
         inductor._select(template, ["gluon", "triton"], [_Node(600), _Node(401)], None)
     assert offered == [["gluon", "triton"], ["gluon"]]
+
+
+def test_holds_compiled_graphs_until_dynamo_resets():
+    """The private dynamo API GraphedCall relies on to compile our graphs again after
+    torch._dynamo.reset() (cuda_graphs.py): False before the first compile and after a
+    reset, True in between."""
+    def double(x):
+        return 2 * x
+    compiled = torch.compile(double, backend="eager", fullgraph=True)
+    assert not inductor.holds_compiled_graphs(double.__code__)
+    compiled(torch.ones(3))
+    assert inductor.holds_compiled_graphs(double.__code__)
+    torch._dynamo.reset()
+    assert not inductor.holds_compiled_graphs(double.__code__)

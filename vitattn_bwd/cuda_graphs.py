@@ -108,17 +108,21 @@ class GraphedCall:
     every call of a signature returns the graph's bits. A call made while the current
     stream is capturing (the caller's CUDA graph) runs fn directly, so fn must not
     compile there (a capture allows no compile): a compiled fn must have met the same
-    kinds of inputs outside the capture. After torch._dynamo.reset(), which drops fn's
-    compiled graphs but not the captured ones here, fn's next run compiles: inside a
-    capture, it fails. One lock per
+    kinds of inputs outside the capture. `holds_compiled`, for a compiled fn, says
+    whether dynamo still holds fn's compiled graphs: torch._dynamo.reset() drops them
+    but not the graphs captured here, and a replay would then leave fn uncompiled until
+    a run inside the caller's capture (torch.compile's "reduce-overhead" records after
+    one warm-up run), where compiling fails the capture; so a replay first runs fn once
+    where holds_compiled() is False, compiling it outside any capture. One lock per
     instance serializes calls, the first (compiling, autotuning) one included. If a
     capture fails, that signature runs fn directly from then on, with a warning:
     correct, only slower. Each captured signature keeps its static inputs and its
     graph's memory pool (about the call's inputs and intermediates) for the life of the
     instance."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, holds_compiled=lambda: True):
         self.fn = fn
+        self._holds_compiled = holds_compiled
         self._graphs = {}              # signature -> _Captured, or None: runs directly
         self._lock = threading.Lock()
 
@@ -136,7 +140,11 @@ class GraphedCall:
         with self._lock, on_device:
             if key in self._graphs:
                 captured = self._graphs[key]
-                return captured.replay(inputs) if captured else tuple(self.fn(**inputs))
+                if captured is None:
+                    return tuple(self.fn(**inputs))
+                if not self._holds_compiled():
+                    self.fn(**inputs)          # compiles again, outside any capture
+                return captured.replay(inputs)
             outputs = tuple(self.fn(**inputs))         # compiles, autotunes
             try:
                 captured = _Captured(self.fn, inputs)

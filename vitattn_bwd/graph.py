@@ -293,7 +293,8 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     bucket keeps each to a graph or two and keeps one bucket's dynamic graph, tuned for
     its sizes, from serving another. fullgraph=True: exceeding the limit raises instead
     of silently running eager code. With cuda_graph, each input signature is replayed as
-    a CUDA graph (cuda_graphs.py). Each input reaches the compiled function as a plain
+    a CUDA graph (cuda_graphs.py), fn compiled again before a replay where
+    torch._dynamo.reset() dropped its graphs. Each input reaches the compiled function as a plain
     tensor that does not require grad (a detached view), in row-major strides (a copy
     where it has others): dynamo guards on a tensor's type, requires_grad and strides, so a
     module's nn.Parameter in one call and the same weight as a plain tensor in another
@@ -305,12 +306,12 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     so it runs fn there for a signature it captured from the Parameters of an eager
     call."""
     cache.load_env_cache_once()
-    from .inductor import compile_options                    # registers the lowerings
+    from .inductor import compile_options, holds_compiled_graphs  # registers the lowerings
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
     options = compile_options(f"{cache.cache_key_tag()}-{name}batch{smallest_batch}",
                               max_autotune=_max_autotune(device_type))
-    compiled = torch.compile(_with_own_code(fn), fullgraph=True, dynamic=False,
-                             options=options)
+    own_fn = _with_own_code(fn)
+    compiled = torch.compile(own_fn, fullgraph=True, dynamic=False, options=options)
     dynamic_inputs = () if batch_bucket is None else batched_inputs
 
     def run(**tensors):
@@ -320,7 +321,8 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
                 # marked would have its batch dynamic in the caller's graphs too
                 torch._dynamo.mark_dynamic(tensors[input_name], 0)
         return compiled(**tensors)
-    call = GraphedCall(run) if cuda_graph else run
+    call = (GraphedCall(run, lambda: holds_compiled_graphs(own_fn.__code__)) if cuda_graph
+            else run)
     # detach: a plain tensor object of its own, not requiring grad, on the same storage
     return lambda **tensors: call(**{name: _row_major(t.detach())
                                      for name, t in tensors.items()})

@@ -1,6 +1,7 @@
-"""Everything that touches Inductor's private API: the compile options (with the tag
-that puts our sources into Inductor's cache key), the attention-core Triton templates,
-and their lowerings (so max-autotune weighs their configs).
+"""Everything that touches Inductor's and dynamo's private API: the compile options (with
+the tag that puts our sources into Inductor's cache key), the attention-core Triton
+templates, their lowerings (so max-autotune weighs their configs), and whether dynamo
+still holds a function's compiled graphs (`holds_compiled_graphs`).
 
 Checked against torch 2.11 (the GPU machine) and 2.13 (CPU development). Differences
 between versions are handled here and nowhere else:
@@ -41,6 +42,7 @@ import sympy
 import torch
 
 try:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     from torch._inductor import ir
     from torch._inductor.custom_graph_pass import CustomGraphPass
     from torch._inductor.lowering import empty_strided, fallback_handler, register_lowering
@@ -103,6 +105,14 @@ def compile_options(tag, *, max_autotune):
         options.update(max_autotune=True,
                        max_autotune_prune_choices_based_on_shared_mem=True)
     return options
+
+
+def holds_compiled_graphs(code):
+    """Whether dynamo holds a compiled graph for the code object `code` (a function
+    torch.compile wrapped): False before its first compile and after
+    torch._dynamo.reset() / torch.compiler.reset(), which drop every compiled graph.
+    About 1 us on the host."""
+    return bool(_debug_get_cache_entry_list(code))
 
 
 # ---- the attention-core templates ----------------------------------------------------
