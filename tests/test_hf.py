@@ -636,6 +636,80 @@ def test_molmo_style_tower(spy):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+# Molmo's names in blocks that compute something else: a Llama-style block with a
+# LayerNorm and causal attention, and a post-norm block.
+class CausalAttention(MolmoStyleAttention):
+    def forward(self, x):
+        B, S, E = x.shape
+        q, k, v = (lin(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
+                   for lin in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, S, E))
+
+
+class CausalBlock(ResidualAttentionBlock):
+    def __init__(self, dim, heads, eps):
+        super().__init__(dim, heads, eps)
+        self.attention = CausalAttention(dim, heads)
+
+
+class PostNormBlock(ResidualAttentionBlock):
+    def forward(self, x):
+        x = self.attention_norm(x + self.attention(x))
+        return self.ffn_norm(x + self.feed_forward(x))
+
+
+def _tower_of(block_class, layers=2, dim=32, heads=4):
+    tower = VisionTransformer(dim, heads, layers)
+    tower.resblocks = nn.ModuleList(block_class(dim, heads, 1e-3) for _ in range(layers))
+    return tower
+
+
+@pytest.mark.parametrize("block_class", [CausalBlock, PostNormBlock])
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_molmo_named_layers_computing_otherwise_are_refused(block_class, device):
+    """The swap runs a CPU copy of a Molmo-style layer on random tokens (random
+    parameters on the meta device) and refuses, naming it, a layer whose math is not
+    the swapped layer's; nothing is swapped. Molmo's own math passes the same probe,
+    on the meta device too."""
+    with torch.device(device):
+        refused, plain = _tower_of(block_class), _tower_of(ResidualAttentionBlock)
+    with pytest.raises(ValueError, match=r"resblocks\.0: \w+Block does not compute x \+ "
+                                         r"attention\(attention_norm\(x\)\).*differs"):
+        swap_attention(refused, vision_only=False)
+    assert not swapped_layers(refused)
+    assert swapped_layers(swap_attention(plain, vision_only=False)) == \
+        ["resblocks.0", "resblocks.1"]
+
+
+def test_registered_molmo_style_layer_is_not_probed(monkeypatch):
+    class RegisteredBlock(ResidualAttentionBlock):
+        pass
+    hf.register_classes(layer=RegisteredBlock)
+    probed = []
+    monkeypatch.setattr(hf, "_molmo_probe_difference", lambda *a: probed.append(a) or 0.0)
+    tower = swap_attention(_tower_of(RegisteredBlock), vision_only=False)
+    assert swapped_layers(tower) == ["resblocks.0", "resblocks.1"] and not probed
+    swap_attention(_tower_of(ResidualAttentionBlock), vision_only=False)
+    assert len(probed) == 2
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_molmo_style_attention_dropout_modules(p):
+    """Dropouts among the attention module's children (Molmo's attention_dropout and
+    residual_dropout are nn.Dropout subclasses): p = 0 is swapped, p > 0 refused at the
+    swap, as CLIP's attention dropout is."""
+    tower = _tower_of(ResidualAttentionBlock)
+    for block in tower.resblocks:
+        block.attention.residual_dropout = nn.Dropout(p)
+    if p:
+        with pytest.raises(ValueError, match=r"resblocks\.0: attention dropout 0\.1 > 0"):
+            swap_attention(tower, vision_only=False)
+        assert not swapped_layers(tower)
+    else:
+        assert len(swapped_layers(swap_attention(tower, vision_only=False))) == 2
+
+
 # --------------------------------------------------------------------------------------
 # inside torch.compile
 # --------------------------------------------------------------------------------------

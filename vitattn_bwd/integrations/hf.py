@@ -21,7 +21,11 @@ vitattn_bwd.routing). Matched:
   embeddings) is refused at the swap, and arguments the fused block would leave out
   (position_embeddings, cu_seqlens, ...) at the call;
 - Molmo style (ResidualAttentionBlock): `attention_norm`, `attention.{wq,wk,wv,wo}`,
-  then `ffn_norm` and `feed_forward`.
+  then `ffn_norm` and `feed_forward`, in a layer that computes x + attention(
+  attention_norm(x)), then x + feed_forward(ffn_norm(x)), with plain softmax attention:
+  its code has no reference in transformers, so the swap runs a float32 CPU copy of the
+  layer on random tokens against that math and refuses a layer that differs (a causal
+  mask, rotary embeddings), unless its class is registered (`register_classes`).
 
 How: each matched layer keeps its own submodules and parameters (so state_dict keys,
 checkpoints, save_pretrained/from_pretrained, optimizers and hooks on the layer are
@@ -55,15 +59,17 @@ decides output_attentions without reading transformers 5's context variable whil
 dynamo traces (_attentions_requested).
 """
 import ast
+import copy
 import functools
 import inspect
+import math
 import sys
 import textwrap
 
 import torch
 from torch import nn
 
-from ..module import vision_attention
+from ..module import stock_forward, vision_attention
 from ..validation import check_config
 from . import _common
 
@@ -84,11 +90,12 @@ _LAYER_ARGUMENTS = ("attention_mask", "causal_attention_mask", "output_attention
 
 
 def register_classes(*, layer=()):
-    """Declare layer classes (Hugging Face style: layer_norm1, self_attn.q/k/v/out_proj,
-    layer_norm2, mlp) whose forward is exactly CLIPEncoderLayer's math (x + attention
-    half, then x + MLP half) though its code differs from CLIPEncoderLayer.forward's,
-    so that swap_attention swaps them. Classes whose forward computes anything else
-    must not be registered."""
+    """Declare layer classes whose forward is exactly the swapped layer's math (x +
+    attention half, then x + MLP half), so that swap_attention swaps them without
+    checking their code: Hugging Face style ones (layer_norm1, self_attn.q/k/v/out_proj,
+    layer_norm2, mlp) whose code differs from CLIPEncoderLayer.forward's, and Molmo
+    style ones without the swap's probe run on random tokens. Classes whose forward
+    computes anything else must not be registered."""
     for cls in (layer,) if isinstance(layer, type) else layer:
         if cls not in _REGISTERED_LAYERS:
             _REGISTERED_LAYERS.append(cls)
@@ -222,7 +229,65 @@ def _check_layer(name, layer, kind):
         raise ValueError(f"{name}: {refusal}")
     if getattr(attn, "is_causal", False):
         raise ValueError(f"{name}: causal attention is not supported")
+    if kind == "molmo" and not _common.stock_forward_is(type(layer), _REGISTERED_LAYERS):
+        difference = _molmo_probe_difference(layer, num_heads)
+        if difference > MOLMO_PROBE_TOLERANCE:
+            raise ValueError(
+                f"{name}: {type(layer).__name__} does not compute x + attention("
+                "attention_norm(x)), then x + feed_forward(ffn_norm(x)), with plain "
+                "softmax attention of its wq / wk / wv / wo projections (on random tokens "
+                f"its output differs from that by {difference:.1e} of its largest value: "
+                "a mask, rotary or other terms the fused layer would leave out); if its "
+                "math is exactly that, declare it with "
+                "vitattn_bwd.integrations.hf.register_classes(layer=...)")
     return num_heads
+
+
+# Molmo-style layers are matched by their submodules' names, which other models share
+# (Llama-style blocks with a LayerNorm, causal or rotary attention), and their code
+# (remote code, several versions) has no reference in transformers to compare with. So
+# the swap runs a float32 CPU copy of the layer on random tokens against what the
+# swapped layer computes; a difference above this fraction of the output's largest
+# value refuses the layer. Float32 rounding of the probe leaves ~1e-6.
+MOLMO_PROBE_TOLERANCE = 1e-4
+
+
+def _molmo_probe_difference(layer, num_heads):
+    """max |layer(x) - swapped(x)| / max |layer(x)| for random tokens x [2,5,E], where
+    swapped(x) is the swapped layer's math (module.stock_forward of the layer's
+    attention_norm and projections, then x + feed_forward(ffn_norm(x))), both on a
+    float32 CPU copy of the layer in eval mode without hooks; parameters on the meta
+    device get random values."""
+    generator = torch.Generator().manual_seed(0)
+    probe = copy.deepcopy(layer)
+    meta = any(t.is_meta for t in (*probe.parameters(), *probe.buffers()))
+    probe = (probe.to_empty(device="cpu") if meta else probe.cpu()).float().eval()
+    for module in probe.modules():
+        module._forward_hooks.clear()
+        module._forward_pre_hooks.clear()
+    conv = _CONVENTIONS["molmo"]
+    norm, attn = getattr(probe, conv["norm"]), getattr(probe, conv["attn"])
+    q, k, v, o = (getattr(attn, p) for p in conv["proj"])
+    E = q.in_features
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        if meta:
+            for t in (*probe.parameters(), *probe.buffers()):
+                if t.is_floating_point():
+                    t.copy_(torch.randn(t.shape, generator=generator) * 0.5)
+        x = torch.randn(2, 5, E, generator=generator)
+        want = probe.forward(x)
+        zeros = torch.zeros(E)
+        h = stock_forward(
+            x, zeros + 1 if norm.weight is None else norm.weight,
+            zeros if norm.bias is None else norm.bias,
+            torch.cat([q.weight, k.weight, v.weight]),
+            torch.cat([zeros if lin.bias is None else lin.bias for lin in (q, k, v)]),
+            o.weight, zeros if o.bias is None else o.bias, num_heads, norm.eps)
+        got = h + probe.feed_forward(probe.ffn_norm(h))
+        if not isinstance(want, torch.Tensor) or want.shape != got.shape:
+            return math.inf
+        difference = ((want - got).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    return difference if math.isfinite(difference) else math.inf
 
 
 def _is_output_capture_hook(hook):
@@ -247,7 +312,11 @@ def _attention_refusal(attn, head_dim, training):
     dropout = getattr(attn, "dropout", 0.0)
     if isinstance(dropout, nn.Module):                     # an nn.Dropout, or a float
         dropout = dropout.p
-    if training and isinstance(dropout, (int, float)) and dropout > 0:
+    if not isinstance(dropout, (int, float)):
+        dropout = 0.0
+    # and nn.Dropout children (Molmo's attention_dropout and residual_dropout)
+    dropout = max([dropout, *(m.p for m in attn.children() if isinstance(m, nn.Dropout))])
+    if training and dropout > 0:
         return (f"attention dropout {dropout} > 0 is not supported (set the config's "
                 "attention_dropout to 0.0 before loading)")
     return None
