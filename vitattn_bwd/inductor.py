@@ -3,7 +3,8 @@ the tag that puts our sources into Inductor's cache key), the attention-core Tri
 templates, their lowerings (so max-autotune weighs their configs), and whether dynamo
 still holds a function's compiled graphs (`holds_compiled_graphs`).
 
-Checked against torch 2.11 (the GPU machine) and 2.13 (CPU development). Differences
+Checked against torch 2.11 (the GPU machine), 2.13 (CPU development) and 2.14.1 (the
+CPU suite). Differences
 between versions are handled here and nowhere else:
   - autotune_select_algorithm returns a node in 2.11 and (node, choice) from 2.12 on.
 If an API this module needs is missing, importing it raises an ImportError naming the
