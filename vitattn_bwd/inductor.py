@@ -4,8 +4,7 @@ templates, their lowerings (so max-autotune weighs their configs), and whether d
 still holds a function's compiled graphs (`holds_compiled_graphs`).
 
 Checked against torch 2.11 (the GPU machine), 2.13 (CPU development) and 2.14.1 (the
-CPU suite). Differences
-between versions are handled here and nowhere else:
+CPU suite). Differences between versions are handled here and nowhere else:
   - autotune_select_algorithm returns a node in 2.11 and (node, choice) from 2.12 on.
 If an API this module needs is missing, importing it raises an ImportError naming the
 torch version: the package never falls back silently to slower code.
