@@ -1,6 +1,7 @@
-"""cuda_graphs.static_buffers on the CPU: what a CUDA graph is captured on must look to
-dynamo like the caller's tensors, and must stay writable by later calls. (The graphs
-themselves: tests/test_gpu_cuda_graphs.py.)"""
+"""cuda_graphs on the CPU: static_buffers (what a CUDA graph is captured on must look to
+dynamo like the caller's tensors, and must stay writable by later calls), and
+GraphedCall's bookkeeping with stand-ins for the capture. (The graphs themselves:
+tests/test_gpu_cuda_graphs.py.)"""
 import torch
 
 from vitattn_bwd.cuda_graphs import static_buffers
@@ -72,3 +73,49 @@ def test_a_call_inside_the_callers_capture_runs_fn_directly(monkeypatch):
         assert torch.equal(out[0], a * 2) and out[1].item() == 6.0
     assert calls == [["a", "b"], ["a", "b"]]
     assert graphed._graphs == {}
+
+
+class _FakeCaptured:
+    """Stands in for cuda_graphs._Captured on the CPU: 'captures' by running fn once, as
+    the real one does before its capture, and 'replays' by running fn."""
+    captures = []
+
+    def __init__(self, fn, inputs):
+        self.fn, self.done = fn, None
+        fn(**inputs)
+        _FakeCaptured.captures.append(sorted((n, tuple(t.shape)) for n, t in inputs.items()))
+
+    def replay(self, inputs):
+        return tuple(self.fn(**inputs))
+
+
+def test_signatures_are_captured_again_after_dynamo_drops_fns_graphs(monkeypatch):
+    """Once holds_compiled() turns False (torch._dynamo.reset()), each signature captured
+    before is captured again at its next call (fn compiling outside any capture),
+    those captured after are not, and a holds_compiled() False from the start (dynamo
+    compiling nothing) captures nothing again."""
+    from vitattn_bwd import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "_Captured", _FakeCaptured)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)   # CPU tensors' index
+    monkeypatch.setattr(_FakeCaptured, "captures", [])
+    compiled = [True]                  # what dynamo holds: fn's runs compile it
+
+    def fn(x):
+        compiled[0] = True
+        return (x + 1,)
+    graphed = cuda_graphs.GraphedCall(fn, lambda: compiled[0])
+    small, large = torch.zeros(2), torch.zeros(3)
+    for x in (small, large, small, large):
+        assert torch.equal(graphed(x=x)[0], x + 1)
+    assert len(_FakeCaptured.captures) == 2
+    compiled[0] = False                # torch._dynamo.reset()
+    for x in (small, small, large, large):
+        assert torch.equal(graphed(x=x)[0], x + 1)
+    assert _FakeCaptured.captures[2:] == [[("x", (2,))], [("x", (3,))]]
+
+    monkeypatch.setattr(_FakeCaptured, "captures", [])
+    never = cuda_graphs.GraphedCall(lambda x: (x * 2,), lambda: False)
+    for x in (small, small, large, large):
+        assert torch.equal(never(x=x)[0], x * 2)
+    assert len(_FakeCaptured.captures) == 2

@@ -225,7 +225,7 @@ def test_large_batch_compiled_forward_without_cuda_graphs(monkeypatch):
     _check(block, x, torch.randn_like(x))
 
 
-@pytest.mark.parametrize("reset", [False, True], ids=["", "after_dynamo_reset"])
+@pytest.mark.parametrize("reset", [False, True], ids=["no_reset", "after_dynamo_reset"])
 def test_reduce_overhead_compile_after_eager_steps_at_a_graphed_batch(monkeypatch, reset):
     """torch.compile(block, mode="reduce-overhead") at a batch our own CUDA graphs replay,
     after eager steps of the same block there (and after torch._dynamo.reset(), which

@@ -108,22 +108,30 @@ class GraphedCall:
     every call of a signature returns the graph's bits. A call made while the current
     stream is capturing (the caller's CUDA graph) runs fn directly, so fn must not
     compile there (a capture allows no compile): a compiled fn must have met the same
-    kinds of inputs outside the capture. `holds_compiled`, for a compiled fn, says
-    whether dynamo still holds fn's compiled graphs: torch._dynamo.reset() drops them
-    but not the graphs captured here, and a replay would then leave fn uncompiled until
-    a run inside the caller's capture (torch.compile's "reduce-overhead" records after
-    one warm-up run), where compiling fails the capture; so a replay first runs fn once
-    where holds_compiled() is False, compiling it outside any capture. One lock per
-    instance serializes calls, the first (compiling, autotuning) one included. If a
-    capture fails, that signature runs fn directly from then on, with a warning:
-    correct, only slower. Each captured signature keeps its static inputs and its
-    graph's memory pool (about the call's inputs and intermediates) for the life of the
-    instance."""
+    kinds of inputs outside the capture.
+
+    `holds_compiled`, for a compiled fn, says whether dynamo holds fn's compiled graphs.
+    torch._dynamo.reset() drops them but not the graphs captured here: replays alone
+    would leave fn uncompiled until a run inside the caller's capture (torch.compile's
+    "reduce-overhead" records after one warm-up run), where compiling fails the
+    capture. So where holds_compiled() turns False, every signature captured before is
+    captured again at its next call (fn compiled again outside any capture), and
+    replays the kernels that fn's direct runs now launch. (Where it is False from the
+    start, dynamo compiles nothing, as under torch.compiler.set_stance("force_eager"),
+    and nothing is captured again.)
+
+    One lock per instance serializes calls, the first (compiling, autotuning) one
+    included. If a capture fails, that signature runs fn directly from then on, with a
+    warning: correct, only slower. Each captured signature keeps its static inputs and
+    its graph's memory pool (about the call's inputs and intermediates) for the life of
+    the instance."""
 
     def __init__(self, fn, holds_compiled=lambda: True):
         self.fn = fn
         self._holds_compiled = holds_compiled
         self._graphs = {}              # signature -> _Captured, or None: runs directly
+        self._held = None              # holds_compiled() after the last capture or look
+        self._stale = set()            # signatures captured before fn's graphs were dropped
         self._lock = threading.Lock()
 
     def __call__(self, **inputs):
@@ -142,18 +150,33 @@ class GraphedCall:
                 captured = self._graphs[key]
                 if captured is None:
                     return tuple(self.fn(**inputs))
-                if not self._holds_compiled():
-                    self.fn(**inputs)          # compiles again, outside any capture
-                return captured.replay(inputs)
-            outputs = tuple(self.fn(**inputs))         # compiles, autotunes
+                if not self._is_stale(key):
+                    return captured.replay(inputs)
+                if captured.done is not None:
+                    captured.done.synchronize()        # its last replay, before it goes
+                del self._graphs[key]
+                self._stale.discard(key)
+                outputs = None
+            else:
+                outputs = tuple(self.fn(**inputs))     # compiles, autotunes
             try:
-                captured = _Captured(self.fn, inputs)
+                captured = _Captured(self.fn, inputs)  # compiles again after a reset
             except Exception as error:                 # e.g. an op that cannot be captured
                 warnings.warn(f"vitattn_bwd: CUDA graph capture failed ({error!r}); these "
                               "input shapes run without a CUDA graph", RuntimeWarning)
                 self._graphs[key] = None
-                return outputs
+                return outputs if outputs is not None else tuple(self.fn(**inputs))
             self._graphs[key] = captured
+            self._held = self._holds_compiled()
             # the first call returns the graph's outputs too, so that every call of a
             # signature gives the same bits as its later replays
             return captured.replay(inputs)
+
+    def _is_stale(self, key):
+        """Whether fn's compiled graphs were dropped since `key` was captured: a turn of
+        holds_compiled() from True to False marks every captured signature stale."""
+        held = self._holds_compiled()
+        if self._held and not held:
+            self._stale.update(k for k, c in self._graphs.items() if c is not None)
+        self._held = held
+        return key in self._stale

@@ -293,8 +293,8 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     bucket keeps each to a graph or two and keeps one bucket's dynamic graph, tuned for
     its sizes, from serving another. fullgraph=True: exceeding the limit raises instead
     of silently running eager code. With cuda_graph, each input signature is replayed as
-    a CUDA graph (cuda_graphs.py), fn compiled again before a replay where
-    torch._dynamo.reset() dropped its graphs. Each input reaches the compiled function as a plain
+    a CUDA graph (cuda_graphs.py), captured again, fn compiling again, after
+    torch._dynamo.reset() dropped fn's graphs. Each input reaches the compiled function as a plain
     tensor that does not require grad (a detached view), in row-major strides (a copy
     where it has others): dynamo guards on a tensor's type, requires_grad and strides, so a
     module's nn.Parameter in one call and the same weight as a plain tensor in another
@@ -306,7 +306,8 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     so it runs fn there for a signature it captured from the Parameters of an eager
     call."""
     cache.load_env_cache_once()
-    from .inductor import compile_options, holds_compiled_graphs  # registers the lowerings
+    # importing inductor registers the lowerings
+    from .inductor import compile_options, holds_compiled_graphs
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
     options = compile_options(f"{cache.cache_key_tag()}-{name}batch{smallest_batch}",
                               max_autotune=_max_autotune(device_type))

@@ -50,8 +50,9 @@ try:
                                                   TritonTemplate, autotune_select_algorithm)
     from torch._inductor.virtualized import V, ops
 except ImportError as error:              # pragma: no cover - depends on the torch build
-    raise ImportError(f"vitattn_bwd needs Inductor APIs that torch {torch.__version__} "
-                      f"lacks ({error}); it was written against torch 2.11-2.13") from error
+    raise ImportError(f"vitattn_bwd needs Inductor and dynamo APIs that torch "
+                      f"{torch.__version__} lacks ({error}); it was written against torch "
+                      "2.11-2.14") from error
 
 from . import attention_core, gluon_core, split_gemm
 from .attention_core import TileConfig
