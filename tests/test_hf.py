@@ -685,13 +685,94 @@ def test_molmo_named_layers_computing_otherwise_are_refused(block_class, device)
 def test_registered_molmo_style_layer_is_not_probed(monkeypatch):
     class RegisteredBlock(ResidualAttentionBlock):
         pass
+    monkeypatch.setattr(hf, "_REGISTERED_LAYERS", [])
     hf.register_classes(layer=RegisteredBlock)
     probed = []
-    monkeypatch.setattr(hf, "_molmo_probe_difference", lambda *a: probed.append(a) or 0.0)
+    monkeypatch.setattr(hf, "_check_molmo_math", lambda *a: probed.append(a))
     tower = swap_attention(_tower_of(RegisteredBlock), vision_only=False)
     assert swapped_layers(tower) == ["resblocks.0", "resblocks.1"] and not probed
     swap_attention(_tower_of(ResidualAttentionBlock), vision_only=False)
     assert len(probed) == 2
+
+
+class EinsumAttention(MolmoStyleAttention):
+    """Molmo's other attention form: scores by einsum from q / sqrt(d) and k in float32,
+    softmax in float32, then the values."""
+    def forward(self, x):
+        B, S, E = x.shape
+        q, k, v = (lin(x).view(B, S, self.num_heads, self.head_dim)
+                   for lin in (self.wq, self.wk, self.wv))
+        scores = torch.einsum("bqhd,bkhd->bhqk", q.float() / self.head_dim ** 0.5, k.float())
+        weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out = torch.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, S, E)
+        return self.wo(out)
+
+
+class EinsumBlock(ResidualAttentionBlock):
+    def __init__(self, dim, heads, eps):
+        super().__init__(dim, heads, eps)
+        self.attention = EinsumAttention(dim, heads)
+
+
+def test_molmo_probe_leaves_the_model_and_process_as_they_were():
+    """The check runs on a copy with random parameters: the layer's own weights (here a
+    causal block whose output projection is zero, as at a zero init, which would hide
+    the mask) do not decide it, the global RNG and the training flags are untouched,
+    and a default device or dtype set by the caller does not reach the probe's
+    tensors. Molmo's einsum form of the attention passes."""
+    causal = _tower_of(CausalBlock)
+    for block in causal.resblocks:
+        torch.nn.init.zeros_(block.attention.wo.weight)
+    with pytest.raises(ValueError, match="does not compute"):
+        swap_attention(causal, vision_only=False)
+    tower = _tower_of(EinsumBlock).train()
+    before = {n: p.clone() for n, p in tower.named_parameters()}
+    state = torch.get_rng_state()
+    default_dtype = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        with torch.device("meta"):
+            swap_attention(tower, vision_only=False)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    assert swapped_layers(tower) == ["resblocks.0", "resblocks.1"]
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(m.training for m in tower.modules())
+    assert all(torch.equal(p, before[n]) for n, p in tower.named_parameters())
+
+
+class ExtraArgumentBlock(ResidualAttentionBlock):
+    def forward(self, x, position_ids):
+        return super().forward(x) + position_ids
+
+
+class TupleBlock(ResidualAttentionBlock):
+    def forward(self, x):
+        return (super().forward(x),)
+
+
+class LayerDropoutBlock(ResidualAttentionBlock):
+    def __init__(self, dim, heads, eps):
+        super().__init__(dim, heads, eps)
+        self.drop_path = nn.Dropout(0.1)
+
+
+class UncopyableBlock(ResidualAttentionBlock):
+    def __deepcopy__(self, memo):        # as FSDP2's fully_shard makes a module's class
+        raise AssertionError("FSDP does not support deepcopy.")
+
+
+@pytest.mark.parametrize("block_class, message", [
+    (ExtraArgumentBlock, "a CPU copy of ExtraArgumentBlock failed on random tokens"),
+    (TupleBlock, r"TupleBlock\.forward returns <class 'tuple'>"),
+    (LayerDropoutBlock, r"submodules the fused layer would not run: \['drop_path'\]"),
+    (UncopyableBlock, "could not be copied.*FSDP2's fully_shard"),
+])
+def test_molmo_style_layers_that_cannot_be_checked_are_refused(block_class, message):
+    tower = _tower_of(block_class)
+    with pytest.raises(ValueError, match=r"resblocks\.0: .*" + message + ".*register_classes"):
+        swap_attention(tower, vision_only=False)
+    assert not swapped_layers(tower)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])

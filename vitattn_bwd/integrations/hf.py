@@ -23,9 +23,10 @@ vitattn_bwd.routing). Matched:
 - Molmo style (ResidualAttentionBlock): `attention_norm`, `attention.{wq,wk,wv,wo}`,
   then `ffn_norm` and `feed_forward`, in a layer that computes x + attention(
   attention_norm(x)), then x + feed_forward(ffn_norm(x)), with plain softmax attention:
-  its code has no reference in transformers, so the swap runs a float32 CPU copy of the
-  layer on random tokens against that math and refuses a layer that differs (a causal
-  mask, rotary embeddings), unless its class is registered (`register_classes`).
+  its code has no reference in transformers, so the swap runs a CPU copy of the layer
+  (random parameters) on random tokens against that math and refuses a layer that
+  differs (a causal mask, rotary embeddings) or cannot be checked, unless its class is
+  registered (`register_classes`).
 
 How: each matched layer keeps its own submodules and parameters (so state_dict keys,
 checkpoints, save_pretrained/from_pretrained, optimizers and hooks on the layer are
@@ -93,8 +94,8 @@ def register_classes(*, layer=()):
     """Declare layer classes whose forward is exactly the swapped layer's math (x +
     attention half, then x + MLP half), so that swap_attention swaps them without
     checking their code: Hugging Face style ones (layer_norm1, self_attn.q/k/v/out_proj,
-    layer_norm2, mlp) whose code differs from CLIPEncoderLayer.forward's, and Molmo
-    style ones without the swap's probe run on random tokens. Classes whose forward
+    layer_norm2, mlp) whose code differs from CLIPEncoderLayer.forward's, and Molmo-style
+    ones, which then skip the swap's check on random tokens. Classes whose forward
     computes anything else must not be registered."""
     for cls in (layer,) if isinstance(layer, type) else layer:
         if cls not in _REGISTERED_LAYERS:
@@ -230,53 +231,100 @@ def _check_layer(name, layer, kind):
     if getattr(attn, "is_causal", False):
         raise ValueError(f"{name}: causal attention is not supported")
     if kind == "molmo" and not _common.stock_forward_is(type(layer), _REGISTERED_LAYERS):
-        difference = _molmo_probe_difference(layer, num_heads)
-        if difference > MOLMO_PROBE_TOLERANCE:
-            raise ValueError(
-                f"{name}: {type(layer).__name__} does not compute x + attention("
-                "attention_norm(x)), then x + feed_forward(ffn_norm(x)), with plain "
-                "softmax attention of its wq / wk / wv / wo projections (on random tokens "
-                f"its output differs from that by {difference:.1e} of its largest value: "
-                "a mask, rotary or other terms the fused layer would leave out); if its "
-                "math is exactly that, declare it with "
-                "vitattn_bwd.integrations.hf.register_classes(layer=...)")
+        _check_molmo_math(name, layer, num_heads)
     return num_heads
 
 
 # Molmo-style layers are matched by their submodules' names, which other models share
 # (Llama-style blocks with a LayerNorm, causal or rotary attention), and their code
 # (remote code, several versions) has no reference in transformers to compare with. So
-# the swap runs a float32 CPU copy of the layer on random tokens against what the
-# swapped layer computes; a difference above this fraction of the output's largest
-# value refuses the layer. Float32 rounding of the probe leaves ~1e-6.
+# the swap runs a CPU copy of the layer, with random parameters, on random tokens against
+# what the swapped layer computes; a difference above this fraction of the output's
+# largest value refuses the layer. Float32 rounding leaves < 1e-6 (Molmo's einsum
+# attention against SDPA: 7.6e-7); a causal mask or a post-norm block 0.2-5.
 MOLMO_PROBE_TOLERANCE = 1e-4
+_MOLMO_CHILDREN = ("attention_norm", "attention", "ffn_norm", "feed_forward")
 
 
-def _molmo_probe_difference(layer, num_heads):
-    """max |layer(x) - swapped(x)| / max |layer(x)| for random tokens x [2,5,E], where
-    swapped(x) is the swapped layer's math (module.stock_forward of the layer's
-    attention_norm and projections, then x + feed_forward(ffn_norm(x))), both on a
-    float32 CPU copy of the layer in eval mode without hooks; parameters on the meta
-    device get random values."""
+def _check_molmo_math(name, layer, num_heads):
+    """Refuse, naming the layer, a Molmo-style layer that does not compute x +
+    attention(attention_norm(x)), then x + feed_forward(ffn_norm(x)), with plain softmax
+    attention of its projections, or whose computation cannot be checked: a submodule
+    besides those four (which the swapped layer would not run), a layer that cannot be
+    copied (one sharded by FSDP2), or one whose copy fails on random tokens."""
+    cls = type(layer).__name__
+    register = ("; if it computes exactly x + attention(attention_norm(x)), then x + "
+                "feed_forward(ffn_norm(x)), with plain softmax attention of its wq / wk / "
+                "wv / wo projections, declare its class with "
+                "vitattn_bwd.integrations.hf.register_classes(layer=...)")
+    extra = [child for child, _ in layer.named_children() if child not in _MOLMO_CHILDREN]
+    if extra:
+        raise ValueError(f"{name}: {cls} has submodules the fused layer would not run: "
+                         f"{extra} (it runs {list(_MOLMO_CHILDREN)})" + register)
+    try:
+        probe = _random_cpu_copy(layer)
+    except Exception as error:
+        raise ValueError(f"{name}: {cls} could not be copied to check what it computes "
+                         f"({error!r}); swap before sharding the model (FSDP2's "
+                         "fully_shard)" + register) from error
+    try:
+        want, got = _molmo_probe(probe, num_heads)
+    except Exception as error:
+        raise ValueError(f"{name}: a CPU copy of {cls} failed on random tokens ({error!r}), "
+                         "so what it computes could not be checked" + register) from error
+    if not isinstance(want, torch.Tensor) or want.shape != got.shape:
+        raise ValueError(f"{name}: {cls}.forward returns "
+                         f"{tuple(want.shape) if isinstance(want, torch.Tensor) else type(want)}"
+                         f" for an input of shape {tuple(got.shape)}, where the swapped layer "
+                         "returns the input's shape" + register)
+    difference = ((want - got).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    if not difference <= MOLMO_PROBE_TOLERANCE:           # NaN refuses too
+        raise ValueError(
+            f"{name}: {cls} does not compute x + attention(attention_norm(x)), then x + "
+            "feed_forward(ffn_norm(x)), with plain softmax attention of its wq / wk / wv / "
+            f"wo projections: on random tokens its output differs from that by "
+            f"{difference:.1e} of its largest value (a mask, rotary embeddings or other "
+            "terms the fused layer would leave out); if its math is exactly that, declare "
+            "its class with vitattn_bwd.integrations.hf.register_classes(layer=...)")
+
+
+def _random_cpu_copy(layer):
+    """A float32 CPU copy of `layer` in eval mode whose parameters are seeded random
+    values (~1/sqrt(fan-in) for matrices) and whose buffers are the layer's own (zeros
+    for those on the meta device); forward hooks removed. The layer's parameters are
+    not copied (deepcopy with a memo), so a layer on a GPU takes no GPU memory."""
     generator = torch.Generator().manual_seed(0)
-    probe = copy.deepcopy(layer)
-    meta = any(t.is_meta for t in (*probe.parameters(), *probe.buffers()))
-    probe = (probe.to_empty(device="cpu") if meta else probe.cpu()).float().eval()
+    memo = {}
+    for p in layer.parameters():
+        fan_in = p.shape[-1] if p.dim() > 1 else 4
+        value = torch.randn(p.shape, generator=generator, dtype=torch.float32,
+                            device="cpu") / math.sqrt(fan_in)
+        memo[id(p)] = nn.Parameter(value, requires_grad=False)
+    for b in layer.buffers():
+        dtype = torch.float32 if b.is_floating_point() else b.dtype
+        memo[id(b)] = (torch.zeros(b.shape, dtype=dtype, device="cpu") if b.is_meta
+                       else b.detach().to("cpu", dtype, copy=True))
+    probe = copy.deepcopy(layer, memo).eval()
     for module in probe.modules():
         module._forward_hooks.clear()
         module._forward_pre_hooks.clear()
+    return probe
+
+
+def _molmo_probe(probe, num_heads):
+    """(probe's forward on random tokens x [2,5,E], the swapped layer's math on x:
+    module.stock_forward of its attention_norm and projections, then x +
+    feed_forward(ffn_norm(x))), on the CPU without autocast. Hooks registered for every
+    module (torch.nn.modules.module.register_module_forward_hook) still fire."""
     conv = _CONVENTIONS["molmo"]
     norm, attn = getattr(probe, conv["norm"]), getattr(probe, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
     E = q.in_features
-    with torch.no_grad(), torch.autocast("cpu", enabled=False):
-        if meta:
-            for t in (*probe.parameters(), *probe.buffers()):
-                if t.is_floating_point():
-                    t.copy_(torch.randn(t.shape, generator=generator) * 0.5)
-        x = torch.randn(2, 5, E, generator=generator)
+    with torch.device("cpu"), torch.no_grad(), torch.autocast("cpu", enabled=False):
+        x = torch.randn(2, 5, E, generator=torch.Generator().manual_seed(1),
+                        dtype=torch.float32)
         want = probe.forward(x)
-        zeros = torch.zeros(E)
+        zeros = torch.zeros(E, dtype=torch.float32)
         h = stock_forward(
             x, zeros + 1 if norm.weight is None else norm.weight,
             zeros if norm.bias is None else norm.bias,
@@ -284,10 +332,7 @@ def _molmo_probe_difference(layer, num_heads):
             torch.cat([zeros if lin.bias is None else lin.bias for lin in (q, k, v)]),
             o.weight, zeros if o.bias is None else o.bias, num_heads, norm.eps)
         got = h + probe.feed_forward(probe.ffn_norm(h))
-        if not isinstance(want, torch.Tensor) or want.shape != got.shape:
-            return math.inf
-        difference = ((want - got).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-    return difference if math.isfinite(difference) else math.inf
+    return want, got
 
 
 def _is_output_capture_hook(hook):
@@ -309,16 +354,19 @@ def _attention_refusal(attn, head_dim, training):
     # symbolic float, which dynamo cannot pass to math functions
     if scale is not None and abs(scale - want) > 1e-6 * want:
         return f"attention scale {scale} is not 1/sqrt(head_dim) = {want}"
+    if not training:
+        return None
     dropout = getattr(attn, "dropout", 0.0)
     if isinstance(dropout, nn.Module):                     # an nn.Dropout, or a float
         dropout = dropout.p
-    if not isinstance(dropout, (int, float)):
-        dropout = 0.0
-    # and nn.Dropout children (Molmo's attention_dropout and residual_dropout)
-    dropout = max([dropout, *(m.p for m in attn.children() if isinstance(m, nn.Dropout))])
-    if training and dropout > 0:
+    if isinstance(dropout, (int, float)) and dropout > 0:
         return (f"attention dropout {dropout} > 0 is not supported (set the config's "
                 "attention_dropout to 0.0 before loading)")
+    # nn.Dropout children (Molmo's attention_dropout and residual_dropout)
+    for child, module in attn.named_children():
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            return (f"attention dropout {module.p} > 0 ({child}) is not supported (set it "
+                    "to 0.0 before loading: the fused block has no dropout)")
     return None
 
 
