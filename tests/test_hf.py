@@ -18,7 +18,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import (CLIPConfig, CLIPModel, CLIPVisionConfig,  # noqa: E402
                           CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel)
 
-from vitattn_bwd.integrations import hf  # noqa: E402
+from vitattn_bwd.integrations import _common, hf  # noqa: E402
 from vitattn_bwd.integrations.hf import (swap_attention, swapped_layers,  # noqa: E402
                                          unswap_attention)
 
@@ -83,10 +83,17 @@ def _grads(model, pixels, weight):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _refused(model, match, **swap_kwargs):
+    """swap_attention(model) raises a ValueError matching `match` and swaps no layer."""
+    with pytest.raises(ValueError, match=match):
+        swap_attention(model, **swap_kwargs)
+    assert not swapped_layers(model)
+
+
 @pytest.fixture
 def spy(monkeypatch):
     """x's shape at each call of the fused attention half (proves the swap is in use)."""
-    return recorded_calls(monkeypatch, hf, "vision_attention", lambda x, *args: x.shape)
+    return recorded_calls(monkeypatch, _common, "vision_attention", lambda x, *args: x.shape)
 
 
 @pytest.mark.parametrize("dtype,bound", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
@@ -183,11 +190,9 @@ def test_hooks_on_bypassed_submodules_are_refused_at_the_swap(where, register, k
     model = _clip()
     name, layer = _first_layer(model)
     handle = register(layer.get_submodule(where))
-    with pytest.raises(ValueError, match=rf"{name}: {where} has {kind} hooks \(.*"
-                                         r"test_hf\..*<lambda>\), which would no longer "
-                                         "fire"):
-        swap_attention(model)
-    assert not swapped_layers(model)
+    _refused(model, rf"{name}: {where} has {kind} hooks \(.*"
+                    r"test_hf\..*<lambda>\), which would no longer "
+                    "fire")
     handle.remove()
     seen = []
     layer.register_forward_hook(lambda module, args, output: seen.append(module))
@@ -365,9 +370,7 @@ def test_layers_that_compute_more_than_clips_forward_are_refused_at_the_swap():
                                          r"CLIPEncoderLayer's"):
         swap_attention(_with_layer_class(_clip(), MessageTokenLayer))
     model = _with_layer_class(_clip(), CopiedClipLayer)
-    with pytest.raises(ValueError, match="CopiedClipLayer.forward is not"):
-        swap_attention(model)
-    assert not swapped_layers(model)
+    _refused(model, "CopiedClipLayer.forward is not")
     try:
         hf.register_classes(layer=CopiedClipLayer)
         stock = _with_layer_class(_clip(), CopiedClipLayer)
@@ -477,19 +480,6 @@ class _LoraLinear(nn.Linear):
         return super().forward(x) + 1.0
 
 
-class _AdapterWrapper(nn.Module):
-    """A wrapper that exposes its Linear's weight and bias and adds to its output (as a
-    PEFT-style wrapper does)."""
-
-    def __init__(self, linear):
-        super().__init__()
-        self.base, self.weight, self.bias = linear, linear.weight, linear.bias
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-
-    def forward(self, x):
-        return 2 * self.base(x)
-
-
 class _BareWrapper(nn.Module):
     """A module holding a Linear and adding to its output, with no Linear attribute of
     its own (as peft's LoRA layer holds its base layer)."""
@@ -502,6 +492,16 @@ class _BareWrapper(nn.Module):
         return 2 * self.base(x)
 
 
+class _AdapterWrapper(_BareWrapper):
+    """A wrapper that exposes its Linear's weight and bias and adds to its output (as a
+    PEFT-style wrapper does)."""
+
+    def __init__(self, linear):
+        super().__init__(linear)
+        self.weight, self.bias = linear.weight, linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+
+
 def test_projections_with_forwards_of_their_own_are_refused():
     """The fused block reads the q / k / v / out projections' weights and biases and
     never calls their forwards: a projection whose forward is not nn.Linear's (an
@@ -512,25 +512,19 @@ def test_projections_with_forwards_of_their_own_are_refused():
     other layers stay stock."""
     stock = _clip()
     _encoder_layers(stock)[1].self_attn.v_proj.__class__ = _LoraLinear
-    with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn\.v_proj is "
-                                         r"tests.test_hf._LoraLinear, whose forward is not "
-                                         r"torch.nn.modules.linear.Linear's"):
-        swap_attention(stock)
-    assert not swapped_layers(stock)
+    _refused(stock, r"encoder\.layers\.1: self_attn\.v_proj is "
+                    r"tests.test_hf._LoraLinear, whose forward is not "
+                    r"torch.nn.modules.linear.Linear's")
     stock = _clip()
     attn = _encoder_layers(stock)[1].self_attn
     attn.q_proj = _BareWrapper(attn.q_proj)
-    with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn\.q_proj is "
-                                         r"tests.test_hf._BareWrapper, whose forward is "
-                                         r"not torch.nn.modules.linear.Linear's"):
-        swap_attention(stock)
-    assert not swapped_layers(stock)
+    _refused(stock, r"encoder\.layers\.1: self_attn\.q_proj is "
+                    r"tests.test_hf._BareWrapper, whose forward is "
+                    r"not torch.nn.modules.linear.Linear's")
     molmo = VisionTransformer()
     molmo.resblocks[0].attention.wv = _BareWrapper(molmo.resblocks[0].attention.wv)
-    with pytest.raises(ValueError, match=r"resblocks\.0: attention\.wv is "
-                                         r"tests.test_hf._BareWrapper"):
-        swap_attention(molmo, vision_only=False)
-    assert not swapped_layers(molmo)
+    _refused(molmo, r"resblocks\.0: attention\.wv is "
+                    r"tests.test_hf._BareWrapper", vision_only=False)
     _, ours = _pair()
     pixels, _ = _inputs()
     attn = _encoder_layers(ours)[0].self_attn
@@ -554,11 +548,9 @@ def test_attention_modules_with_forwards_of_their_own_are_refused():
 
     stock = _clip()
     _encoder_layers(stock)[1].self_attn.__class__ = EditedAttention
-    with pytest.raises(ValueError, match=r"encoder\.layers\.1: self_attn is tests\.test_hf\."
-                                         r".*EditedAttention, whose forward is not "
-                                         r"transformers' own"):
-        swap_attention(stock)
-    assert not swapped_layers(stock)
+    _refused(stock, r"encoder\.layers\.1: self_attn is tests\.test_hf\."
+                    r".*EditedAttention, whose forward is not "
+                    r"transformers' own")
 
 
 def test_attention_mask_is_refused():
@@ -674,10 +666,8 @@ def test_molmo_named_layers_computing_otherwise_are_refused(block_class, device)
     on the meta device too."""
     with torch.device(device):
         refused, plain = _tower_of(block_class), _tower_of(ResidualAttentionBlock)
-    with pytest.raises(ValueError, match=r"resblocks\.0: \w+Block does not compute x \+ "
-                                         r"attention\(attention_norm\(x\)\).*differs"):
-        swap_attention(refused, vision_only=False)
-    assert not swapped_layers(refused)
+    _refused(refused, r"resblocks\.0: \w+Block does not compute x \+ "
+                      r"attention\(attention_norm\(x\)\).*differs", vision_only=False)
     assert swapped_layers(swap_attention(plain, vision_only=False)) == \
         ["resblocks.0", "resblocks.1"]
 
@@ -770,9 +760,7 @@ class UncopyableBlock(ResidualAttentionBlock):
 ])
 def test_molmo_style_layers_that_cannot_be_checked_are_refused(block_class, message):
     tower = _tower_of(block_class)
-    with pytest.raises(ValueError, match=r"resblocks\.0: .*" + message + ".*register_classes"):
-        swap_attention(tower, vision_only=False)
-    assert not swapped_layers(tower)
+    _refused(tower, r"resblocks\.0: .*" + message + ".*register_classes", vision_only=False)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.1])
@@ -784,9 +772,7 @@ def test_molmo_style_attention_dropout_modules(p):
     for block in tower.resblocks:
         block.attention.residual_dropout = nn.Dropout(p)
     if p:
-        with pytest.raises(ValueError, match=r"resblocks\.0: attention dropout 0\.1 > 0"):
-            swap_attention(tower, vision_only=False)
-        assert not swapped_layers(tower)
+        _refused(tower, r"resblocks\.0: attention dropout 0\.1 > 0", vision_only=False)
     else:
         assert len(swapped_layers(swap_attention(tower, vision_only=False))) == 2
 

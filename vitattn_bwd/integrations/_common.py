@@ -64,25 +64,28 @@ class ClassRegistry:
         return classes
 
 
-def _zeros(like, n):
-    return like.new_zeros(n)
+def block_parameters(norm, qkv_weight, qkv_bias, out_weight, out_bias):
+    """(ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias) of the fused
+    block, from a LayerNorm and the projections' tensors; a None bias or LayerNorm
+    affine parameter is the identity's (zeros / ones)."""
+    E = qkv_weight.shape[-1]
+    ln_weight = norm.weight if norm.weight is not None else qkv_weight.new_ones(E)
+    ln_bias = norm.bias if norm.bias is not None else qkv_weight.new_zeros(E)
+    if qkv_bias is None:
+        qkv_bias = qkv_weight.new_zeros(3 * E)
+    if out_bias is None:
+        out_bias = out_weight.new_zeros(E)
+    return ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias
 
 
 def fused_attention(x, norm, qkv_weight, qkv_bias, out_weight, out_bias, num_heads,
                     gamma=None, precision=None):
     """x + gamma * out(attention(qkv(norm(x)))) through vision_attention (with its
     `precision` and its handling of gamma, a LayerScale's [E] vector or None:
-    vitattn_bwd.module). A None bias or LayerNorm affine parameter is the identity's
-    (zeros / ones)."""
-    E = x.shape[-1]
-    ln_weight = norm.weight if norm.weight is not None else qkv_weight.new_ones(E)
-    ln_bias = norm.bias if norm.bias is not None else _zeros(qkv_weight, E)
-    if qkv_bias is None:
-        qkv_bias = _zeros(qkv_weight, 3 * E)
-    if out_bias is None:
-        out_bias = _zeros(out_weight, E)
-    return vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
-                            out_bias, num_heads, norm.eps, precision, gamma)
+    vitattn_bwd.module), the parameters as block_parameters gives them."""
+    return vision_attention(x, *block_parameters(norm, qkv_weight, qkv_bias, out_weight,
+                                                 out_bias),
+                            num_heads, norm.eps, precision, gamma)
 
 
 def precision_of(layer):

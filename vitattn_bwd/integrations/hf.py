@@ -70,7 +70,7 @@ import textwrap
 import torch
 from torch import nn
 
-from ..module import stock_forward, vision_attention
+from ..module import stock_forward
 from ..validation import check_config
 from . import _common
 
@@ -243,7 +243,8 @@ def _check_layer(name, layer, kind):
 # largest value refuses the layer. Float32 rounding leaves < 1e-6 (Molmo's einsum
 # attention against SDPA: 7.6e-7); a causal mask or a post-norm block 0.2-5.
 MOLMO_PROBE_TOLERANCE = 1e-4
-_MOLMO_CHILDREN = ("attention_norm", "attention", "ffn_norm", "feed_forward")
+_MOLMO_MATH = ("x + attention(attention_norm(x)), then x + feed_forward(ffn_norm(x)), "
+               "with plain softmax attention of its wq / wk / wv / wo projections")
 
 
 def _check_molmo_math(name, layer, num_heads):
@@ -253,14 +254,14 @@ def _check_molmo_math(name, layer, num_heads):
     besides those four (which the swapped layer would not run), a layer that cannot be
     copied (one sharded by FSDP2), or one whose copy fails on random tokens."""
     cls = type(layer).__name__
-    register = ("; if it computes exactly x + attention(attention_norm(x)), then x + "
-                "feed_forward(ffn_norm(x)), with plain softmax attention of its wq / wk / "
-                "wv / wo projections, declare its class with "
+    register = (f"; if it computes exactly {_MOLMO_MATH}, declare its class with "
                 "vitattn_bwd.integrations.hf.register_classes(layer=...)")
-    extra = [child for child, _ in layer.named_children() if child not in _MOLMO_CHILDREN]
+    conv = _CONVENTIONS["molmo"]
+    children = [conv["norm"], conv["attn"], *conv["rest"]]
+    extra = [child for child, _ in layer.named_children() if child not in children]
     if extra:
         raise ValueError(f"{name}: {cls} has submodules the fused layer would not run: "
-                         f"{extra} (it runs {list(_MOLMO_CHILDREN)})" + register)
+                         f"{extra} (it runs {children})" + register)
     try:
         probe = _random_cpu_copy(layer)
     except Exception as error:
@@ -280,12 +281,11 @@ def _check_molmo_math(name, layer, num_heads):
     difference = ((want - got).abs().max() / want.abs().max().clamp_min(1e-30)).item()
     if not difference <= MOLMO_PROBE_TOLERANCE:           # NaN refuses too
         raise ValueError(
-            f"{name}: {cls} does not compute x + attention(attention_norm(x)), then x + "
-            "feed_forward(ffn_norm(x)), with plain softmax attention of its wq / wk / wv / "
-            f"wo projections: on random tokens its output differs from that by "
-            f"{difference:.1e} of its largest value (a mask, rotary embeddings or other "
-            "terms the fused layer would leave out); if its math is exactly that, declare "
-            "its class with vitattn_bwd.integrations.hf.register_classes(layer=...)")
+            f"{name}: {cls} does not compute {_MOLMO_MATH}: on random tokens its output "
+            f"differs from that by {difference:.1e} of its largest value (a mask, rotary "
+            "embeddings or other terms the fused layer would leave out); if its math is "
+            "exactly that, declare its class with "
+            "vitattn_bwd.integrations.hf.register_classes(layer=...)")
 
 
 def _random_cpu_copy(layer):
@@ -324,13 +324,9 @@ def _molmo_probe(probe, num_heads):
         x = torch.randn(2, 5, E, generator=torch.Generator().manual_seed(1),
                         dtype=torch.float32)
         want = probe.forward(x)
-        zeros = torch.zeros(E, dtype=torch.float32)
-        h = stock_forward(
-            x, zeros + 1 if norm.weight is None else norm.weight,
-            zeros if norm.bias is None else norm.bias,
-            torch.cat([q.weight, k.weight, v.weight]),
-            torch.cat([zeros if lin.bias is None else lin.bias for lin in (q, k, v)]),
-            o.weight, zeros if o.bias is None else o.bias, num_heads, norm.eps)
+        h = stock_forward(x, *_common.block_parameters(norm, *_qkv(q, k, v), o.weight,
+                                                       o.bias),
+                          num_heads, norm.eps)
         got = h + probe.feed_forward(probe.ffn_norm(h))
     return want, got
 
@@ -419,24 +415,25 @@ def _projections(attn, conv):
     return tuple((f"{conv['attn']}.{p}", getattr(attn, p), nn.Linear) for p in conv["proj"])
 
 
+def _qkv(q, k, v):
+    """The [3E,E] weight and [3E] bias of the q | k | v projections (a None bias as
+    zeros), as the fused block takes them."""
+    weight = torch.cat([q.weight, k.weight, v.weight], dim=0)
+    bias = torch.cat([lin.bias if lin.bias is not None else q.weight.new_zeros(q.out_features)
+                      for lin in (q, k, v)])
+    return weight, bias
+
+
 def _attention_half(layer, hidden_states, conv, num_heads):
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
     if any(type(lin).forward is not nn.Linear.forward for lin in (q, k, v, o)):
         _common.refuse_replaced(layer, _projections(attn, conv))     # replaced since
-    E = q.in_features
-    refusal = _attention_refusal(attn, E // num_heads, layer.training)
+    refusal = _attention_refusal(attn, q.in_features // num_heads, layer.training)
     if refusal:                        # the layer's name is made only to refuse
         raise ValueError(f"{_common._who(layer)}: {refusal}")
-    qkv_weight = torch.cat([q.weight, k.weight, v.weight], dim=0)
-    biases = [lin.bias if lin.bias is not None else q.weight.new_zeros(E)
-              for lin in (q, k, v)]
-    out_bias = o.bias if o.bias is not None else o.weight.new_zeros(E)
-    ln_weight = norm.weight if norm.weight is not None else q.weight.new_ones(E)
-    ln_bias = norm.bias if norm.bias is not None else q.weight.new_zeros(E)
-    return vision_attention(hidden_states, ln_weight, ln_bias, qkv_weight,
-                            torch.cat(biases), o.weight, out_bias, num_heads, norm.eps,
-                            _common.precision_of(layer))
+    return _common.fused_attention(hidden_states, norm, *_qkv(q, k, v), o.weight, o.bias,
+                                   num_heads, precision=_common.precision_of(layer))
 
 
 def _clip_forward(self, hidden_states, *args, **kwargs):
