@@ -294,10 +294,10 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     its sizes, from serving another. fullgraph=True: exceeding the limit raises instead
     of silently running eager code. With cuda_graph, each input signature is replayed as
     a CUDA graph (cuda_graphs.py), captured again, fn compiling again, after
-    torch._dynamo.reset() dropped fn's graphs. Each input reaches the compiled function as a plain
-    tensor that does not require grad (a detached view), in row-major strides (a copy
-    where it has others): dynamo guards on a tensor's type, requires_grad and strides, so a
-    module's nn.Parameter in one call and the same weight as a plain tensor in another
+    torch._dynamo.reset() dropped fn's graphs. Each input reaches the compiled function
+    as a plain tensor that does not require grad (a detached view), in row-major strides
+    (a copy where it has others): dynamo guards on a tensor's type, requires_grad and
+    strides, so a module's nn.Parameter in one call and the same weight as a plain tensor in another
     (eager against torch.compile(model)'s saved tensors) would each compile a graph of
     their own, and so would every new layout of a caller's tensor (a transposed or
     sliced x), and the ninth would raise. A second graph would also be a compile
