@@ -16,6 +16,7 @@ On a machine without a GPU it runs a small CPU demo instead.
     python scripts/bench.py --json out.json --plot out.png
 """
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -28,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from profile_host import host_us  # noqa: E402  (beside this script)
-from vitattn_bwd import contract, reference  # noqa: E402
+from vitattn_bwd import contract, graph, reference  # noqa: E402
 from vitattn_bwd.workloads import (BATCH_SIZES, EMBED_DIM, NUM_HEADS,  # noqa: E402
                                    OUTPUT_NAMES, SEQ_LEN, make_inputs, within_tolerance)
 
@@ -142,12 +143,41 @@ def check_precision(batch, seeds):
     return worst, misses
 
 
-def run_gpu(batch_sizes, calls, seeds, host_calls):
+# The previous release's host path (a383f51): the Python wrapper, CUDA graphs up to
+# batch 15; timed beside ours with --previous.
+PREVIOUS_SETTINGS = dict(CPP_WRAPPER_DEVICES=(), CUDA_GRAPH_MAX_BATCH=15)
+
+
+@contextlib.contextmanager
+def graph_settings(**settings):
+    """graph.py's module settings replaced for a while, its compiled graphs dropped on
+    entry and exit, so that each setting compiles graphs of its own."""
+    saved = {name: getattr(graph, name) for name in settings}
+    graph._compile.cache_clear()
+    for name, value in settings.items():
+        setattr(graph, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(graph, name, value)
+        graph._compile.cache_clear()
+
+
+def run_gpu(batch_sizes, calls, seeds, host_calls, previous):
     """One row per batch: ours (span, GPU busy, host, kernels, copies), the eager
     reference's and torch.compile(reference)'s spans (default mode, float32 matmuls
-    as torch's defaults leave them: no TF32), and the precision of ours."""
+    as torch's defaults leave them: no TF32), with `previous` the span of ours at
+    PREVIOUS_SETTINGS, and the precision of ours."""
     spin_up()
     compiled_reference = torch.compile(reference_fn)
+    previous_ms = {}
+    if previous:
+        with graph_settings(**PREVIOUS_SETTINGS):
+            for B in batch_sizes:
+                args = tuple(make_inputs(B, device="cuda").values())
+                previous_ms[B] = harness_times(contract.run, args, calls)["span_ms"]
+                print(f"B={B:3d} previous {previous_ms[B]:.3f} ms", flush=True)
     rows = []
     for B in batch_sizes:
         worst, misses = check_precision(B, seeds)
@@ -158,6 +188,8 @@ def run_gpu(batch_sizes, calls, seeds, host_calls):
             row["eager_ms"] = harness_times(reference_fn, args, calls)["span_ms"]
             row["compiled_reference_ms"] = harness_times(compiled_reference, args,
                                                          calls)["span_ms"]
+        if previous:
+            row["previous_ms"] = previous_ms[B]
         ours = harness_times(contract.run, args, calls)
         row.update(vitattn_ms=ours["span_ms"], event_ms=ours["event_ms"],
                    busy_ms=ours["busy_ms"], copy_ms=ours["copy_ms"],
@@ -212,9 +244,9 @@ def _nan_as_null(value):
 
 # Columns of the table, those present in the rows: ours, then the references.
 TABLE_COLUMNS = ("vitattn_ms", "busy_ms", "host_ms", "copy_ms", "kernels", "eager_ms",
-                 "compiled_reference_ms")
+                 "compiled_reference_ms", "previous_ms")
 # Time columns summed up by a geometric mean (the leaderboard's figure) and a mean.
-SUMMARY_COLUMNS = ("vitattn_ms", "eager_ms", "compiled_reference_ms")
+SUMMARY_COLUMNS = ("vitattn_ms", "eager_ms", "compiled_reference_ms", "previous_ms")
 
 
 def geometric_mean(values):
@@ -255,7 +287,7 @@ def plot(rows, path, shape):
         print("matplotlib is not installed: no plot")
         return
     batches = [r["batch"] for r in rows]
-    for key in ("eager_ms", "compiled_reference_ms", "vitattn_ms"):
+    for key in ("eager_ms", "compiled_reference_ms", "previous_ms", "vitattn_ms"):
         if key not in rows[0]:
             continue
         plt.plot(batches, [r[key] for r in rows], marker="o", label=key[:-3])
@@ -285,6 +317,9 @@ def main():
     parser.add_argument("--host-calls", type=int, default=10,
                         help="calls per host-time measurement (~40 launches each must fit "
                              "in the GPU's launch queue, about 1,000 deep)")
+    parser.add_argument("--previous", action="store_true",
+                        help="also time ours at the previous release's host path "
+                             "(PREVIOUS_SETTINGS)")
     parser.add_argument("--json", type=Path, default=Path("results/bench.json"))
     parser.add_argument("--plot", type=Path, default=Path("results/bench.png"))
     args = parser.parse_args()
@@ -292,7 +327,7 @@ def main():
     if torch.cuda.is_available():
         start = time.perf_counter()
         rows = run_gpu(args.batch_sizes or BATCH_SIZES, args.calls, args.seeds,
-                       args.host_calls)
+                       args.host_calls, args.previous)
         device, shape = torch.cuda.get_device_name(), GPU_SHAPE
         print(f"\n{device}, torch {torch.__version__}; wall time "
               f"{time.perf_counter() - start:.0f} s including compiles")

@@ -33,8 +33,28 @@ def test_compile_options_carry_the_cache_tag_and_change_nothing_global():
     assert options["post_grad_custom_post_pass"].uuid() == "tag-1"
     assert options["max_autotune"] and not options["epilogue_fusion"]
     assert "triton.cudagraphs" not in options
+    assert "cpp_wrapper" not in options
+    assert inductor.compile_options("tag-1", max_autotune=False, cpp_wrapper=True)["cpp_wrapper"]
     assert (torch._inductor.config.epilogue_fusion,
             torch._inductor.config.max_autotune) == before
+
+
+def test_graph_launched_from_the_cpp_wrapper_gives_the_python_wrappers_bits(monkeypatch):
+    """CUDA graphs launch their kernels from Inductor's C++ wrapper
+    (graph.CPP_WRAPPER_DEVICES); the same wrapper on the CPU's graph, against the Python
+    one: the same kernels, so the same bits, at a static and a dynamic batch."""
+    from tests.helpers import make_case
+    from vitattn_bwd import contract, graph
+    assert graph.CPP_WRAPPER_DEVICES == ("cuda",)
+    outputs = {}
+    for devices in ((), ("cpu",)):
+        monkeypatch.setattr(graph, "CPP_WRAPPER_DEVICES", devices)
+        graph._compile.cache_clear()
+        outputs[devices] = [contract.run(*make_case(B, 9, 2, 8).values()) for B in (1, 3)]
+    graph._compile.cache_clear()
+    for python_wrapper, cpp_wrapper in zip(*outputs.values()):
+        for a, b in zip(python_wrapper, cpp_wrapper):
+            assert torch.equal(a, b)
 
 
 def test_compiled_cpu_graph_goes_through_the_lowering_fallback():

@@ -1,26 +1,21 @@
 """Our compiled graphs replayed as CUDA graphs, on any thread.
 
-Small batches are launch-bound: their GPU work (0.1-1.5 ms) is shorter than launching
-their 25-45 kernels one by one from Python. `GraphedCall` wraps a compiled function: the
-first call with a new input signature (shapes, strides, dtypes, device) runs it normally
-(compiling and autotuning if need be), then captures one CUDA graph of it on static
-copies of those inputs and replays it; every call copies its inputs into the static
-buffers (one multi-tensor copy), replays the graph and copies its outputs out (another).
-Nothing is compiled or allocated by the graph after capture, so every replay launches
-the same kernels. A call made while the caller itself captures a CUDA graph
-(torch.compile's "reduce-overhead" CUDA graphs around our operators, a torch.cuda.graph
-block) runs the compiled function directly, so that its kernels become part of the
-caller's graph: a capture cannot begin, nor a graph be replayed, inside another capture.
+The smallest batches are launch-bound: their GPU work is shorter than launching their
+kernels one by one. `GraphedCall` wraps a compiled function: the first call with a new
+input signature (shapes, strides, dtypes, device) runs it (compiling if need be), then
+captures one CUDA graph of it on static copies of those inputs and replays it; every
+call copies its inputs into the static buffers, replays, and copies its outputs out.
+Nothing is compiled or allocated after capture, so every replay launches the same
+kernels. A call made while the caller itself captures (torch.compile's "reduce-overhead",
+a torch.cuda.graph block) runs the function directly, so that its kernels join the
+caller's graph.
 
-Why not Inductor's CUDA graph trees (the `triton.cudagraphs` option): their tree manager
-and memory pool are per device and shared by every thread, and before pytorch PR 184357
-(issues 113809, 123177) nothing serialized their capture across threads and their state
-lived in the thread that first imported them. Autograd runs VisionAttentionBlock's
-backward on a worker thread of its own, so on torch 2.11 the backward could not use them
-there. A plain torch.cuda.CUDAGraph has no such state: it is captured in thread-local
-mode (other threads' CUDA work goes on), with a private memory pool, and its replays are
-serialized by a lock and ordered on the GPU by an event, so two threads (or streams) never
-share the static buffers at once.
+Not Inductor's CUDA graph trees: their state and memory pool are per device and shared
+by every thread, and torch 2.11 neither serializes their capture across threads nor sets
+them up outside the thread that first imported them (pytorch issues 113809, 123177), so
+they cannot run on autograd's worker thread, where VisionAttentionBlock's backward runs.
+A plain torch.cuda.CUDAGraph is captured in thread-local mode with a private pool, and
+its replays are serialized by a lock and ordered on the GPU by an event.
 """
 import contextlib
 import threading

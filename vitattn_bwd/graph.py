@@ -1,32 +1,20 @@
-"""The backward as explicit PyTorch math, compiled once per configuration by Inductor.
+"""The backward as explicit PyTorch math (`block_backward`), compiled once per
+configuration by Inductor (`compiled_backward`).
 
-`block_backward` is the graph. On CUDA (float32) every product is float32-grade from
-operands split once (precision.py): cuBLAS bf16 GEMMs around the two attention-core
-operators (attention_core.py), which Inductor lowers to our Triton templates
-(inductor.py) and which write their gradients in the formats the next GEMMs read; the
-QKV weight gradient is one fp16 GEMM, of operands brought to fp16's range by a
-power-of-two scale of the upstream gradient (precision "high"; "highest" runs the GEMMs
-and the attention core as fp16x3 from fp16 halves of their operands scaled into fp16's
-range: the GEMMs as our split GEMM with two-level accumulation, split_gemm.py, the core
-on the Gluon kernels); the LayerNorm backward, with
-the sums over rows of its parameters' and the out-projection bias's gradients, is one
-Triton kernel (layer_norm.py) that reads the QKV input gradient as the four GEMM outputs
-it is the sum of. The QKV bias gradient adds the partial sums over rows that the attention core
-writes beside its gradients. Elsewhere (the CPU, float64) the products are plain and the
-LayerNorm backward is PyTorch math, left to Inductor to fuse.
+On CUDA (float32) every product is float32-grade from operands split once
+(precision.py): cuBLAS bf16 GEMMs around the two attention-core operators
+(attention_core.py, lowered to our kernels by inductor.py), the QKV weight gradient one
+fp16 GEMM of operands brought into fp16's range by a power-of-two scale (precision
+"high"); "highest" runs fp16x3 products (split_gemm.py). The LayerNorm backward and the
+sums of its parameters' gradients are one Triton kernel (layer_norm.py). Elsewhere (the
+CPU, float64) the products are plain and Inductor fuses the rest.
 
-`compiled_backward` keeps one compiled graph per (device, dtype, seq_len, embed_dim,
-num_heads, scale, norm_eps, ln_grad, batch bucket, CUDA graphs, inputs, precision). Batch
-1 gets a static graph (dynamo specializes size-1 dimensions); batches 2-15 and 16 and up
-get one dynamic-batch graph each (Inductor compiles a bucket once more when a size fails
-a guard of its first compile: batch 10 after batch 2 on the H200). Max-autotune times its
-candidates at the first batch size a graph sees, so the buckets keep small and large
-batches from sharing one choice of tiles and GEMM kernels. Each graph is compiled with
-fullgraph=True, so exceeding dynamo's recompile limit raises instead of silently running
-eager code. Nothing here changes process-wide settings: every option is given per
-compile. What Inductor itself does when it compiles stays: it raises Python's recursion
-limit to at least 2000 and, on the CPU, sets the private environment variable its C++
-wrappers read (_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR), as for any torch.compile.
+One compiled graph per configuration and batch bucket: batch 1 static, batches 2-15 and
+16+ each one dynamic-batch graph (max-autotune tunes at the first size it sees, so small
+and large batches do not share tiles). fullgraph=True: exceeding dynamo's recompile
+limit raises instead of running eager code. On CUDA the graphs launch their kernels from
+Inductor's C++ wrapper, and the smallest batches replay as CUDA graphs (cuda_graphs.py).
+Every option is given per compile: no process-wide setting changes.
 """
 import functools
 import os
@@ -47,18 +35,18 @@ from .split_gemm import fp16_halves, matmul_fp16x3, transposed
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
 BATCH_BUCKETS = ((2, 15), (16, float("inf")))
-# Batches up to this size run as CUDA graphs (uses_cuda_graph).
-CUDA_GRAPH_MAX_BATCH = 15
+# Batches up to this size replay as CUDA graphs: launched from the C++ wrapper, their
+# calls still take longer on the host than on the GPU (performance.md, "Host time").
+CUDA_GRAPH_MAX_BATCH = 3
+# Devices whose graphs launch their kernels from Inductor's C++ wrapper, with no Python
+# per kernel (performance.md, "Host time").
+CPP_WRAPPER_DEVICES = ("cuda",)
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v", "qkv",
                   "attn_weights", "attn_output")   # those present are marked dynamic
-# Rows (B*S) of the weight gradients' sums up to which precision "high" keeps the
-# contract's margins when P is given: those sums grow with the rows while the tolerance's
-# absolute term stays 1e-2, and "high"'s relative error does not shrink (its QKV weight
-# gradient is one fp16 product, 3.2e-4; cuBLAS's single accumulator over K left the out
-# weight's at 1.5e-4 at batch 420), so at batch 420 0.4% of grad_qkv_weight missed
-# (docs/performance.md, "The margin at big batches"). Past these rows the contract's
-# "high" runs "highest". 64 samples of 577 tokens: batch 56, the benchmark's largest,
-# matched 0.99996.
+# Rows (B*S) up to which precision "high" keeps the contract's margins with P given: the
+# weight gradients' sums grow with the rows while the tolerance's absolute term stays
+# 1e-2 (batch 420 missed 0.4% of grad_qkv_weight; batch 56 matched 0.99996). Past these
+# rows the contract's "high" runs "highest" (performance.md, "Precision margins").
 HIGH_PRECISION_MAX_ROWS = 64 * 577
 
 
@@ -262,16 +250,10 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
 
 
 def uses_cuda_graph(device_type, batch):
-    """Small batches run as CUDA graphs (cuda_graphs.py), on any thread: their GPU work
-    (0.1-1.5 ms) is shorter than launching their ~40 kernels one by one, and copying
-    their inputs into the graphs' static buffers is cheap. Large batches run without:
-    their input copies (P is 21 MB per image) would cost more than the launch gaps. (The
-    module's one-product path at batch 32, whose GPU work is shorter than its launches,
-    ran no faster as CUDA graphs: its input and output copies cost as much on the H200;
-    docs/performance.md, the one-product core. A float32 block at batch 2 and 8 without
-    graphs spent 8% less GPU time in a 12-layer tower, its copies into and out of the
-    graphs gone, but the tower turned host-bound, 1.6-2.7x slower on an H100 host: "The
-    float32 tower without CUDA graphs".)"""
+    """Whether a call replays as a CUDA graph (cuda_graphs.py): on CUDA, batches up to
+    CUDA_GRAPH_MAX_BATCH, whose GPU work is shorter than their launches even from C++.
+    Larger batches run without: a graph's input copies (P is 21 MB an image) would cost
+    more than the launches they hide."""
     return device_type == "cuda" and batch <= CUDA_GRAPH_MAX_BATCH
 
 
@@ -310,7 +292,8 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     from .inductor import compile_options, holds_compiled_graphs
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
     options = compile_options(f"{cache.cache_key_tag()}-{name}batch{smallest_batch}",
-                              max_autotune=_max_autotune(device_type))
+                              max_autotune=_max_autotune(device_type),
+                              cpp_wrapper=device_type in CPP_WRAPPER_DEVICES)
     own_fn = _with_own_code(fn)
     compiled = torch.compile(own_fn, fullgraph=True, dynamic=False, options=options)
     dynamic_inputs = () if batch_bucket is None else batched_inputs

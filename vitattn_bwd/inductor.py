@@ -1,37 +1,19 @@
-"""Everything that touches Inductor's and dynamo's private API: the compile options (with
-the tag that puts our sources into Inductor's cache key), the attention-core Triton
-templates, their lowerings (so max-autotune weighs their configs), and whether dynamo
-still holds a function's compiled graphs (`holds_compiled_graphs`).
+"""Everything that touches Inductor's and dynamo's private API: the compile options
+(with the tag that puts our sources into Inductor's cache key), the attention-core and
+split-GEMM Triton templates with their lowerings (so max-autotune weighs their configs),
+and whether dynamo still holds a function's compiled graphs (`holds_compiled_graphs`).
 
-Checked against torch 2.11 (the GPU machine), 2.13 (CPU development) and 2.14.1 (the
-CPU suite). Differences between versions are handled here and nowhere else:
-  - autotune_select_algorithm returns a node in 2.11 and (node, choice) from 2.12 on.
-If an API this module needs is missing, importing it raises an ImportError naming the
-torch version: the package never falls back silently to slower code.
+Checked against torch 2.11 (the GPU machine), 2.13 (CPU development) and 2.14.1; the
+differences between versions are handled here and nowhere else. A missing API raises an
+ImportError naming the torch version: the package never falls back silently.
 
-On Hopper the Gluon kernels (kernels/softmax_bwd_gluon.py, launched by gluon_core.py)
-are candidates beside the templates' configs: ExternKernelChoices, as Inductor's own mm
-lowerings keep cuBLAS among their Triton configs (see `_gluon_choices`).
-
-The templates reuse the device code of kernels/softmax_bwd.py verbatim: each template is
-a thin entry point (program ids, output stores) followed by the source of every
-non-kernel function of that file, so the kernels tested under TRITON_INTERPRET=1 are
-the kernels compiled here; one template per pass serves both the given P and P
-recomputed from its log-sum-exp (RECOMPUTE_P). The lowerings hand the templates
-grad_attn, q, k and v as bf16 (hi, lo) pairs, made by one pointwise pass each from the
-float32 tensors of the graph (grad_attn and v once for both passes). bf16 / fp16
-operands (the module's one-product path) go to the Gluon kernels as they are (each
-tensor twice, its lo never read; q, k and v as the head views of the QKV projection,
-read where they lie), with one product per matmul; the templates do not take
-them, so there the Gluon configs are the only candidates, and where Gluon does not run
-the operator's own implementation does. So too for the scaled fp16 halves of precision
-"highest" (the operators' operand_scales), which the lowering makes by one pointwise
-pass per operand.
-
-The split GEMM of precision "highest" (split_gemm.py) has a template of its own, on the
-device code of kernels/split_gemm.py in the same way; its operands arrive as fp16
-halves made by the graph, read where they lie (a transposed view too), and only its
-template configs are candidates (cuBLAS has no two-level accumulation).
+The templates paste the device code of kernels/softmax_bwd.py (and kernels/split_gemm.py)
+verbatim behind a thin entry point, so the kernels tested under TRITON_INTERPRET=1 are
+the ones compiled here. The lowerings hand them grad_attn, q, k, v as bf16 (hi, lo)
+pairs (or fp16 halves of scaled operands for precision "highest"), one pointwise pass
+per tensor. On Hopper the Gluon kernels (gluon_core.py) are candidates beside the
+templates' configs, as ExternKernelChoices (as Inductor keeps cuBLAS among its mm
+configs); bf16 / fp16 operands (the module's one-product path) go to them alone.
 """
 import contextlib
 import functools
@@ -59,13 +41,11 @@ from .attention_core import TileConfig
 from .split_gemm import GemmTiles
 from .precision import BF16_HI_MASK, BF16_ROUNDING_BIAS, FP16_HI_MASK, FP16_ROUNDING_BIAS
 
-# The configs max-autotune times against each other for both templates. At batch 32 on
-# the H200 the rows pass runs fastest with (64, 32, 4, 3), the cols pass with
-# (64, 64, 4, 2); (32, 64, 4, 3) is there for small batches (more programs). Every one
-# compiles for sm_90 without register spills (tests/test_kernel_resources.py). Dropped
-# after a sweep of tiles on the H200 (docs/performance.md): (64, 64, 4, 3), whose 128 KB of shared
-# memory leaves one program per SM (0.94-1.26 ms), and (128, 64, 8, 2), which spills in
-# the cols pass (0.90-2.46 ms).
+# The configs max-autotune times against each other for both templates: the rows pass's
+# fastest at batch 32 (64, 32, 4, 3), the cols pass's (64, 64, 4, 2), and (32, 64, 4, 3)
+# for small batches (more programs). Every one compiles for sm_90 without register
+# spills (tests/test_kernel_resources.py); larger tiles left one program per SM or
+# spilled (performance.md, "Ruled out").
 TILE_CONFIGS = (
     TileConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
     TileConfig(block_m=64, block_n=32, num_warps=4, num_stages=3),
@@ -88,8 +68,9 @@ class CacheKeyTag(CustomGraphPass):
         return self.tag
 
 
-def compile_options(tag, *, max_autotune):
-    """torch.compile options of one of our graphs. No epilogue or prologue fusion: our
+def compile_options(tag, *, max_autotune, cpp_wrapper=False):
+    """torch.compile options of one of our graphs. cpp_wrapper: Inductor's generated
+    wrapper is C++, which launches the kernels without Python per kernel. No epilogue or prologue fusion: our
     templates store their outputs themselves and read their inputs through raw pointers
     (a pointwise node fused into them would read buffers that are never written, or read
     back the halves before every thread of the program has stored them). No
@@ -105,6 +86,8 @@ def compile_options(tag, *, max_autotune):
     if max_autotune:
         options.update(max_autotune=True,
                        max_autotune_prune_choices_based_on_shared_mem=True)
+    if cpp_wrapper:
+        options["cpp_wrapper"] = True
     return options
 
 
@@ -246,38 +229,49 @@ def _tile_choices(template, tile_configs, input_nodes, layout, constexprs, **cho
 # gluon_core.rows_out / cols_out on them. The winner's node is made by `_gluon_node`: a
 # FallbackKernel of the functional operator gluon_softmax_bwd_rows / _cols, so Inductor
 # sees all its outputs as outputs of the node it schedules; the lowering then returns
-# those instead of the template's buffers, which nothing writes or reads and Inductor
-# drops. (An extern kernel writing into its inputs would leave their readers unordered.)
-
-# name of a lowering's first mutated buffer -> the outputs of the Gluon node made for it
-_GLUON_WINNERS = {}
+# those (`_gluon_outputs`) instead of the template's buffers, which nothing writes or
+# reads and Inductor drops. (An extern kernel writing into its inputs would leave their
+# readers unordered.)
 
 
-def _gluon_node(op, operand_count, buffer_count):
-    """kernel_creator of a Gluon choice: the operator on the first operand_count inputs
-    (and on the operand scales, the input after the buffer_count output buffers, where
-    the operands are fp16 halves)."""
+def _gluon_node(op):
+    """kernel_creator of a Gluon choice: the functional operator `op` on the choice's
+    operands (the tensors of op's schema before `scale`) and, where the operands are
+    fp16 halves, on the operand scales, the input after the buffers that op returns
+    besides its first output."""
+    arguments = [argument.name for argument in op._schema.arguments]
+    operand_count = arguments.index("scale")
+    buffer_count = len(op._schema.returns) - 1
+
     def create(*input_nodes, scale, block_m, block_n, num_warps, num_stages, products):
         operand_scales = input_nodes[operand_count + buffer_count:]
         outputs = ir.FallbackKernel.create(op, *input_nodes[:operand_count], scale, block_m,
                                            block_n, num_warps, num_stages, products,
                                            *operand_scales)
-        _GLUON_WINNERS[input_nodes[operand_count].get_name()] = outputs
         return outputs[0]
     return create
+
+
+def _gluon_outputs(selected):
+    """Every output of the Gluon operator where a Gluon choice won (`selected`, the
+    selection's node, is then its first output), else None."""
+    node = selected
+    while isinstance(node, (ir.TensorBox, ir.StorageBox)):
+        node = node.data
+    if isinstance(node, ir.MultiOutput) and isinstance(node.inputs[0], ir.FallbackKernel):
+        return node.inputs[0].outputs
+    return None
 
 
 @functools.cache
 def _gluon_choices():
     """(rows, cols) ExternKernelChoices of the Gluon kernels (one per process)."""
+    rows_op = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows.default
+    cols_op = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols.default
     return (ExternKernelChoice(gluon_core.rows_out, name="vitattn_gluon_softmax_bwd_rows",
-                               kernel_creator=_gluon_node(
-                                   torch.ops.vitattn_bwd.gluon_softmax_bwd_rows.default, 10,
-                                   3)),
+                               kernel_creator=_gluon_node(rows_op)),
             ExternKernelChoice(gluon_core.cols_out, name="vitattn_gluon_softmax_bwd_cols",
-                               kernel_creator=_gluon_node(
-                                   torch.ops.vitattn_bwd.gluon_softmax_bwd_cols.default, 10,
-                                   2)))
+                               kernel_creator=_gluon_node(cols_op)))
 
 
 def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, layout, scale):
@@ -293,13 +287,11 @@ def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, lay
             for tiles in tile_configs]
 
 
-def _selected_outputs(template, choices, inputs, layout, template_outputs, mutated):
+def _selected_outputs(template, choices, inputs, layout, template_outputs):
     """The tuned choice's outputs: the template's node and its mutated buffers, or all
-    outputs of the Gluon operator if a Gluon choice won. Buffer names repeat from graph to
-    graph, so an entry a failed lowering left under this name is dropped first."""
-    _GLUON_WINNERS.pop(mutated.get_name(), None)
+    outputs of the Gluon operator if a Gluon choice won."""
     first = _select(template, choices, inputs, layout)
-    winner = _GLUON_WINNERS.pop(mutated.get_name(), None)
+    winner = _gluon_outputs(first)
     if winner is None:
         return (first, *template_outputs)
     return (first, *(ir.TensorBox.create(node) for node in winner[1:]))
@@ -490,7 +482,7 @@ def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=No
                                  mutated_inputs=[delta, grad_q_halves, grad_q_sums],
                                  call_sizes=[batch, num_heads, seq_len])
     return _selected_outputs(rows_template, choices, inputs, layout,
-                             (grad_q_halves, delta, grad_q_sums), delta)
+                             (grad_q_halves, delta, grad_q_sums))
 
 
 @register_lowering(_COLS_OP, type_promotion_kind=None)
@@ -522,7 +514,7 @@ def _lower_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
                                  mutated_inputs=[grad_kv_halves, grad_kv_sums],
                                  call_sizes=[batch, num_heads, seq_len])
     return _selected_outputs(cols_template, choices, inputs, layout,
-                             (grad_kv_halves, grad_kv_sums), grad_kv_halves)
+                             (grad_kv_halves, grad_kv_sums))
 
 
 # ---- the split GEMM template (precision "highest") -------------------------------------
