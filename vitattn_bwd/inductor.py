@@ -449,72 +449,62 @@ def _scales_input(operand_scales):
     return None if operand_scales is None else _contiguous(operand_scales)
 
 
-@register_lowering(_ROWS_OP, type_promotion_kind=None)
-def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=None):
+def _lower_pass(op, probs, grad_attn, q, k, v, pass_input, scale, operand_scales):
+    """The lowering of either pass (op: _ROWS_OP or _COLS_OP; pass_input: the rows pass's
+    attention output, None where P is given, or the cols pass's delta): the outputs of
+    the selected kernel, among the Gluon configs (first: the choice taken untimed where
+    autotuning cannot fit) and the template's; the operator's own implementation where
+    none of our kernels takes these operands."""
     batch, (num_heads, seq_len, head_dim) = _static_sizes(k)
     fp16_halves = operand_scales is not None
     if not _kernels_apply(k, head_dim, fp16_halves):
-        return fallback_handler(_ROWS_OP, add_to_fallback_set=False)(
-            probs, grad_attn, q, k, v, attn_output, scale, operand_scales)
-    device, embed_dim, dtype = k.get_device(), num_heads * head_dim, k.get_dtype()
-    operand_scales = _scales_input(operand_scales)
-    if attn_output is None:          # P given: ATTN_OUT is not read, a placeholder
-        attn_output = empty_strided([1], None, dtype=torch.float32, device=device)
-    delta = empty_strided([batch, num_heads, seq_len], None, dtype=torch.float32,
-                          device=device)                                  # [B,H,S]
-    grad_q_halves = empty_strided(
-        [batch, seq_len, attention_core.halves_width(dtype, embed_dim, fp16_halves)], None,
-        dtype=torch.bfloat16, device=device)                              # [B,S,2E]
-    grad_q_sums = _column_sums_buffer(batch, seq_len, embed_dim, device)  # [B,G,E]
+        return fallback_handler(op, add_to_fallback_set=False)(
+            probs, grad_attn, q, k, v, pass_input, scale, operand_scales)
+    rows = op is _ROWS_OP
+    device, dtype = k.get_device(), k.get_dtype()
+    width = num_heads * head_dim * (1 if rows else 2)          # E for dQ, 2E for dK | dV
+    halves = empty_strided([batch, seq_len,
+                            attention_core.halves_width(dtype, width, fp16_halves)],
+                           None, dtype=torch.bfloat16, device=device)  # [B,S,2E] / [B,S,4E]
+    sums = _column_sums_buffer(batch, seq_len, width, device)  # [B,G,E] / [B,G,2E]
     layout = ir.FixedLayout(device, attention_core.gradient_dtype(dtype, fp16_halves),
-                            [batch, seq_len, embed_dim])                  # [B,S,E]
-    inputs = [*_operands(probs, grad_attn, q, k, v, operand_scales),
-              _contiguous(attn_output), delta, grad_q_halves, grad_q_sums]
+                            [batch, seq_len, width])           # [B,S,E] / [B,S,2E]
+    if rows:
+        if pass_input is None:       # P given: ATTN_OUT is not read, a placeholder
+            pass_input = empty_strided([1], None, dtype=torch.float32, device=device)
+        pass_input = _contiguous(pass_input)
+        delta = empty_strided([batch, num_heads, seq_len], None, dtype=torch.float32,
+                              device=device)                   # [B,H,S]
+        buffers, outputs = (delta, halves, sums), (halves, delta, sums)
+    else:
+        pass_input = ir.ExternKernel.require_contiguous(pass_input)
+        buffers = outputs = (halves, sums)
+    operand_scales = _scales_input(operand_scales)
+    inputs = [*_operands(probs, grad_attn, q, k, v, operand_scales), pass_input, *buffers]
     if fp16_halves:
         inputs.append(operand_scales)
-    constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
-    rows_template, _ = _templates()
-    # the Gluon kernels first: the choice taken untimed where autotuning cannot fit
-    choices = _gluon_tile_choices(_gluon_choices()[0], gluon_core.rows_tiles(head_dim), k,
-                                  head_dim, inputs, layout, scale)
+    pass_index = 0 if rows else 1
+    template = _templates()[pass_index]
+    gluon_tiles = (gluon_core.rows_tiles, gluon_core.cols_tiles)[pass_index](head_dim)
+    choices = _gluon_tile_choices(_gluon_choices()[pass_index], gluon_tiles, k, head_dim,
+                                  inputs, layout, scale)
     if _template_applies(k, head_dim) and not fp16_halves:
-        choices += _tile_choices(rows_template, TILE_CONFIGS, inputs, layout, constexprs,
-                                 mutated_inputs=[delta, grad_q_halves, grad_q_sums],
+        choices += _tile_choices(template, TILE_CONFIGS, inputs, layout,
+                                 _constexprs(probs, num_heads, seq_len, head_dim, scale),
+                                 mutated_inputs=list(buffers),
                                  call_sizes=[batch, num_heads, seq_len])
-    return _selected_outputs(rows_template, choices, inputs, layout,
-                             (grad_q_halves, delta, grad_q_sums))
+    return _selected_outputs(template, choices, inputs, layout, outputs)
+
+
+@register_lowering(_ROWS_OP, type_promotion_kind=None)
+def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=None):
+    return _lower_pass(_ROWS_OP, probs, grad_attn, q, k, v, attn_output, scale,
+                       operand_scales)
 
 
 @register_lowering(_COLS_OP, type_promotion_kind=None)
 def _lower_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
-    batch, (num_heads, seq_len, head_dim) = _static_sizes(q)
-    fp16_halves = operand_scales is not None
-    if not _kernels_apply(q, head_dim, fp16_halves):
-        return fallback_handler(_COLS_OP, add_to_fallback_set=False)(
-            probs, grad_attn, q, k, v, delta, scale, operand_scales)
-    device, embed_dim, dtype = q.get_device(), num_heads * head_dim, q.get_dtype()
-    operand_scales = _scales_input(operand_scales)
-    grad_kv_halves = empty_strided(
-        [batch, seq_len, attention_core.halves_width(dtype, 2 * embed_dim, fp16_halves)],
-        None, dtype=torch.bfloat16, device=device)                        # [B,S,4E]
-    grad_kv_sums = _column_sums_buffer(batch, seq_len, 2 * embed_dim, device)  # [B,G,2E]
-    layout = ir.FixedLayout(device, attention_core.gradient_dtype(dtype, fp16_halves),
-                            [batch, seq_len, 2 * embed_dim])              # [B,S,2E]
-    inputs = [*_operands(probs, grad_attn, q, k, v, operand_scales),
-              ir.ExternKernel.require_contiguous(delta), grad_kv_halves, grad_kv_sums]
-    if fp16_halves:
-        inputs.append(operand_scales)
-    constexprs = _constexprs(probs, num_heads, seq_len, head_dim, scale)
-    _, cols_template = _templates()
-    # the Gluon kernels first: the choice taken untimed where autotuning cannot fit
-    choices = _gluon_tile_choices(_gluon_choices()[1], gluon_core.cols_tiles(head_dim), q,
-                                  head_dim, inputs, layout, scale)
-    if _template_applies(q, head_dim) and not fp16_halves:
-        choices += _tile_choices(cols_template, TILE_CONFIGS, inputs, layout, constexprs,
-                                 mutated_inputs=[grad_kv_halves, grad_kv_sums],
-                                 call_sizes=[batch, num_heads, seq_len])
-    return _selected_outputs(cols_template, choices, inputs, layout,
-                             (grad_kv_halves, grad_kv_sums))
+    return _lower_pass(_COLS_OP, probs, grad_attn, q, k, v, delta, scale, operand_scales)
 
 
 # ---- the split GEMM template (precision "highest") -------------------------------------
