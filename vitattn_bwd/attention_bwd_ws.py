@@ -12,12 +12,10 @@ contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_o
 [B,S,E] contiguous; lse [B,H,S] float32, the natural-log log-sum-exp of the scaled
 logits. One product per matmul, P recomputed from lse: the backward of the stock
 route's attention (deterministic_sdpa.py), not of the module's one-product path, whose
-graph runs the two-pass kernels. Not an autotune choice of the registered lowerings: on the H200, at batch 32,
-577 tokens, 16 heads of 64, its fastest configuration (FASTEST_TILES: a persistent grid,
-the rotated walk, the dQ tiles swizzled and handed over a tile late) measured 0.370 ms
-with its delta kernel, against 0.444 for cuDNN's non-deterministic backward through SDPA
-and 0.598 for the two-pass Gluon kernels in the same run (scripts/time_core_ws.py;
-docs/performance.md, "The warp-specialized core").
+graph runs the two-pass kernels. Not an autotune choice of the registered lowerings.
+Its fastest configuration is FASTEST_TILES (docs/performance.md, "The one-product core":
+0.370 ms at batch 32 with its delta kernel; `scripts/time_kernels.py --kernel core_ws`
+times every configuration).
 """
 import functools
 import math
@@ -75,7 +73,8 @@ FASTEST_TILES = WsTiles(128, 128, 2, 168, persistent=True, rotated_walk=True,
 # Compiled for sm_90 without spills in the walk and with its wgmmas unserialized
 # (tests/test_attention_bwd_ws.py, with the installed triton and the newest).
 TILES = (FASTEST_TILES,)
-# Timed beside TILES (scripts/time_core_ws.py, batch 32): without the rotated walk,
+# Timed beside TILES (scripts/time_kernels.py --kernel core_ws, batch 32, H200; FASTEST_TILES
+# 0.370 ms: docs/performance.md, "The one-product core"): without the rotated walk,
 # 0.503-0.569 ms; the rotated walk without the swizzle or the late hand-over or both,
 # 0.387-0.404, and with three stages and one dQ buffer 0.421.
 CANDIDATE_TILES = (WsTiles(128, 128, 2, 168, persistent=True),
@@ -97,9 +96,10 @@ class DeltaTiles(NamedTuple):
 
 
 DELTA_TILES = DeltaTiles(128, 1, 4)
-# Timed beside DELTA_TILES (scripts/time_core_ws.py, batch 32, bitwise its outputs): alone
-# 0.033-0.044 ms against its 0.041, but with the main kernel 0.371-0.375 against its
-# 0.372: none faster where it counts (the main kernel then reads dO partly from L2).
+# Timed beside DELTA_TILES (scripts/time_kernels.py --kernel core_ws, batch 32, bitwise
+# its outputs): alone 0.033-0.044 ms against its 0.041, but with the main kernel
+# 0.371-0.375 against its 0.372: none faster where it counts (the main kernel then reads
+# dO partly from L2).
 DELTA_CANDIDATE_TILES = (DeltaTiles(64, 1, 4), DeltaTiles(128, 1, 8), DeltaTiles(8, 16, 4),
                          DeltaTiles(16, 16, 8), DeltaTiles(32, 16, 8))
 
