@@ -311,9 +311,10 @@ def plot_results(out_dir, path=RESULTS_CSV):
     from matplotlib import pyplot as plt
     rows = read_results(path)
     contract = [r for r in rows if r["what"] in ("contract span", "contract eager")]
-    if not contract:
+    eager = [r for r in contract if r["what"] == "contract eager"]
+    if not eager:
         return []
-    latest = contract[-1]["commit"]
+    latest = eager[-1]["commit"]                   # the last bench.py run's rows
     fig, ax = plt.subplots(figsize=(7, 4))
     for what in ("contract span", "contract eager"):
         points = sorted((int(r["batch"]), r["figure"]) for r in contract
