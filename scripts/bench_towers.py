@@ -782,7 +782,8 @@ def suite_module(args, device, record):
     backward; then (unless --no-hf) the HF CLIP tower (--layers, default 4) stock against
     swapped (precision None): step ms, MB kept per image, peak MB. --dtype: bf16 / fp16
     parameters and inputs (the native path); --autocast: forwards under bf16 autocast.
-    TF32 as the process has it (off by default)."""
+    TF32 as the process has it (off by default). Median of 5 rounds of 10 steps per model,
+    the models taking turns (harness.compare_times' defaults, as bench_module.py ran)."""
     dtype = getattr(torch, args.dtype)
     seq_len, embed_dim, heads = (577, 1024, 16) if device == "cuda" else (65, 128, 4)
     sizes = args.batch_sizes or ((1, 8, 32) if device == "cuda" else (1, 4))
@@ -1032,7 +1033,7 @@ def summary(suite, results):
                              f"{cell(half['per_layer_ms'], '{:.3f}')} | "
                              f"{cell(half['per_layer_step_ms'], '{:.3f}')} |")
     elif suite == "module":
-        lines += ["| model | setting | batch | model | median ms | kept MB | "
+        lines += ["| what | setting | batch | model | median ms | kept MB | "
                   "kept MB/image | peak MB |", "|---|---|---|---|---|---|---|---|"]
         for r in results:
             if "missing" in r:
