@@ -7,11 +7,13 @@ harness's way of timing a call, step timing, and the results file.
 - bench_ms(fn): median ms of triton.testing.do_bench (the L2 flushed before each run).
 - host_us(step, calls): host time per call with the GPU kept busy.
 - harness_times(fn, args): the contract harness's span of a call (inputs at fresh
-  addresses, the L2 flushed, first kernel's start to last kernel's end).
+  addresses, the L2 flushed, first kernel's start to last kernel's end), with its GPU
+  busy, copy and event times and kernel count; host_ms_per_call beside it.
 - step_times / compare_times: wall ms of training steps, the steps taking turns.
 - contract_margins(batch): the entry point against the float64 reference, per output.
 - append_results(rows): one row per measurement appended to results/runs.csv, the file
-  docs/performance.md's tables are made from (plot_results draws it).
+  docs/performance.md's tables are made from (contract_rows: bench.py's rows as such;
+  plot_results draws the file).
 """
 import contextlib
 import csv
@@ -112,6 +114,13 @@ def host_us(step, calls, sleep_cycles=int(5e8), tries=4):
     return float("nan")
 
 
+def host_ms_per_call(fn, args, calls=10):
+    """Host time per call (call to return) on a copy of the inputs, the GPU kept busy so
+    that no call waits for it (host_us: NaN where every try had a call wait for it)."""
+    inputs = fresh_copies(args, 1)[0]
+    return host_us(lambda: fn(*inputs), calls) / 1e3
+
+
 def spin_up(seconds=2.0):
     """An idle GPU sits at low clocks (345 MHz seen on the H200): keep it busy first."""
     a = torch.randn(4096, 4096, device="cuda")
@@ -122,9 +131,11 @@ def spin_up(seconds=2.0):
 
 
 def harness_times(fn, args, calls=20, warmup=3):
-    """Median over `calls` of (first-kernel-to-last-kernel span, CUDA-event time) in ms,
-    and the kernels per call, each call on inputs at fresh addresses after an L2 flush
-    (the contract harness's timing; scripts/bench.py's)."""
+    """The contract harness's timing of fn(*args) (scripts/bench.py's): medians over
+    `calls` calls, each on inputs at fresh addresses after an L2 flush:
+    span_ms (first kernel's start to last kernel's end, host gaps counted), event_ms
+    (CUDA events around the call), busy_ms (the kernels' own time added up), copy_ms
+    (of it, copies: a CUDA graph's input and output copies) and kernels (per call)."""
     for call_args in fresh_copies(args, warmup):
         fn(*call_args)
     flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
@@ -145,20 +156,35 @@ def harness_times(fn, args, calls=20, warmup=3):
                             if e.device_type == torch.autograd.DeviceType.CUDA),
                            key=lambda e: e.time_range.start)
     # calls are separated by the flush kernel (a uint8 fill), one before each call
-    spans, current = [], None
+    calls_events, current = [], None
     for event in device_events:
         if "fill" in event.name.lower() and "unsigned char" in event.name:
             if current:
-                spans.append(current)
+                calls_events.append(current)
             current = []
         elif current is not None:
             current.append(event)
-    spans.append(current)
-    span_ms = [(max(e.time_range.end for e in s) - min(e.time_range.start for e in s)) / 1e3
-               for s in spans if s]
-    event_ms = [start.elapsed_time(end) for start, end in events]
-    kernels = statistics.median(len(s) for s in spans)
-    return statistics.median(span_ms), statistics.median(event_ms), kernels
+    calls_events.append(current)
+    calls_events = [c for c in calls_events if c]
+
+    def duration_ms(events):
+        return sum(e.time_range.end - e.time_range.start for e in events) / 1e3
+
+    def median_of(per_call):
+        return statistics.median(per_call(c) for c in calls_events)
+    return dict(
+        span_ms=median_of(lambda c: (max(e.time_range.end for e in c)
+                                     - min(e.time_range.start for e in c)) / 1e3),
+        event_ms=statistics.median(start.elapsed_time(end) for start, end in events),
+        busy_ms=median_of(duration_ms),
+        copy_ms=median_of(lambda c: duration_ms([e for e in c if _is_copy(e.name)])),
+        kernels=median_of(len))
+
+
+def _is_copy(kernel_name):
+    """A copy kernel or memcpy: what a CUDA graph's static inputs and outputs cost."""
+    name = kernel_name.lower()
+    return "multi_tensor_apply" in name or "memcpy" in name or "copy_kernel" in name
 
 
 def step_times(step, device, repeats):
@@ -292,6 +318,30 @@ def append_results(rows, path=RESULTS_CSV):
             writer.writeheader()
         for row in rows:
             writer.writerow({**environment, **row})
+
+
+# scripts/bench.py's row keys -> the results file's `what` of the contract's figures
+CONTRACT_FIGURES = {"vitattn_ms": ("contract span", "ms"),
+                    "event_ms": ("contract CUDA-event time", "ms"),
+                    "busy_ms": ("contract GPU busy", "ms"),
+                    "host_ms": ("contract host time per call", "ms"),
+                    "copy_ms": ("contract copies", "ms"),
+                    "kernels": ("contract kernels per call", "kernels"),
+                    "eager_ms": ("contract eager", "ms"),
+                    "compiled_reference_ms": ("contract torch.compile(reference)", "ms")}
+
+
+def contract_rows(bench_rows, command, setting="float32 high, P given"):
+    """The results file's rows of scripts/bench.py's per-batch rows (CONTRACT_FIGURES;
+    keys a row lacks, or NaN, are left out)."""
+    rows = []
+    for row in bench_rows:
+        for key, (what, unit) in CONTRACT_FIGURES.items():
+            value = row.get(key)
+            if value is not None and value == value:
+                rows.append(dict(what=what, batch=row["batch"], setting=setting,
+                                 figure=f"{value:.6g}", unit=unit, command=command))
+    return rows
 
 
 def read_results(path=RESULTS_CSV):
