@@ -2,7 +2,7 @@
 None unless a row says otherwise), every model of a suite side by side in one process so
 that each ratio compares runs of the same machine. One invocation runs one suite; each
 fits one device call of at most ~8 minutes on a cold H200 (estimates below, from first
-compiled steps of 19-25 s per 12-layer model, docs/runs/towers/):
+compiled steps of 19-25 s per 12-layer model):
 
     PYTHONPATH=. python3 scripts/bench_towers.py --suite SUITE [--layers N]
         [--batch-sizes ...] [--float32-precisions high highest] [--out DIR]
@@ -47,6 +47,14 @@ compiled steps of 19-25 s per 12-layer model, docs/runs/towers/):
                  half's time is (GPU-busy of the tower - GPU-busy of the tower without
                  them) / layers, and the same of the step times (~4 min at 12 layers,
                  one setting)
+  module         VisionAttentionBlock at each --precisions against the plain block
+                 (LayerNorm, Linear, SDPA, Linear): fwd+bwd ms and MB kept for the
+                 backward, then an HF CLIP tower (--layers, default 4) stock against
+                 swapped: step ms, MB kept per image, peak MB (--dtype, --autocast,
+                 --no-hf; ~2 min)
+  accuracy       an HF CLIP tower (--layers, default 4, batch 2) at each --precisions
+                 against float64, beside the stock float32 tower's own error, TF32 off
+                 (--autocast: stock and swapped under bf16 autocast too; ~1 min)
 
 Per model the tables give the median ms of a training step (forward, backward of a fixed
 random gradient of the output into every parameter, zero_grad; inputs at fixed
@@ -78,17 +86,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import harness
+from harness import compare_times, host_us, step_times
 
-from bench_integrations import open_clip_tower, timm_tower  # noqa: E402
-from bench_module import compare_times, hf_tower, step_times  # noqa: E402
-from profile_host import host_us  # noqa: E402
-
-from vitattn_bwd import VisionAttentionBlock, reference, routing  # noqa: E402
-from vitattn_bwd.integrations import swap_attention  # noqa: E402
+from vitattn_bwd import VisionAttentionBlock, reference, routing
+from vitattn_bwd.integrations import swap_attention
 
 SUITES = ("autocast", "float32", "integrations", "head_dims", "deterministic", "restart",
-          "host", "halves")
+          "host", "halves", "module", "accuracy")
 DETERMINISTIC_CUBLAS = ":4096:8"
 
 
@@ -127,6 +132,32 @@ def hf_clip_of_head_dim(head_dim, hidden_size, intermediate_size):
 # OpenCLIP's ViT-H/14 and ViT-bigG/14 (head dims 80 and 104), as HF CLIP towers
 HEAD_DIM_TOWERS = (("vit-h/14 shapes", hf_clip_of_head_dim(80, 1280, 5120)),
                    ("vit-bigg/14 shapes", hf_clip_of_head_dim(104, 1664, 8192)))
+
+
+def hf_tower(device, layers):
+    """A random-init CLIPVisionModel: ViT-L/14-336 on CUDA, a 65-token one on the CPU."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+    if device == "cuda":
+        size = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16,
+                    image_size=336, patch_size=14)
+    else:
+        size = dict(hidden_size=128, intermediate_size=512, num_attention_heads=4,
+                    image_size=64, patch_size=8)
+    torch.manual_seed(0)
+    config = CLIPVisionConfig(num_hidden_layers=layers, hidden_act="quick_gelu", **size)
+    return CLIPVisionModel(config).to(device).train()
+
+
+def timm_tower(layers):
+    import timm
+    return timm.create_model("vit_large_patch14_clip_336", pretrained=False, depth=layers,
+                             num_classes=0)
+
+
+def open_clip_tower(layers):
+    from open_clip.transformer import VisionTransformer
+    return VisionTransformer(image_size=336, patch_size=14, width=1024, layers=layers,
+                             heads=16, mlp_ratio=4.0, output_dim=768)
 
 
 def timm_vit(device, layers):
@@ -614,7 +645,7 @@ def restart_process(args, setting, model_name, cache_dir, extra):
 
 
 def host_time_us(step, calls, cuda):
-    """Host µs per call of step(): profile_host.host_us on CUDA (the GPU kept busy ahead
+    """Host µs per call of step(): harness.host_us on CUDA (the GPU kept busy ahead
     of the calls); on the CPU, where host and device are one, the time per call after 3
     calls that compile and warm up."""
     if cuda:
@@ -629,7 +660,7 @@ def host_time_us(step, calls, cuda):
 
 def suite_host(args, device, record):
     """Host µs per eager fwd+bwd of one block, ours against the stock block (the GPU kept
-    busy ahead of the calls, so no call waits for it; profile_host.host_us)."""
+    busy ahead of the calls, so no call waits for it; harness.host_us)."""
     cuda = device == "cuda"
     seq_len, embed_dim, heads = (577, 1024, 16) if cuda else (65, 128, 4)
     torch.set_float32_matmul_precision("high")
@@ -695,10 +726,205 @@ def suite_halves(args, device, record):
         print_rows(f"{setting}, batch {batch}", rows)
 
 
+def _block_step(model, x, grad, amp):
+    with amp():
+        y = model(x)
+    y.backward(grad.to(y.dtype))
+
+
+def saved_mb(model, x, device, amp):
+    """MB a block's forward keeps for its backward (NaN off CUDA)."""
+    if device != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with amp():
+        y = model(x)
+    kept = torch.cuda.memory_allocated() - before - y.numel() * y.element_size()
+    del y
+    return kept / 2 ** 20
+
+
+def hf_step(model, pixels, grad, amp):
+    def step():
+        model.zero_grad(set_to_none=True)
+        with amp():
+            out = model(pixel_values=pixels).last_hidden_state
+        out.backward(grad.to(out.dtype))
+    return step
+
+
+def hf_memory_mb(model, pixels, grad, device, amp):
+    """(MB kept for the backward per image, peak MB of one fwd+bwd step above what was
+    allocated before it); NaN off CUDA."""
+    if device != "cuda":
+        return float("nan"), float("nan")
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with amp():
+        out = model(pixel_values=pixels)
+    outputs = sum(t.numel() * t.element_size()
+                  for t in (out.last_hidden_state, out.pooler_output))
+    kept = torch.cuda.memory_allocated() - before - outputs
+    out.last_hidden_state.backward(grad.to(out.last_hidden_state.dtype))
+    del out
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    model.zero_grad(set_to_none=True)
+    return kept / pixels.shape[0] / 2 ** 20, peak / 2 ** 20
+
+
+def suite_module(args, device, record):
+    """VisionAttentionBlock at each --precisions ("default": precision None) against the
+    plain block (LayerNorm, Linear, SDPA, Linear): fwd+bwd ms and MB kept for the
+    backward; then (unless --no-hf) the HF CLIP tower (--layers, default 4) stock against
+    swapped (precision None): step ms, MB kept per image, peak MB. --dtype: bf16 / fp16
+    parameters and inputs (the native path); --autocast: forwards under bf16 autocast.
+    TF32 as the process has it (off by default). Median of 5 rounds of 10 steps per model,
+    the models taking turns (harness.compare_times' defaults, as bench_module.py ran)."""
+    dtype = getattr(torch, args.dtype)
+    seq_len, embed_dim, heads = (577, 1024, 16) if device == "cuda" else (65, 128, 4)
+    sizes = args.batch_sizes or ((1, 8, 32) if device == "cuda" else (1, 4))
+    amp = (functools.partial(torch.autocast, device, torch.bfloat16) if args.autocast
+           else contextlib.nullcontext)
+    precisions = args.precisions or (("default", "high")
+                                     if args.autocast or dtype != torch.float32
+                                     else ("highest", "high"))
+    setting = args.dtype + (", autocast" if args.autocast else "")
+    torch.manual_seed(0)
+    block = VisionAttentionBlock(embed_dim, heads).to(device, dtype)
+    models = {}
+    for precision in precisions:
+        model = VisionAttentionBlock(embed_dim, heads,
+                                     precision=None if precision == "default" else precision)
+        model.load_state_dict(block.state_dict())
+        models[f"vitattn {precision}"] = model.to(device, dtype)
+    models["plain_sdpa"] = reference.ReferenceBlock(block)
+    for batch in sizes:
+        x = torch.randn(batch, seq_len, embed_dim, device=device, dtype=dtype,
+                        requires_grad=True)
+        grad = torch.randn_like(x)
+        times = compare_times({name: functools.partial(_block_step, model, x, grad, amp)
+                               for name, model in models.items()}, device)
+        record.add({"model": "block", "setting": setting, "batch": batch, "rows": {
+            name: {"median_ms": statistics.median(times[name]),
+                   "kept_mb": saved_mb(model, x, device, amp)}
+            for name, model in models.items()}})
+    if args.no_hf:
+        return
+    try:
+        stock = hf_tower(device, args.layers).to(dtype)
+    except ImportError as error:
+        record.add({"model": "hf clip", "missing": str(error)})
+        return
+    ours = swap_attention(copy.deepcopy(stock))
+    c = stock.config
+    tokens = (c.image_size // c.patch_size) ** 2 + 1
+    for batch in sizes:
+        pixels = torch.randn(batch, 3, c.image_size, c.image_size, device=device, dtype=dtype)
+        grad = torch.randn(batch, tokens, c.hidden_size, device=device, dtype=dtype)
+        times = compare_times({"stock": hf_step(stock, pixels, grad, amp),
+                               "swapped": hf_step(ours, pixels, grad, amp)}, device)
+        rows = {}
+        for name, model in (("stock", stock), ("swapped", ours)):
+            kept, peak = hf_memory_mb(model, pixels, grad, device, amp)
+            rows[name] = {"median_ms": statistics.median(times[name]),
+                          "kept_mb_per_image": kept, "peak_mb": peak}
+        record.add({"model": f"hf clip, {args.layers} layers", "setting": setting,
+                    "batch": batch, "rows": rows})
+
+
+def accuracy_tower(device, layers):
+    """hf_tower in eval mode with its LayerNorm parameters (and every other 1-d one)
+    moved off 1 and 0."""
+    model = hf_tower(device, layers).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def hidden_and_grads(model, pixels, weight, autocast=False):
+    model.zero_grad(set_to_none=True)
+    dtype = next(model.parameters()).dtype
+    region = (torch.autocast(pixels.device.type, torch.bfloat16) if autocast
+              else contextlib.nullcontext())
+    with region:
+        out = model(pixel_values=pixels.to(dtype))
+    ((out.last_hidden_state * weight.to(dtype)).sum() + out.pooler_output.pow(2).sum()
+     ).backward()
+    return out.last_hidden_state.detach(), {n: p.grad.detach().clone()
+                                           for n, p in model.named_parameters()}
+
+
+def errors_against(hidden, grads, hidden64, grads64):
+    """Relative errors of the output and of every gradient against float64 (k_proj.bias,
+    zero in exact math, against its layer's q/k/v bias gradients)."""
+    result = {"last_hidden_state": ((hidden.double() - hidden64).norm()
+                                    / hidden64.norm()).item()}
+    for name, g in grads.items():
+        denom = grads64[name].norm()
+        if name.endswith("k_proj.bias"):
+            layer = name[:-len("k_proj.bias")]
+            denom = torch.cat([grads64[layer + p + "_proj.bias"] for p in "qkv"]).norm()
+        result[name] = ((g.double() - grads64[name]).norm() / denom).item()
+    return result
+
+
+def suite_accuracy(args, device, record):
+    """How close each --precisions of the swapped tower comes to float64, against the
+    stock float32 tower's own error: HF CLIP (--layers, default 4), batch the first of
+    --batch-sizes (default 2), one forward and backward of a weighted-sum loss, TF32 off.
+    Per row: the output's error and the largest ratio of a gradient's error to the stock
+    row's (issue 24's yardstick: "highest" within 10x). --autocast adds stock and swapped
+    (precision None) under bf16 autocast, the swapped against the stock under autocast."""
+    torch.backends.cuda.matmul.allow_tf32 = False       # a script: its own process
+    torch.backends.cudnn.allow_tf32 = False
+    stock = accuracy_tower(device, args.layers)
+    batch = (args.batch_sizes or [2])[0]
+    c = stock.config
+    tokens = (c.image_size // c.patch_size) ** 2 + 1
+    g = torch.Generator(device=device).manual_seed(1)
+    pixels = torch.randn(batch, 3, c.image_size, c.image_size, device=device, generator=g)
+    weight = torch.randn(batch, tokens, c.hidden_size, device=device, generator=g)
+    hidden64, grads64 = hidden_and_grads(copy.deepcopy(stock).double(), pixels,
+                                         weight.double())
+    table = {"stock float32": errors_against(*hidden_and_grads(stock, pixels, weight),
+                                             hidden64, grads64)}
+    for precision in args.precisions or ("highest", "high"):
+        ours = swap_attention(copy.deepcopy(stock), precision=precision)
+        table[precision] = errors_against(*hidden_and_grads(ours, pixels, weight),
+                                          hidden64, grads64)
+    baseline = dict.fromkeys(table, "stock float32")      # each row against its own stock
+    if args.autocast:
+        table["stock bf16 autocast"] = errors_against(
+            *hidden_and_grads(stock, pixels, weight, autocast=True), hidden64, grads64)
+        table["ours bf16 autocast"] = errors_against(
+            *hidden_and_grads(swap_attention(copy.deepcopy(stock)), pixels, weight,
+                              autocast=True), hidden64, grads64)
+        baseline.update({"stock bf16 autocast": "stock float32",
+                         "ours bf16 autocast": "stock bf16 autocast"})
+    for row, errs in table.items():
+        stock_errors = table[baseline[row]]
+        ratios_ = {n: errs[n] / stock_errors[n] for n in errs if n != "last_hidden_state"}
+        worst = sorted(ratios_, key=ratios_.get, reverse=True)[:3]
+        record.add({"precision": row, "batch": batch, "baseline": baseline[row],
+                    "output_error": errs["last_hidden_state"],
+                    "output_over_stock": (errs["last_hidden_state"]
+                                          / stock_errors["last_hidden_state"]),
+                    "worst_grad_over_stock": ratios_[worst[0]],
+                    "worst": [(n, errs[n], stock_errors[n]) for n in worst],
+                    "errors": errs})
+
+
 SUITE_FUNCTIONS = {"autocast": suite_autocast, "float32": suite_float32,
                    "integrations": suite_integrations, "head_dims": suite_head_dims,
                    "deterministic": suite_deterministic,
-                   "restart": suite_restart, "host": suite_host, "halves": suite_halves}
+                   "restart": suite_restart, "host": suite_host, "halves": suite_halves,
+                   "module": suite_module, "accuracy": suite_accuracy}
 
 
 # ------------------------------------------------------------------------- tables
@@ -806,6 +1032,28 @@ def summary(suite, results):
                              f"{cell(r['rows'][half['without']]['gpu_busy_ms'])} | "
                              f"{cell(half['per_layer_ms'], '{:.3f}')} | "
                              f"{cell(half['per_layer_step_ms'], '{:.3f}')} |")
+    elif suite == "module":
+        lines += ["| what | setting | batch | model | median ms | kept MB | "
+                  "kept MB/image | peak MB |", "|---|---|---|---|---|---|---|---|"]
+        for r in results:
+            if "missing" in r:
+                lines.append(f"| {r['model']} | not importable: {r['missing']} |")
+                continue
+            for name, row in r["rows"].items():
+                lines.append(f"| {r['model']} | {r['setting']} | {r['batch']} | {name} | "
+                             f"{cell(row['median_ms'], '{:.3f}')} | "
+                             f"{cell(row.get('kept_mb'), '{:.0f}')} | "
+                             f"{cell(row.get('kept_mb_per_image'), '{:.1f}')} | "
+                             f"{cell(row.get('peak_mb'), '{:.0f}')} |")
+    elif suite == "accuracy":
+        lines += ["| precision | output error | output / stock | worst gradient / stock | "
+                  "worst gradients (ours / stock; stock: that row's baseline) |",
+                  "|---|---|---|---|---|"]
+        for r in results:
+            detail = ", ".join(f"{n} {e:.1e}/{b:.1e}" for n, e, b in r["worst"])
+            lines.append(f"| {r['precision']} | {r['output_error']:.2e} | "
+                         f"{r['output_over_stock']:.1f} | {r['worst_grad_over_stock']:.1f} | "
+                         f"{detail} |")
     return "\n".join(lines)
 
 
@@ -831,6 +1079,21 @@ class Record:
                                         default=str))
 
 
+def results_rows(suite, results, command):
+    """The results file's rows of a suite: each model's median step ms per setting and
+    batch (harness.append_results)."""
+    rows = []
+    for r in results:
+        for name, row in (r.get("rows") or {}).items():
+            if isinstance(row, dict) and row.get("median_ms") is not None:
+                tower = r.get("tower") or r.get("model") or "hf clip"
+                rows.append(dict(what=f"{suite} suite: {tower}, {name}", batch=r.get("batch"),
+                                 setting=r.get("setting", ""),
+                                 figure=f"{row['median_ms']:.6g}", unit="ms",
+                                 command=command))
+    return rows
+
+
 def environment():
     import triton
     return {"torch": torch.__version__, "triton": triton.__version__,
@@ -844,7 +1107,7 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--suite", required=True, choices=SUITES)
     parser.add_argument("--layers", type=int, help="HF CLIP layers (default: 12 on "
-                        "CUDA, 2 on the CPU)")
+                        "CUDA, 4 in the module and accuracy suites; 2 on the CPU)")
     parser.add_argument("--batch-sizes", type=int, nargs="+",
                         help="default: the suite's (module docstring)")
     parser.add_argument("--float32-precisions", nargs="+", default=["high", "highest"],
@@ -855,9 +1118,23 @@ def main(argv=None):
                         "run (default: both)")
     parser.add_argument("--compiled", action="store_true", help="deterministic suite: "
                         "torch.compile(stock) and torch.compile(swapped) too (+~3 min)")
+    parser.add_argument("--precisions", nargs="+",
+                        choices=("default", "highest", "high", "medium"),
+                        help="module and accuracy suites: the blocks' precisions "
+                        "(\"default\": None; default: highest high, and with --autocast or "
+                        "a half --dtype in the module suite: default high)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16",
+                                                               "float16"),
+                        help="module suite: the parameters' and inputs' dtype")
+    parser.add_argument("--autocast", action="store_true", help="module and accuracy "
+                        "suites: forwards under torch.autocast(bfloat16)")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="module suite: the block only, no Hugging Face tower")
     parser.add_argument("--rounds", type=int, default=3, help="default: %(default)s")
     parser.add_argument("--repeats", type=int, default=3, help="default: %(default)s")
     parser.add_argument("--out", type=Path, help="default: $OUT, else results/")
+    parser.add_argument("--no-record", action="store_true", help="do not append the "
+                        "step times to results/runs.csv (a CPU run never does)")
     parser.add_argument("--our-attention-from", type=int,
                         default=routing.OUR_ATTENTION_MIN_BATCH,
                         help="routing.OUR_ATTENTION_MIN_BATCH for the run: the swapped "
@@ -872,7 +1149,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     routing.OUR_ATTENTION_MIN_BATCH = args.our_attention_from
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    args.layers = args.layers or (12 if device == "cuda" else 2)
+    small_tower = args.suite in ("module", "accuracy")
+    args.layers = args.layers or (2 if device != "cuda" else 4 if small_tower else 12)
     if args.suite == "deterministic":
         # read by cuBLAS when its first handle is made, so before any CUDA work
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = DETERMINISTIC_CUBLAS
@@ -882,6 +1160,9 @@ def main(argv=None):
     record = Record(out / f"{args.suite}.json", {"suite": args.suite, "layers": args.layers,
                                                  "environment": environment()})
     SUITE_FUNCTIONS[args.suite](args, device, record)
+    if device == "cuda" and not args.no_record:
+        harness.append_results(results_rows(args.suite, record.results, " ".join(
+            ["python3 scripts/bench_towers.py", *(argv or sys.argv[1:])])))
     print(f"\n{args.suite}: {json.dumps(environment())}; {record.path}")
     print(summary(args.suite, record.results))
 

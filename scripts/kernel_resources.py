@@ -26,15 +26,12 @@ import itertools
 import json
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from vitattn_bwd.attention_core import COLUMN_SUM_ROWS, TileConfig, head_tile  # noqa: E402
-from vitattn_bwd.split_gemm import GROUP_M, GemmTiles  # noqa: E402
+from vitattn_bwd.attention_core import COLUMN_SUM_ROWS, TileConfig, head_tile
+from vitattn_bwd.split_gemm import GROUP_M, GemmTiles
 
 SEQ_LEN, NUM_HEADS, HEAD_DIM = 577, 16, 64        # ViT-L/14-336's; --head-dim for others
 

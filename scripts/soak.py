@@ -34,13 +34,10 @@ import contextlib
 import copy
 import hashlib
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SMOOTHING = 20          # steps in the moving average of the loss curves compared
 FLAT_AFTER = 5          # memory is compared from this step on

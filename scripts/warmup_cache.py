@@ -6,7 +6,7 @@ processes reuse (vitattn_bwd.load_compile_cache(DIR) or VITATTN_BWD_CACHE=DIR).
 
 Default: the 16 contract batch sizes at 577 tokens, 1024 wide, 16 heads, on the current
 device, for the backward in both LayerNorm modes and for VisionAttentionBlock's forward and
-backward. On the H200 that set took 90-121 s cold (docs/runs/warmup/); on a CPU, where
+backward. On the H200 that set took 90-121 s cold; on a CPU, where
 Inductor compiles every graph to C++, far longer: give a few --batch-sizes there. It reports the cold time of each first call, then starts a fresh process on the
 cache and reports its warm first calls, whether anything was compiled again, and where the
 warm first calls' time went (dynamo's per-phase timers, summed over the graphs).
@@ -31,9 +31,7 @@ import time
 from pathlib import Path
 
 _STARTED = time.perf_counter()
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import vitattn_bwd  # noqa: E402
+import vitattn_bwd  # noqa: E402  (imported after _STARTED: the import is timed)
 from vitattn_bwd import cache  # noqa: E402
 from vitattn_bwd.workloads import BATCH_SIZES, EMBED_DIM, NUM_HEADS, SEQ_LEN  # noqa: E402
 

@@ -198,8 +198,8 @@ H200_SHARED_MEMORY = 227 * 1024          # bytes a block may use on sm_90
 
 def sm90_compile_report(script_args, environment, timeout):
     """What a script prints as JSON on its last line after compiling kernels for sm_90
-    (scripts/kernel_resources.py --json, scripts/time_core_ws.py --sm90), run from the
-    repository root in a subprocess with `environment` (triton_environments): in this
+    (scripts/kernel_resources.py --json, scripts/time_kernels.py --kernel core_ws
+    --sm90), run from the repository root in a subprocess with `environment` (triton_environments): in this
     process the interpreter (set by conftest) would replace the compiler. Skips where
     that triton has no CUDA backend."""
     import json

@@ -14,8 +14,9 @@ from .helpers import (H200_SHARED_MEMORY, sm90_compile_report, triton_environmen
 
 @pytest.fixture(scope="module", params=list(triton_environments()))
 def resources(request):
-    """{tiles: resources} from scripts/time_core_ws.py --sm90 with each triton."""
-    report = sm90_compile_report(["scripts/time_core_ws.py", "--sm90"],
+    """{tiles: resources} from scripts/time_kernels.py --kernel core_ws --sm90 with each
+    triton."""
+    report = sm90_compile_report(["scripts/time_kernels.py", "--kernel", "core_ws", "--sm90"],
                                  triton_environments()[request.param], timeout=900)
     return {attention_bwd_ws.WsTiles(*tiles): r for tiles, r in report}
 
@@ -192,8 +193,8 @@ def test_fits_where_the_launcher_takes_the_shapes():
 
 def test_the_fastest_launch_is_one_the_gpu_tests_and_timings_cover():
     """The deterministic attention's launch is one of the configurations that
-    tests/test_gpu_attention_bwd_ws.py checks and scripts/time_core_ws.py times, and one
-    compiled without spills."""
+    tests/test_gpu_attention_bwd_ws.py checks and scripts/time_kernels.py --kernel
+    core_ws times, and one compiled without spills."""
     assert attention_bwd_ws.FASTEST_TILES in attention_bwd_ws.TILES
     assert attention_bwd_ws.FASTEST_TILES.persistent
 

@@ -125,19 +125,19 @@ def test_split_operator_runs_the_kernel_on_the_same_split():
 
 
 def test_timing_printout(capsys):
-    """Prints scripts/time_attention_fwd.py's table at batch 32, and asserts what it
-    showed on the H200 with room to spare: the fused forward float32-grade (1.8e-5
+    """Prints scripts/time_kernels.py --kernel attention_fwd's table at batch 32, and
+    asserts what it showed on the H200 with room to spare: the fused forward float32-grade (1.8e-5
     against float64), faster than the eager math that materializes P (0.97 against
     2.32 ms), its kernel alone faster than the whole operator."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "time_attention_fwd.py"
-    spec = importlib.util.spec_from_file_location("time_attention_fwd", path)
+    path = Path(__file__).resolve().parent.parent / "scripts" / "time_kernels.py"
+    spec = importlib.util.spec_from_file_location("time_kernels", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     try:
         with capsys.disabled():
             print()
-            (row,) = script.print_table(batch_sizes=(32,))
+            (row,) = script.attention_fwd_table(batch_sizes=(32,))
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     assert row["error"] < 1e-4, row

@@ -1,15 +1,15 @@
-"""On a Hopper GPU: the Gluon attention-core kernels (gluon_core.py, and the
-warp-specialized passes of attention_bwd_ws.py) against the float64 math, P given
-and recomputed from its log-sum-exp, at every tile config max-autotune may pick, at
-odd lengths; every output element written; bitwise repeatable; the
-operators the compiled graph calls when a Gluon kernel wins; and the head dims the kernels
-run in zero-padded tiles (SigLIP so400m's 72, ViT-H's 80, ViT-bigG's 104, ...)."""
+"""On a Hopper GPU: the Gluon attention-core kernels (gluon_core.py) against the
+float64 math, P given and recomputed from its log-sum-exp, at every tile config
+max-autotune may pick, at odd lengths; every output element written; bitwise
+repeatable; the operators the compiled graph calls when a Gluon kernel wins; and the
+head dims the kernels run in zero-padded tiles (SigLIP so400m's 72, ViT-H's 80,
+ViT-bigG's 104, ...)."""
 import math
 
 import pytest
 import torch
 
-from vitattn_bwd import attention_bwd_ws, attention_core, gluon_core, launcher
+from vitattn_bwd import attention_core, gluon_core, launcher
 from vitattn_bwd.attention_fwd import attention_fwd_half
 from vitattn_bwd.layout import merge_heads, split_heads
 from vitattn_bwd.precision import split_bf16_rounded, split_fp16
@@ -221,50 +221,6 @@ def test_fp16_halves_kernels_with_zero_or_tiny_operands(recompute, magnitudes):
     for got, w in zip((grad_q, *grad_kv.chunk(2, dim=-1)), want):
         error = (got.double() - w).norm().item()
         assert error <= 4e-6 * w.norm().item(), (error, w.norm().item())
-
-
-@pytest.mark.parametrize("rows_pass, tiles",
-                         [(True, t) for t in attention_bwd_ws.ROWS_WS_TILES]
-                         + [(False, t) for t in attention_bwd_ws.COLS_WS_TILES],
-                         ids=lambda t: str(t) if isinstance(t, bool) else t.label)
-@pytest.mark.parametrize("B,H,S", [(2, 16, 577), (1, 2, 1), (3, 1, 100), (1, 3, 64),
-                                   (1, 2, 129)])
-def test_warp_specialized_pass_matches_float64(rows_pass, tiles, B, H, S):
-    """attention_bwd_ws.launch_rows_ws / launch_cols_ws (P given, bf16x3) in place of
-    the two-pass kernel of the same pass (the cols pass with the rows pass's delta):
-    every output written and within bf16x3's error of the float64 math, as the two-pass
-    kernels' (their TMA tiles read past each head's last row, whose columns of P they
-    zero); bitwise the same on a second call."""
-    case = _case(B, H, S, recompute=False, seed=S)
-    probs, grad_attn, q, k, v, _, scale = case
-    outputs = list(_run(*case, gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0]))
-    grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo = _halves(grad_attn, q, k,
-                                                                              v)
-    runs = []
-    for _ in range(2):
-        if rows_pass:
-            got = [t.fill_(float("nan")) for t in gluon_core.rows_outputs(k_hi, 3)]
-            attention_bwd_ws.launch_rows_ws(probs, grad_attn_hi, grad_attn_lo, k_hi, k_lo,
-                                            v_hi, v_lo, got[2], got[1], got[3], got[0],
-                                            scale, tiles)
-        else:
-            got = [t.fill_(float("nan")) for t in gluon_core.cols_outputs(q_hi, 3)]
-            attention_bwd_ws.launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo,
-                                            v_hi, v_lo, outputs[2], got[1], got[2], got[0],
-                                            scale, tiles)
-        runs.append(got)
-    if rows_pass:
-        outputs[:4] = runs[0]
-        # delta = rowsum(P * dP), which the cols pass reads (the contract's P is given)
-        p64, grad_attn64, v64 = probs.double(), grad_attn.double(), v.double()
-        want_delta = (p64 * (split_heads(grad_attn64, H) @ v64.transpose(-1, -2))).sum(-1)
-        error = ((outputs[2].double() - want_delta).norm() / want_delta.norm()).item()
-        # bf16x3's dP: ~1e-5 from its products
-        assert error < 1e-4, error
-    else:
-        outputs[4:] = runs[0]
-    _assert_matches_float64(case, outputs)
-    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_gluon_kernels_are_bitwise_repeatable():

@@ -453,7 +453,7 @@ def test_hf_vit_l14_336_highest_against_float32s_own_error():
     """precision "highest" against the stock float32 tower's own error (both against
     float64): the output within 5x of it, every gradient within 10x (issue 24), and the
     q/k/v weight gradients over 5x closer than "high"'s, whose one fp16 product puts
-    them at ~2e2x. Measured in a 4-layer tower (scripts/tower_accuracy.py): output 1.2x,
+    them at ~2e2x. Measured in a 4-layer tower (scripts/bench_towers.py --suite accuracy): output 1.2x,
     gradients up to 8.3x (the k_proj biases, zero in exact math; the rest up to 5x),
     bounded by the fp16x3 attention core's ~2e-6 (docs/performance.md, sessions 13 and
     14: the same with float32 SGEMMs and with the split GEMMs)."""

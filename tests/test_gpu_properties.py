@@ -16,7 +16,7 @@ forward, module-mode core and module properties). Run with the gpu profile:
   elsewhere;
 - the same margins over batch sizes 57-1,850 (420 and 1,850 always, one drawn; about 2
   minutes with the recompiles; the float64 reference in chunks of the batch,
-  scripts/margin.py);
+  scripts/harness.py);
 - the fused attention forward (the operator vitattn_bwd::attention_fwd with its default
   tiles, the launcher with tile overrides) against float64 softmax attention (attn_output,
   lse, P recomputed from lse) over the core's draw of shapes, scales and layouts
@@ -177,9 +177,9 @@ def _largest_batch():
 
 
 def _check_contract_batch(batch):
-    """The entry point at `batch` against float64 (scripts/margin.py: the reference in
+    """The entry point at `batch` against float64 (scripts/harness.py: the reference in
     chunks of the batch), the same margins as at batch 56."""
-    from scripts.margin import contract_margins
+    from scripts.harness import contract_margins
     margins = contract_margins(batch, seed=batch)
     torch.cuda.empty_cache()
     for name, margin in margins.items():

@@ -12,17 +12,10 @@ contiguous, or the head views of a QKV projection [B,S,3E]; grad_attn and attn_o
 [B,S,E] contiguous; lse [B,H,S] float32, the natural-log log-sum-exp of the scaled
 logits. One product per matmul, P recomputed from lse: the backward of the stock
 route's attention (deterministic_sdpa.py), not of the module's one-product path, whose
-graph runs the two-pass kernels. Not an autotune choice of the registered lowerings: on the H200, at batch 32,
-577 tokens, 16 heads of 64, its fastest configuration (FASTEST_TILES: a persistent grid,
-the rotated walk, the dQ tiles swizzled and handed over a tile late) measured 0.370 ms
-with its delta kernel, against 0.444 for cuDNN's non-deterministic backward through SDPA
-and 0.598 for the two-pass Gluon kernels in the same run (scripts/time_core_ws.py;
-docs/performance.md, "The warp-specialized core").
-
-At the end of this file, the host side of the two passes with P given warp-specialized
-the same way (kernels/attention_passes_ws.py: launch_rows_ws, launch_cols_ws, three
-products of bf16 halves, the contract's mode), which share its descriptors and
-layouts; not autotune choices either (slower than the two-pass kernels, below).
+graph runs the two-pass kernels. Not an autotune choice of the registered lowerings.
+Its fastest configuration is FASTEST_TILES (docs/performance.md, "The one-product core":
+0.370 ms at batch 32 with its delta kernel; `scripts/time_kernels.py --kernel core_ws`
+times every configuration).
 """
 import functools
 import math
@@ -30,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import buffers, compile_probe, gluon_core, launcher
+from . import buffers, compile_probe, launcher
 from .precision import HALF_DTYPES
 
 
@@ -80,7 +73,8 @@ FASTEST_TILES = WsTiles(128, 128, 2, 168, persistent=True, rotated_walk=True,
 # Compiled for sm_90 without spills in the walk and with its wgmmas unserialized
 # (tests/test_attention_bwd_ws.py, with the installed triton and the newest).
 TILES = (FASTEST_TILES,)
-# Timed beside TILES (scripts/time_core_ws.py, batch 32): without the rotated walk,
+# Timed beside TILES (scripts/time_kernels.py --kernel core_ws, batch 32, H200; FASTEST_TILES
+# 0.370 ms: docs/performance.md, "The one-product core"): without the rotated walk,
 # 0.503-0.569 ms; the rotated walk without the swizzle or the late hand-over or both,
 # 0.387-0.404, and with three stages and one dQ buffer 0.421.
 CANDIDATE_TILES = (WsTiles(128, 128, 2, 168, persistent=True),
@@ -102,9 +96,10 @@ class DeltaTiles(NamedTuple):
 
 
 DELTA_TILES = DeltaTiles(128, 1, 4)
-# Timed beside DELTA_TILES (scripts/time_core_ws.py, batch 32, bitwise its outputs): alone
-# 0.033-0.044 ms against its 0.041, but with the main kernel 0.371-0.375 against its
-# 0.372: none faster where it counts (the main kernel then reads dO partly from L2).
+# Timed beside DELTA_TILES (scripts/time_kernels.py --kernel core_ws, batch 32, bitwise
+# its outputs): alone 0.033-0.044 ms against its 0.041, but with the main kernel
+# 0.371-0.375 against its 0.372: none faster where it counts (the main kernel then reads
+# dO partly from L2).
 DELTA_CANDIDATE_TILES = (DeltaTiles(64, 1, 4), DeltaTiles(128, 1, 8), DeltaTiles(8, 16, 4),
                          DeltaTiles(16, 16, 8), DeltaTiles(32, 16, 8))
 
@@ -361,175 +356,3 @@ def compile_failure():
         "the warp-specialized attention backward's kernels for sm_90",
         "the stock ops keep SDPA's own attention backward (under "
         "torch.use_deterministic_algorithms(True), its deterministic one)")
-
-
-# ---- the two passes warp-specialized (kernels/attention_passes_ws.py) ----------------
-# The rows pass (dQ, delta) and the cols pass (dK, dV) with P given, three products per
-# matmul: the two-pass kernels' math and outputs (gluon_core.launch_rows / launch_cols
-# with bf16 halves), their operand tiles fed by a producer warp. Not autotune choices:
-# on the H200 at batch 32 (scripts/time_core_passes_ws.py) their gradients are bitwise
-# the two-pass kernels', and they are slower (rows 0.682 ms against 0.631, cols 0.809
-# against 0.687), P's register loads costing them 0.16-0.18 ms a pass on an H100
-# (docs/performance.md, "What P's loads cost the warp-specialized passes"). P copied by
-# the producer partition instead (p_by_producer: 4-byte cp.async, since TMA cannot
-# start a box at P's unaligned rows) is slower still: rows 0.778, cols 0.934.
-
-class PassWsTiles(NamedTuple):
-    """One launch of a warp-specialized pass: block_m queries and block_n keys per tile,
-    the pass's own side 128 rows (block_n keys in the cols pass, block_m queries in the
-    rows pass: two consumer warpgroups of 64, num_warps 8), num_stages ring slots of the
-    other side's tiles, the registers per thread the launch asks for (maxnreg: 384
-    threads with the producer warp's padding, so at most 170) and those the producer
-    keeps (setmaxnreg; the consumers get the rest); p_by_producer: P's tiles copied into
-    a ring of their own by the producer partition, four warps (the padding put to work),
-    instead of loaded by the consumers (who then ask the L2 for nothing: the prefetch
-    distance is not used)."""
-    block_m: int
-    block_n: int
-    num_stages: int = 3
-    maxnreg: int = 168
-    worker_registers: int = 40
-    num_warps: int = 8
-    p_by_producer: bool = False
-
-    @property
-    def label(self):
-        """(block_m, block_n, num_stages), and the route for P where it is the producer."""
-        return f"{tuple(self)[:3]}{' P by producer' if self.p_by_producer else ''}"
-
-
-# Compiled for sm_90 with triton 3.6 and 3.9: no spills, 24 HGMMAs and three waits in the
-# walk, none serialized; 84-133 KB of shared memory (the own side's halves 32 KB, a ring
-# slot 16 KB; 16 KB more a slot with p_by_producer: 133 KB at 3 stages, 166 at 4).
-# 64-row tiles of the other side spilled 340 bytes in the cols pass, 100 of them in the
-# walk (the consumers' 240 registers do not hold two [128,64] accumulators, the [128,64]
-# P tile and the one loaded ahead, their halves and dP).
-COLS_WS_TILES = (PassWsTiles(32, 128), PassWsTiles(32, 128, 4), PassWsTiles(32, 128, 6),
-                 PassWsTiles(32, 128, p_by_producer=True),
-                 PassWsTiles(32, 128, 4, p_by_producer=True))
-ROWS_WS_TILES = (PassWsTiles(128, 32), PassWsTiles(128, 32, 4), PassWsTiles(128, 32, 6),
-                 PassWsTiles(128, 32, p_by_producer=True),
-                 PassWsTiles(128, 32, 4, p_by_producer=True))
-
-
-def _check_pass(probs, grad_attn_hi, grad_attn_lo, parts, delta, tiles, rows_pass):
-    """parts: the q-side halves (k, v for the rows pass; q, v for the cols pass)."""
-    batch, heads, seq_len, head_dim = parts[0].shape
-    if head_dim != HEAD_DIM:
-        raise ValueError(f"head_dim must be {HEAD_DIM}, got {head_dim}")
-    dtypes = {t.dtype for t in (grad_attn_hi, grad_attn_lo, *parts)}
-    if dtypes != {torch.bfloat16}:
-        raise ValueError(f"the operands must be given as bf16 halves, got "
-                         f"{sorted(map(str, dtypes))}")
-    if len({t.shape for t in parts}) != 1 or len({t.stride() for t in parts}) != 1:
-        names = "k and v" if rows_pass else "q and v"
-        raise ValueError(f"{names} (hi and lo) must share one shape and strides, got "
-                         f"{[tuple(t.shape) for t in parts]}, {[t.stride() for t in parts]}")
-    for name, t in (("grad_attn_hi", grad_attn_hi), ("grad_attn_lo", grad_attn_lo)):
-        if t.shape != (batch, seq_len, heads * head_dim) or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous [B,S,E] = "
-                             f"{[batch, seq_len, heads * head_dim]}, got {list(t.shape)}")
-    if probs.shape != (batch, heads, seq_len, seq_len) or probs.dtype != torch.float32 \
-            or not probs.is_contiguous():
-        raise ValueError(f"probs must be P, contiguous float32 [B,H,S,S] = "
-                         f"{[batch, heads, seq_len, seq_len]}, got {probs.dtype} "
-                         f"{list(probs.shape)}")
-    if delta.shape != (batch, heads, seq_len) or delta.dtype != torch.float32 \
-            or not delta.is_contiguous():
-        raise ValueError(f"delta must be contiguous float32 [B,H,S] = "
-                         f"{[batch, heads, seq_len]}, got {delta.dtype} {list(delta.shape)}")
-    # a ring of one slot deadlocks: the consumers would wait for tile m before giving
-    # back the slot tile m needs
-    if _own_and_walked_rows(tiles, rows_pass)[0] != 128 or tiles.num_warps != 8 \
-            or tiles.num_stages < 2:
-        side = "block_m" if rows_pass else "block_n"
-        raise ValueError(f"tiles must have {side} 128, 8 warps and at least 2 stages, "
-                         f"got {tiles}")
-
-
-def _own_and_walked_rows(tiles, rows_pass):
-    """(the rows a program owns, the rows of a walked tile): queries and keys in the
-    rows pass, keys and queries in the cols pass."""
-    return (tiles.block_m, tiles.block_n) if rows_pass else (tiles.block_n, tiles.block_m)
-
-
-def _launch_pass(rows_pass, probs, own, a, b, delta, grad16, halves, sums, scale, tiles,
-                 prefetch):
-    """The kernel on the (hi, lo) pairs own (the program's side), a and b (the walked
-    side's), as attention_passes_ws_kernel's docstring assigns them."""
-    from .kernels.attention_passes_ws import attention_passes_ws_kernel
-    qkv_part = a[0]                                        # q or k [B,H,S,D]
-    heads_in_rows = _heads_in_rows(qkv_part)
-    batch, heads, seq_len, head_dim = qkv_part.shape
-    own_rows, tile_rows = _own_and_walked_rows(tiles, rows_pass)
-    # (grad_attn's [B,S,E] descriptors ignore heads_in_rows: _descriptor)
-    descriptors = (*(_descriptor(t, heads_in_rows, own_rows, head_dim) for t in own),
-                   *(_descriptor(t, heads_in_rows, tile_rows, head_dim) for t in (*a, *b)))
-    grid = (-(-seq_len // own_rows), batch * heads)
-    launcher.launch(attention_passes_ws_kernel, grid, probs, *descriptors, delta, grad16,
-                    halves, sums, scale,
-                    **passes_ws_constexprs(heads, seq_len, head_dim, tiles, prefetch,
-                                           heads_in_rows, rows_pass),
-                    maxnreg=tiles.maxnreg)
-
-
-def launch_cols_ws(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, v_hi, v_lo, delta,
-                   grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles,
-                   prefetch=gluon_core.COLS_PREFETCH):
-    """gluon_core.launch_cols's outputs with P given and bf16 halves (grad_kv16,
-    grad_kv_halves, grad_kv_sums, filled), from the warp-specialized cols pass at
-    `tiles` (PassWsTiles). probs: P [B,H,S,S] float32; q, v halves [B,H,S,D] bf16,
-    contiguous or head views of a QKV projection, one set of strides; grad_attn halves
-    [B,S,E] contiguous; delta [B,H,S] float32 (the rows pass's). prefetch: P tiles the
-    L2 is asked for ahead of the register loads (by default the two-pass kernel's)."""
-    _check_pass(probs, grad_attn_hi, grad_attn_lo, (q_hi, q_lo, v_hi, v_lo), delta, tiles,
-                rows_pass=False)
-    _launch_pass(False, probs, (v_hi, v_lo), (q_hi, q_lo), (grad_attn_hi, grad_attn_lo),
-                 delta, grad_kv16, grad_kv_halves, grad_kv_sums, scale, tiles, prefetch)
-
-
-def launch_rows_ws(probs, grad_attn_hi, grad_attn_lo, k_hi, k_lo, v_hi, v_lo, delta,
-                   grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
-                   prefetch=gluon_core.ROWS_PREFETCH):
-    """gluon_core.launch_rows's outputs with P given and bf16 halves (delta, grad_q16,
-    grad_q_halves, grad_q_sums, filled), from the warp-specialized rows pass at `tiles`
-    (PassWsTiles); the arguments as launch_cols_ws's, with k in place of q and delta
-    written."""
-    _check_pass(probs, grad_attn_hi, grad_attn_lo, (k_hi, k_lo, v_hi, v_lo), delta, tiles,
-                rows_pass=True)
-    _launch_pass(True, probs, (grad_attn_hi, grad_attn_lo), (k_hi, k_lo), (v_hi, v_lo),
-                 delta, grad_q16, grad_q_halves, grad_q_sums, scale, tiles, prefetch)
-
-
-def passes_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch, heads_in_rows,
-                         rows_pass):
-    from .attention_core import COLUMN_SUM_ROWS
-    return dict(NUM_HEADS=num_heads, SEQ_LEN=seq_len, HEAD_DIM=head_dim,
-                BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
-                PREFETCH=prefetch, SUM_ROWS=COLUMN_SUM_ROWS, HEADS_IN_ROWS=heads_in_rows,
-                ROWS_PASS=rows_pass, P_BY_PRODUCER=tiles.p_by_producer,
-                WORKER_REGISTERS=tiles.worker_registers,
-                num_warps=tiles.num_warps)
-
-
-def compile_pass_ws_sm90(tiles, rows_pass, seq_len=577, num_heads=16, head_dim=HEAD_DIM,
-                         heads_in_rows=True):
-    """A warp-specialized pass compiled for sm_90 (triton's CompiledKernel), as
-    launch_rows_ws / launch_cols_ws would run it (their default prefetch), launching
-    nothing."""
-    from .kernels.attention_passes_ws import attention_passes_ws_kernel
-    from .kernels.gluon_compat import compile_without_launch
-    kernel = attention_passes_ws_kernel
-    prefetch = gluon_core.ROWS_PREFETCH if rows_pass else gluon_core.COLS_PREFETCH
-    constexprs = passes_ws_constexprs(num_heads, seq_len, head_dim, tiles, prefetch,
-                                      heads_in_rows, rows_pass)
-    own, walked = (_descriptor_type(rows, head_dim, torch.bfloat16)
-                   for rows in _own_and_walked_rows(tiles, rows_pass))
-    signature = dict(PROBS="*fp32", own_hi_desc=own, own_lo_desc=own, a_hi_desc=walked,
-                     a_lo_desc=walked, b_hi_desc=walked, b_lo_desc=walked, DELTA="*fp32",
-                     GRAD16="*fp16",
-                     GRAD_HALVES="*bf16", GRAD_SUMS="*fp32", scale="fp32")
-    signature.update({name: "constexpr" for name in constexprs})
-    signature = {name: signature[name] for name in kernel.arg_names}
-    return compile_without_launch(kernel, signature, constexprs, 90,
-                                  num_warps=tiles.num_warps, maxnreg=tiles.maxnreg)

@@ -1,53 +1,22 @@
-"""The attention core of the backward as two custom operators, in the formats their
-consumers read:
+"""The attention core of the backward as two custom operators, softmax_bwd_rows (dQ and
+delta) and softmax_bwd_cols (dK and dV), in the formats their consumers read (shapes
+and formats in softmax_bwd_rows' docstring), with their eager launchers.
 
-    softmax_bwd_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=None)
-        -> grad_q16 [B,S,E] fp16, grad_q_halves [B,S,2E] bf16 ([hi | lo]), delta [B,H,S],
-           grad_q_sums [B,G,E] float32
-    softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None)
-        -> grad_kv16 [B,S,2E] fp16 (dK | dV), grad_kv_halves [B,S,4E] bf16
-           ([k_hi v_hi | k_lo v_lo]), grad_kv_sums [B,G,2E] float32
-
-The sums are partial sums over rows of the gradients, per group of COLUMN_SUM_ROWS rows
-(G = sum_groups(S) groups per batch element): written by the kernels that make the
-gradients, they sum over G and B to the QKV bias gradient, which the graph adds in a
-fixed order.
-
-probs is the attention matrix P [B,H,S,S] (the benchmark contract gives it; attn_output
-None), or its row log-sum-exp lse [B,H,S] (VisionAttentionBlock's forward saves only
-that): then every P tile is recomputed from q and k as exp(scale * q k^T - lse), and
-attn_output, the forward's O = P v [B,S,E], is required: it gives delta = rowsum(dO * O)
-before the rows pass sweeps (the contract's attn_output is drawn apart from its P, so
-there it is not used). grad_attn (the out-projection gradient) is [B,S,E] with heads
-merged; q, k, v are [B,H,S,D].
-
-The operand dtype sets the products (`products_of`):
-- float32: every product bf16x3. The fp16 copies feed the QKV weight-gradient GEMM, the
-  bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the gradient to
-  about 16 mantissa bits.
-- float32 with operand_scales (precision "highest"; `fp16_operand_scales`): float32 [5],
-  the powers of two (s_do, s_q, s_k, s_v) that bring grad_attn, q, k and v into fp16's
-  range (precision.fp16_scale), and s_ds, which brings dS there: every product fp16x3 on
-  their scaled fp16 halves, float32-grade (fp16 hi + lo holds 22 of float32's 24 bits, bf16's
-  16). grad_q16 and grad_kv16 are then the float32 gradients, unscaled, and the halves
-  empty: the graph splits them for the next GEMMs with scales of their own. Compiled on
-  Hopper the Gluon kernels run it; elsewhere (eagerly, or on other GPUs) the bf16x3
-  kernels do, in the same output formats, at bf16x3's precision.
-- bfloat16 or float16 (VisionAttentionBlock under autocast, or at precision "medium";
-  with the log-sum-exp): one product per matmul in that dtype with float32
-  accumulation, as torch's own flash-attention backward computes. grad_q16 and
-  grad_kv16 are then the gradients in that dtype (what both QKV GEMMs read), and the
-  halves are empty ([B,S,0]).
+probs is the attention matrix P [B,H,S,S] (the benchmark contract gives it), or its row
+log-sum-exp [B,H,S] (VisionAttentionBlock saves only that): then every P tile is
+recomputed from q and k, and attn_output O = P v gives delta = rowsum(dO * O). The
+operand dtype sets the products (`products_of`): bf16x3 for float32, fp16x3 on scaled
+fp16 halves with operand_scales (precision "highest"), one product for bf16 / fp16.
+Each operator also writes partial sums over rows of its gradients, which the graph adds
+in a fixed order into the QKV bias gradient.
 
 Eagerly they run the Triton kernels (kernels/softmax_bwd.py) on CUDA and under
-TRITON_INTERPRET=1, after splitting grad_attn, q, k and v into bf16 hi/lo pairs, which
-is what the kernels read (head dims: multiples of 8 up to 128, `kernel_head_dim`);
-elsewhere (or for head dims the kernels do not take) the same gradients come from
-PyTorch math in float64, rounded to the same formats. Under torch.compile on CUDA,
-vitattn_bwd.inductor lowers them to Triton templates that max-autotune tunes.
-
-`attention_backward_math` is the attention core in plain PyTorch (the graph's CPU path),
-and `attention_backward` runs the operators eagerly and returns float32 gradients (tests).
+TRITON_INTERPRET=1, on bf16 hi/lo operands (head dims: multiples of 8 up to 128,
+`kernel_head_dim`); elsewhere PyTorch math in float64, rounded to the same formats.
+Under torch.compile on CUDA, vitattn_bwd.inductor lowers them to templates that
+max-autotune tunes. `attention_backward_math` is the core in plain PyTorch (the graph's
+CPU path); `attention_backward` runs the operators eagerly and returns float32
+gradients (tests).
 """
 import os
 from typing import NamedTuple, Optional
@@ -317,6 +286,28 @@ def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
                      k: torch.Tensor, v: torch.Tensor, attn_output: Optional[torch.Tensor],
                      scale: float, operand_scales: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> grad_q16 [B,S,E] fp16, grad_q_halves [B,S,2E] bf16 ([hi | lo]), delta [B,H,S],
+    grad_q_sums [B,G,E] float32 (G = sum_groups(S): partial sums over COLUMN_SUM_ROWS
+    rows each, which sum over G and B to the QKV bias gradient).
+
+    probs: P, or its log-sum-exp with attn_output [B,S,E] (the contract's attn_output is
+    drawn apart from its P, so there it is not used); grad_attn [B,S,E], heads merged;
+    q, k, v [B,H,S,D]. By the operand dtype:
+    - float32: every product bf16x3. The fp16 copies feed the QKV weight-gradient GEMM,
+      the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the
+      gradient to about 16 mantissa bits.
+    - float32 with operand_scales (precision "highest"; `fp16_operand_scales`): float32
+      [5], the powers of two (s_do, s_q, s_k, s_v) that bring grad_attn, q, k and v into
+      fp16's range (precision.fp16_scale), and s_ds, which brings dS there: every
+      product fp16x3 on their scaled fp16 halves, float32-grade (fp16 hi + lo holds 22
+      of float32's 24 bits, bf16's 16). grad_q16 is then the float32 gradient,
+      unscaled, and the halves empty: the graph splits it with scales of its own.
+      Compiled on Hopper the Gluon kernels run it; elsewhere the bf16x3 kernels do, in
+      the same formats, at bf16x3's precision.
+    - bfloat16 or float16 (autocast, or precision "medium"; with the log-sum-exp): one
+      product per matmul in that dtype with float32 accumulation, as torch's own
+      flash-attention backward computes; grad_q16 is then the gradient in that dtype
+      (what both QKV GEMMs read) and the halves are empty ([B,S,0])."""
     check_forward_output(probs, attn_output)
     fp16_halves = check_operand_scales(k, operand_scales)
     if _use_triton(k):
@@ -353,6 +344,10 @@ def softmax_bwd_cols(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
                      k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, scale: float,
                      operand_scales: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> grad_kv16 [B,S,2E] fp16 (dK | dV), grad_kv_halves [B,S,4E] bf16
+    ([k_hi v_hi | k_lo v_lo]), grad_kv_sums [B,G,2E] float32; delta [B,H,S] from
+    softmax_bwd_rows. The arguments and the formats by operand dtype as
+    softmax_bwd_rows'."""
     fp16_halves = check_operand_scales(q, operand_scales)
     if _use_triton(q):
         grad_kv16, grad_kv_halves, grad_kv_sums = launch_cols(probs, grad_attn, q, k, v,

@@ -33,8 +33,8 @@ from .precision import split_bf16_truncated
 # run in the next power of two's tiles, zero-padded), sized for the 227 KB of shared
 # memory of an H100/H200: a program keeps its q hi/lo tiles (2 * BLOCK_M * D * 2 bytes)
 # and pipelines num_stages k and v hi/lo tiles (4 * BLOCK_N * D * 2 bytes each stage).
-# D=64: 32 KB + 3 * 32 KB; D=128: 32 KB + 2 * 64 KB. scripts/time_attention_fwd.py
-# --sweep times alternatives.
+# D=64: 32 KB + 3 * 32 KB; D=128: 32 KB + 2 * 64 KB. scripts/time_kernels.py --kernel
+# attention_fwd --sweep times alternatives.
 FWD_TILES = {16: TileConfig(128, 64, 4, 3), 32: TileConfig(128, 64, 4, 3),
              64: TileConfig(128, 64, 8, 3), 128: TileConfig(64, 64, 4, 2)}
 
@@ -148,8 +148,8 @@ def cudnn_forward_runs(device):
 def attention_fwd_cudnn(q, k, v, scale):
     """attention_fwd_half's outputs from torch's cuDNN attention forward (where
     cudnn_forward_runs): on the H200 at batch 32 0.155 ms against flash's 0.210, its
-    log-sum-exp within 9.5e-7 of flash's (docs/performance.md, the warp-specialized
-    core). Unlike cuDNN's backward (dQ added by atomics) it is deterministic."""
+    log-sum-exp within 9.5e-7 of flash's (`scripts/time_kernels.py --kernel core_ws`).
+    Unlike cuDNN's backward (dQ added by atomics) it is deterministic."""
     batch, heads, seq_len, _ = q.shape
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, scale=scale)[:2]                  # lse [B,H,S,1]
@@ -159,8 +159,7 @@ def attention_fwd_cudnn(q, k, v, scale):
 # attention_fwd_split is defined through torch.library.Library, not custom_op, as the
 # backward's Gluon operators are: the module's compiled forward calls it on every step,
 # and under cProfile on the H200 custom_op's wrapper (its aliasing check) took 0.3 ms
-# per call (the block's host time without cProfile moved less than the machines' spread;
-# docs/performance.md, "Host time of one float32 block at batch 32").
+# per call (the block's host time without cProfile moved less than the machines' spread).
 _LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
 _LIBRARY.define("attention_fwd_split(Tensor qkv_hi, Tensor qkv_lo, int num_heads, "
                 "float scale) -> (Tensor, Tensor)")

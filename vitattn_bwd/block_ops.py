@@ -10,22 +10,14 @@ a user's torch.compile they are opaque operators of the user's graph, not graph 
         -> grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
            grad_out_weight, grad_out_bias
 
-Their implementations are VisionAttentionFunction's: the forward runs
-forward_graph.attention_block_forward (compiled on CUDA), the backward
-graph.compiled_backward, each our own separately compiled graph called from the user's;
-the forward's autograd formula (torch.library.register_autograd) is the backward
-operator on the tensors the forward returns besides y (SavedForBackward). The fake
-implementations give every output's shape, dtype and (contiguous) strides; the real
-ones return contiguous tensors of those dtypes. Callers validate and cast the tensors
-first (vitattn_bwd.module.vision_attention): all seven of one dtype, float32 (float64 on
-the CPU) or, with half_dtype, float32 or that half dtype.
-
-Eager calls use the autograd.Function instead (module.py), whose host time per call is
-lower: the operators add the dispatcher's Python kernels and the register_autograd
-wrapper, measured on a 2-core CPU at ~+45-55 us per forward and backward and ~+15 us per
-forward (paired medians, a tiny block). The operators are defined through torch.library.Library, not custom_op, as
-gluon_core's are: custom_op's wrapper cost ~0.22 ms of host time per call on the
-H200.
+Their implementations are VisionAttentionFunction's (forward_graph.attention_block_forward
+and graph.compiled_backward, our own graphs called from the user's); the forward's
+autograd formula is the backward operator on the tensors it returns besides y
+(SavedForBackward). Callers validate and cast the tensors first (module.vision_attention).
+Eager calls use the autograd.Function instead, whose host time is lower (the operators
+add the dispatcher's Python kernels and the register_autograd wrapper, ~+45-55 us per
+forward and backward on a CPU core); the operators are defined through
+torch.library.Library, not custom_op, whose wrapper cost ~0.22 ms of host time a call.
 """
 import contextlib
 import math

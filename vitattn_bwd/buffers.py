@@ -5,7 +5,7 @@ Under torch.use_deterministic_algorithms(True), torch.empty and Tensor.new_empty
 memory with NaN (torch.utils.deterministic.fill_uninitialized_memory): one more kernel
 per buffer, which for these buffers only writes what the kernel then overwrites. In a
 12-layer float32 tower on the H200 the flag's fills took 0.745 ms of GPU time per
-training step (docs/performance.md, "Deterministic flag"). A tensor on a new storage is
+training step. A tensor on a new storage is
 not filled, so `output_buffer` takes one under the flag, and new_empty otherwise.
 """
 import math

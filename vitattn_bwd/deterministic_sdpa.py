@@ -8,25 +8,17 @@ Gluon backward (attention_bwd_ws.py), as two torch.library operators:
     torch.ops.vitattn_bwd.sdpa_ws_bwd(grad_attn, qkv, attn, lse, num_heads)
         -> grad_qkv [B,S,3E]
 
-qkv [B,S,3E] is a QKV projection's output in bf16 or fp16 (q | k | v columns, heads
-side by side), as the stock block's F.linear gives it under autocast; the scale is
-SDPA's default, 1/sqrt(D). The forward's autograd formula (torch.library.
-register_autograd) is the backward operator, so that inside a user's torch.compile both
-are opaque operators of the user's graph. Eager calls run the same two implementations
-through a plain torch.autograd.Function (`attention`): the dispatcher's Python kernels
-and the register_autograd wrapper cost host time that decides steps where the host is
-the bound (docs/performance.md, "The deterministic attention's eager calls").
+qkv [B,S,3E] is a QKV projection's output in bf16 or fp16 (q | k | v columns), as the
+stock block's F.linear gives it under autocast; the scale is SDPA's default. The
+forward's autograd formula is the backward operator, so that inside a user's
+torch.compile both are opaque operators; eager calls run the same two implementations
+through a plain torch.autograd.Function (`attention`), whose host time is lower.
 
-Why: the flag takes SDPA's backward off cuDNN (whose dQ adds race) onto a
-deterministic backward that cost a 12-layer HF CLIP tower under bf16 autocast 12% per
-training step at batch 32 on the H200 (GPU-busy 53.9 -> 60.1 ms; docs/performance.md,
-"The deterministic flag, eager and compiled"). The warp-specialized backward is
-deterministic by construction (dQ added in a fixed order of turns) and measured
-0.370 ms at that batch per layer against 0.444 for SDPA's cuDNN backward without the
-flag and 0.662 for its flash backward (docs/performance.md, "The dQ hand-over:
-swizzled and deferred"): faster than SDPA's even without the flag, where the step is
-not host-bound (routing.py). It runs where it was tested: Hopper, head dim 64
-(`supported`), and where its launcher takes the shapes (`fits`).
+Why: the flag takes SDPA's backward off cuDNN (whose dQ adds race) onto a slower
+deterministic one; the warp-specialized backward is deterministic by construction (dQ
+added in a fixed order) and faster than SDPA's cuDNN backward even without the flag
+(docs/performance.md, "The one-product core"). It runs where it was tested: Hopper, head
+dim 64 (`supported`), and where its launcher takes the shapes (`fits`).
 """
 import math
 

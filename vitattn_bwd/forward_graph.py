@@ -8,26 +8,17 @@
 LayerNorm, the QKV projection, the fused attention operator (attention_fwd.py: no S x S
 tensor, saves the log-sum-exp) and the out projection with the residual. With
 split_precision "high" (CUDA, float32) both projections are bf16x3 GEMMs from rounded
-splits (precision.py), with "highest" split GEMMs as faithful as float32's
-(split_gemm.py: fp16x3, two-level accumulation): the activation is split into its
-halves by the kernel that makes it (Inductor fuses the split into the LayerNorm
-kernel), the weights once per call; at both the attention
-operator gets q, k and v split into bf16 halves by the kernel that adds up the QKV GEMMs
-(truncated, or rounded for "highest": the attention forward's bf16x3 barely moves the
-gradients' error, docs/performance.md, precision "highest"). cuBLAS float32 GEMMs without TF32,
-what F.linear runs, take about fifteen times as long per FLOP as bf16 ones (at batch 32
-the two projections are ~2.4 ms of float32 GEMM). With split_precision None (the CPU,
-float64) the projections are F.linear in the inputs' dtype. With half_dtype (bf16 or
-fp16: VisionAttentionBlock at precision "medium") the LayerNorm is
-float32 and the projections and the attention are one product each in half_dtype, what
-the stock block computes under autocast: cuBLAS GEMMs and torch's flash-attention
-forward (attention_fwd.attention_fwd_half), qkv and attn_output saved in half_dtype.
+splits (precision.py), with "highest" split_gemm.py's fp16x3 GEMMs; each activation is
+split by the kernel that makes it, the weights once per call, and q, k, v reach the
+attention operator as bf16 halves (cuBLAS float32 GEMMs without TF32 take about fifteen
+times as long per FLOP). With split_precision None (the CPU, float64) the projections
+are F.linear in the inputs' dtype. With half_dtype (precision "medium") the LayerNorm is
+float32 and the rest one product each in half_dtype, as the stock block under autocast.
 
 `attention_block_forward` is what VisionAttentionFunction calls: on CUDA (float32) the
-compiled graph, per configuration and batch bucket as the backward's (graph.py), with
-batches up to graph.CUDA_GRAPH_MAX_BATCH replayed as CUDA graphs (cuda_graphs.py; their
-outputs are copied out, so the tensors saved for the backward stay valid); elsewhere, or
-for an empty batch, the same math eagerly with F.linear.
+compiled graph, per configuration and batch bucket as the backward's (graph.py), small
+batches replayed as CUDA graphs (cuda_graphs.py); elsewhere, or for an empty batch, the
+same math eagerly with F.linear.
 """
 import functools
 import math

@@ -13,8 +13,8 @@ def split_heads(t, num_heads):
 def qkv_heads(qkv, num_heads):
     """A QKV projection [B,S,3E] (q | k | v columns) -> q, k, v [B,H,S,D] (views, row
     stride 3E): three ops (view, permute, unbind) where a chunk and a view and a
-    transpose per part made seven, 4.1 against 9.1 us of host time on a CPU core
-    (docs/runs/one_off/stock_route_host_cpu_4f15110.txt). ValueError for qkv of another
+    transpose per part made seven, 4.1 against 9.1 us of host time on a CPU core.
+    ValueError for qkv of another
     shape."""
     if qkv.dim() != 3 or qkv.shape[-1] % (3 * num_heads):
         raise ValueError(f"qkv must be [B, S, 3 * num_heads * D] with num_heads="

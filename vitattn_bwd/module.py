@@ -3,88 +3,21 @@
 whose backward is vitattn_bwd's fused backward (ln_grad="exact").
 
 The forward (forward_graph.py) is PyTorch math around one fused attention operator
-(attention_fwd.py: a FlashAttention-style Triton kernel on CUDA, float32-grade, no S x S
-tensor) that returns the attention output and the softmax's row log-sum-exp; on CUDA it
-is compiled, with bf16x3 projections. It saves x, its LayerNorm statistics, the QKV
-projection (whole: q, k and v are its views), the log-sum-exp and the attention output:
-about 11.8 MB per image at 577 tokens, 1024 wide, 16 heads (P alone would be 21.3 MB).
-The backward recomputes x_norm from x and the statistics, and every P tile from q, k and
-the log-sum-exp inside the attention-core templates.
+(attention_fwd.py) that returns the attention output and the softmax's row log-sum-exp;
+on CUDA it is compiled. It saves x, its LayerNorm statistics, the QKV projection (q, k
+and v are its views), the log-sum-exp and the attention output (about 11.8 MB per image
+at 577 tokens, 1024 wide, 16 heads; P alone would be 21.3 MB); the backward recomputes
+x_norm and every P tile.
 
 `vision_attention` is the functional entry point that VisionAttentionBlock and the
-integrations (vitattn_bwd.integrations) call: it gathers the call's facts, follows
-routing.route's decision (the stock ops, or the fused path at a precision and in
-dtypes), casts, then runs VisionAttentionFunction, or, while torch.compile traces the
-call, the same forward and backward as torch.library operators (block_ops.py), which the
-user's graph calls as opaque operators instead of breaking around them.
-
-Precision (`precision=`, validation.PRECISIONS), PyTorch's names for float32 matmul
-precision:
-- None (the default) follows PyTorch, and runs whichever computation measured faster on
-  the H200 (routing.py has the numbers). Inside an autocast region (cpu or cuda,
-  bfloat16 or float16) the block computes with the stock ops themselves
-  (`stock_forward`: torch's LayerNorm, Linear and SDPA under the caller's autocast, and
-  their autograd), eager and under torch.compile: our one-product path was no faster
-  there (a 24-layer Hugging Face CLIP tower 0.76-1.06x stock eager, 0.57-0.85x compiled).
-  That route's attention runs deterministic_sdpa's where it runs (torch's
-  cuDNN forward, our deterministic warp-specialized backward; Hopper, head dim 64)
-  under torch.use_deterministic_algorithms(True), instead of the slower deterministic
-  backward the flag gives SDPA, and in bf16 training steps of at least
-  routing.OUR_ATTENTION_MIN_BATCH images, where our backward is the faster one.
-  So does a block whose input and parameters are all bfloat16 or all float16 (a
-  `.bfloat16()` model, FSDP's bf16 parameters), and, on a GPU, a block whose head dim
-  the attention kernels do not take (they take every multiple of 8 up to 128; without
-  them the core runs as PyTorch math with P in memory, as a head-dim-72 tower did at
-  0.44x stock before its kernels existed). So does, inside torch.compile on a GPU at
-  torch's "high", a float32 training step of at most
-  routing.COMPILED_FLOAT32_STOCK_MAX_BATCH images (a static batch), where our operators
-  left the step host-bound. Otherwise the block runs the fused path at
-  torch.get_float32_matmul_precision(), read at each call (under torch.compile, when
-  the graph is traced): "highest" (PyTorch's default), "high" or "medium", as below.
-- "highest": the fused float32 path, float32-faithful: every product fp16x3 from fp16
-  halves of operands scaled into fp16's range, the GEMMs as the split GEMM with
-  two-level accumulation (split_gemm.py), the attention core on the Gluon kernels (off
-  Hopper it stays bf16x3); every gradient within 10x of float32's own error in a CLIP
-  tower (docs/performance.md, section History: precision "highest").
-- "high": the fused float32 path with the fastest map the benchmark's tolerance allows
-  (truncated splits, one fp16 product for the QKV weight gradient; the contract entry
-  point, vitattn_bwd.attention_block_backward, runs this by default).
-- "medium": the one-product path: in bfloat16 on float32 tensors, or inside an autocast
-  region in the autocast dtype (what the stock block computes there: one product per
-  matmul, float32 accumulation, the LayerNorm and softmax statistics in float32, the
-  projections and the attention output saved in that dtype, the stock block's output
-  dtype, with our fused backward); for a block all in bfloat16 or all in float16, the
-  same path natively in its own dtype (no float32 copy of an activation; y and every
-  gradient in that dtype, each rounded once from float32). Where it does not run,
-  "high" (more precise than "medium" asks).
-The one-product path (forward_graph.py with half_dtype, graph.py's
-_medium_products): the LayerNorm in float32, the QKV and out projections as bf16 /
-fp16 cuBLAS GEMMs, torch's flash-attention forward (which gives the log-sum-exp), and a
-backward whose GEMMs take the saved half-precision activations and leave float32 results
-(the stock block rounds its gradients to the half dtype), around the attention core's
-one-product Gluon kernels (P recomputed from the log-sum-exp; deterministic, where
-torch's attention backwards are not). It runs on Hopper GPUs with Gluon and on the CPU
-(`one_product_supported`). An explicit "highest" or "high" runs the fused float32 path
-everywhere, inside autocast and for half-precision blocks too. On the CPU the fused
-float32 path's products are plain matmuls whatever the precision, in float64 (a float32
-backward computes in float64 and returns float32).
-
-Dtypes of the fused path. The fused backward runs in float32 (float64 too on the CPU),
-or, on the one-product path, on bf16 / fp16 activations of float32 tensors or of a
-block all in that dtype. Otherwise it takes float32 tensors whatever its parameters and
-input are:
-- under torch.autocast with precision "highest" or "high" its inputs are cast to
-  float32 and it runs with autocast off, as custom kernels do (torch.amp.custom_fwd(cast_inputs=
-  torch.float32));
-- bfloat16/float16 parameters or input with an explicit precision, or of mixed dtypes (a
-  float32 input into a bf16 block), are cast to float32 in the forward; the casts are
-  ordinary autograd ops, so every gradient comes back in its own tensor's dtype (a bf16
-  parameter gets a bf16 .grad, rounded once from float32);
-- float64 stays float64 on the CPU (all tensors are then promoted to float64), outside
-  autocast (inside it, float64 is cast to float32 too, as custom_fwd casts it); on CUDA
-  float64 is refused in the forward (TypeError), as is anything but floating point.
-y has x's dtype (the residual stream keeps its dtype, as in the stock block). No error
-is left for the backward: everything the backward checks is checked in the forward.
+integrations call: it gathers the call's facts, follows routing.route's decision (the
+stock ops, or the fused path at a precision and in dtypes), casts, then runs
+VisionAttentionFunction, or, while torch.compile traces the call, the same forward and
+backward as block_ops.py's torch.library operators. What each `precision=` (None,
+"highest", "high", "medium") runs and in which dtypes: docs/precision.md. y has x's
+dtype; every gradient comes back in its own tensor's dtype. Everything the backward
+needs checked is checked in the forward. Also here: the weight converters from Molmo's
+and CLIP's layouts (convert_state_dict).
 """
 import torch
 from torch import nn

@@ -1,46 +1,25 @@
 """Float32-grade matrix products at tensor-core speed, from operands split once.
 
-"bf16x3": a float32 operand is split into bf16 hi + lo (hi + lo carries about 16 of its
-24 mantissa bits), and
+"bf16x3": a float32 operand is split into bf16 hi + lo (about 16 of its 24 mantissa
+bits), and a @ b ~= a_hi @ b_hi + a_lo @ b_hi + a_hi @ b_lo with float32 accumulation
+(relative error ~1e-5). An activation is split once into its "halves", one bf16 tensor
+[.., 2N] = [hi | lo] that several GEMMs read as it lies:
+    a @ b    =  [a_hi | a_lo] @ [b_hi ; b_hi]  +  a_hi @ b_lo                (two GEMMs)
+    a^T @ c  =  ([a_hi | a_lo]^T @ c_hi)  +  a_hi^T @ c_lo   (added small terms first,
+                                                        accurate at large K = B*S)
+At precision "high" the QKV weight gradient is ONE GEMM of round-to-nearest fp16
+operands (unbiased, unlike truncating TF32), as the contract's tolerance allows.
 
-    a @ b  ~=  a_hi @ b_hi + a_lo @ b_hi + a_hi @ b_lo        (relative error ~1e-5)
+"fp16x3" (precision "highest"): the same three products of fp16 hi + lo (22 of 24
+bits), each operand first scaled by a power of two (exact) into fp16's range
+(fp16_scale); its GEMMs run as split_gemm.py's, whose two-level accumulation keeps them
+within float32's own error where cuBLAS's one accumulator over K does not.
 
-with float32 accumulation. An activation is split once into its "halves", one bf16
-tensor [.., 2N] = [hi | lo], that several GEMMs read as it lies: for a weight b,
-
-    a @ b  =  [a_hi | a_lo] @ [b_hi ; b_hi]  +  a_hi @ b_lo              (two GEMMs)
-
-and for a weight gradient a^T @ c summed over many rows (K = B*S), the three products
-are separate GEMMs added small terms first, which stays accurate at large K (the
-benchmark's contract, "Accumulation error at large K"):
-
-    a^T @ c  =  ([a_hi | a_lo]^T @ c_hi  ->  a_hi^T c_hi ; a_lo^T c_hi)  +  a_hi^T @ c_lo
-
-The QKV weight gradient, which the contract's tolerance lets run on one product, is ONE
-GEMM of round-to-nearest fp16 operands (unbiased, unlike truncating TF32) at precision
-"high" (graph.py).
-
-"fp16x3" (every product at precision "highest"): the same three products of fp16
-hi + lo, which carry 22 of float32's 24 mantissa bits (the neglected lo * lo term is
-2^-22 of a product). fp16's range is narrow (normal from 2^-14, at most 65504), so each
-operand is first scaled by a power of two (exact) that brings its largest magnitude
-into [2^14, 2^15) (fp16_scale): then every element down to 2^-28 of the largest keeps a
-normal hi, and the products are scaled back exactly. On the H200 what bounds such
-products is then the tensor cores' float32 accumulation, which truncates: the core's
-gradients at ~2e-6 against float64 at S = 577, against ~1e-5 for bf16x3; cuBLAS fp16x3
-GEMMs, one accumulator over all of K, left a 4-layer CLIP tower's gradients at 10-20x
-float32's own error (docs/performance.md, History: precision "highest"). So "highest"
-runs its GEMMs as split_gemm.py's, which adds the partials of K slices in float32
-registers.
-
-Splits are written with integer rounding and masking, not with casts: Inductor folds a
-float32 -> bf16 -> float32 round trip inside a fused kernel, which would make lo == 0
-silently. (Nor with Veltkamp's splitting, c * t - (c * t - t): the GPU contracts it into
-an FMA, which gives hi == t, and lo == 0 again: seen on the H200.)
-
-On CUDA the GEMMs are cuBLAS bf16/fp16 GEMMs with a float32 result; elsewhere the same
-products run as float32 matmuls of the upcast parts, which is exact for products of
-bf16 or fp16 values: the CPU reproduces the GPU's arithmetic up to summation order.
+Splits use integer rounding and masking, not casts: Inductor folds a float32 -> bf16 ->
+float32 round trip inside a fused kernel (lo == 0), and the GPU contracts Veltkamp's
+splitting into an FMA (lo == 0 again). On CUDA the GEMMs are cuBLAS bf16 / fp16 GEMMs
+with a float32 result; elsewhere float32 matmuls of the upcast parts, exact for products
+of bf16 or fp16 values, so the CPU reproduces the GPU's arithmetic up to summation order.
 """
 import torch
 
@@ -104,8 +83,7 @@ def power_of_two_scale(t, top_exponent=0):
     torch.use_deterministic_algorithms(True) Inductor gives a reduction its heuristic
     config instead of timing several, and one reduction of the backward's [B*S, E]
     gradient to a scalar then ran 4.56 ms per step of a 12-layer tower at batch 32 on
-    the H200, against 0.40 without the flag (docs/performance.md, "Deterministic
-    flag")."""
+    the H200, against 0.40 without the flag."""
     magnitudes = t.detach().abs().nan_to_num(nan=0.0, posinf=0.0)     # finite ones
     if magnitudes.dim() > 1:
         magnitudes = magnitudes.flatten(0, -2).amax(dim=-1)              # [rows]

@@ -88,7 +88,7 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
                   num_heads, eps):
     """The forward in stock PyTorch ops (LayerNorm, Linear, SDPA, Linear): autograd
     through it gives the exact-mode gradients, and it is the baseline of
-    scripts/bench_module.py."""
+    scripts/bench_towers.py --suite module."""
     B, S, E = x.shape
     h = F.layer_norm(x, (E,), ln_weight, ln_bias, eps)
     q, k, v = F.linear(h, qkv_weight, qkv_bias).view(B, S, 3, num_heads, E // num_heads) \

@@ -4,55 +4,23 @@ and on the fused path at which precision, in which dtypes, and as what kind of c
 `route(...)` is a pure function of the call's facts (device, dtypes, autocast, the
 explicit `precision` and torch's own, whether torch.compile is tracing, and where the
 one-product path runs); `vision_attention` gathers the facts and follows the decision.
-The defaults by setting, from measurements on the H200 (issue 34; docs/performance.md):
+With precision None:
 
-- precision None inside an autocast region: the stock ops (`stock_forward`). Our
-  one-product path (the autocast dtype's products with the fused backward) was measured
-  no faster there: in a 24-layer Hugging Face CLIP ViT-L/14-336 tower under bf16
-  autocast 0.99x / 0.76x / 1.06x stock eager at batch 1 / 8 / 32 (timm 0.98x, OpenCLIP
-  1.20x at batch 32), and swapped-and-compiled 0.57-0.85x torch.compile(stock).
-  `precision="medium"` runs the one-product path there explicitly.
-- precision None for a block all in bfloat16 or all in float16: the stock ops (the
-  fused one-product path in that dtype was 0.95x / 0.97x the stock 24-layer tower at
-  batch 8 / 32; docs/runs/bench_module/bench_module_bf16_s12.log).
-- otherwise (float32, no autocast): the fused path at torch's float32 matmul precision,
-  which won 1.24-1.45x in float32, eager and compiled (head dims 64 and 128); but on a
-  GPU only where its attention core has kernels (attention_core.triton_supports: head
-  dims that are multiples of 8 up to 128), else the stock ops: without them the core
-  runs as PyTorch math with P in memory, and a SigLIP so400m-shaped tower (head dim
-  72) ran 0.44x stock in float32 before its kernels existed. At head dims that are not
-  powers of two the kernels run zero-padded tiles of the next power of two; with them
-  the same SigLIP-shaped tower (6 layers, batch 16, float32 "high") ran 1.36x stock,
-  eager and compiled (docs/runs/towers/integrations_e47f939.log). Head dim 80 is timed
-  as raw kernels only (docs/runs/kernels/core_head_dims_e59ebca.log); 104 is not timed.
-  Except inside torch.compile at torch's "high" (TF32 for the stock ops) in training
-  steps of at most COMPILED_FLOAT32_STOCK_MAX_BATCH images (a static batch) on a GPU:
-  the stock ops, which the user's compile fuses with the rest of the model. There a
-  12-layer Hugging Face CLIP ViT-L/14-336 tower at batch 2 is host-bound with our
-  operators (each runs its own CUDA graphs; wall / GPU-busy 1.7 against compiled stock's
-  1.3) and ran 0.90x and 0.93x torch.compile(stock) in two runs on an H100, though its
-  GPU time was 16% lower; at batch 8 it ran 1.20-1.25x
-  (docs/runs/towers/float32_high_*). Batch 1, with half batch 2's GPU work for the same
-  launches, is taken to be host-bound too (not measured); batches 3-7 are not measured
-  and keep our operators. Eager, the swapped tower at batch 2 is 1.06-1.16x stock;
-  "highest" and the deterministic flag (without warn_only) keep our path (the stock ops
-  are not float32-faithful there, nor deterministic).
+- inside an autocast region, or for a block all in bfloat16 or all in float16: the stock
+  ops (`stock_forward`); `precision="medium"` asks for the one-product path there;
+- otherwise the fused path at torch's float32 matmul precision, on a GPU only at head
+  dims the attention kernels take (attention_core.triton_supports), and not inside
+  torch.compile at "high" for training steps of at most COMPILED_FLOAT32_STOCK_MAX_BATCH
+  images (the stock ops, which the user's compile fuses). "highest" and the
+  deterministic flag (without warn_only) keep the fused path: the stock ops are neither
+  float32-faithful nor deterministic there.
 
-Under torch.use_deterministic_algorithms(True) the stock route runs its attention as
-deterministic_sdpa's where it runs (Hopper, bf16 / fp16, head dim 64):
-torch's cuDNN forward with our warp-specialized backward, in place of the deterministic
-backward the flag gives SDPA, which cost a 12-layer tower under bf16 autocast 12% per
-step (docs/performance.md, "The deterministic flag, eager and compiled"). Without the
-flag it runs them too in bf16 training steps of at least OUR_ATTENTION_MIN_BATCH images,
-where they were measured faster than SDPA: in a 12-layer HF CLIP tower under bf16
-autocast, 1.11x stock eager and 1.05x torch.compile(stock) at batch 24, 1.11x and 1.04x
-at batch 32 (our backward 4.49 ms a step against 5.30 for SDPA's cuDNN backward with its
-two helper kernels). At batch 1, 8 and 16, where the step is host-bound, the operators'
-host time made the same tower 0.84-0.93x, though its GPU time was lower; batches
-between 16 and 24 are not measured and keep SDPA.
-
-Inside torch.compile the fused path runs as two torch.library operators (block_ops.py),
-opaque to dynamo, instead of the autograd.Function that eager calls use.
+The stock route runs its attention as deterministic_sdpa's (cuDNN's forward, our
+warp-specialized backward) under torch.use_deterministic_algorithms(True), and without
+the flag in bf16 training steps of at least OUR_ATTENTION_MIN_BATCH images. Inside
+torch.compile the fused path runs as block_ops.py's torch.library operators, opaque to
+dynamo, instead of the autograd.Function of eager calls. The measurements behind each
+default: docs/performance.md, "Towers" and "Tried and ruled out".
 """
 from typing import NamedTuple
 
@@ -88,13 +56,15 @@ STOCK = Route(stock=True)
 STOCK_DETERMINISTIC_ATTENTION = Route(stock=True, deterministic_attention=True)
 
 # Without the deterministic flag, the stock route's attention runs as deterministic_sdpa's
-# operators in training steps of at least this many images in these dtypes (module
-# docstring; docs/performance.md has the towers' times by batch).
+# operators in training steps of at least this many images in these dtypes: from 24 the
+# steps are GPU-bound and our backward beats SDPA's, below it the host time loses
+# (docs/performance.md, "Towers", the autocast table, and "Tried and ruled out").
 OUR_ATTENTION_MIN_BATCH = 24
 OUR_ATTENTION_DTYPES = (torch.bfloat16,)
 
 # float32 at torch's "high" inside torch.compile: training steps of at most this many
-# images run the stock ops, which the user's compile fuses (module docstring).
+# images run the stock ops, which the user's compile fuses; our operators left such steps
+# host-bound (docs/performance.md, "Towers", the float32 table, and "Tried and ruled out").
 COMPILED_FLOAT32_STOCK_MAX_BATCH = 2
 
 

@@ -4,22 +4,18 @@ two-level accumulation, as one custom operator and the graph-level helpers aroun
     split_gemm(a_hi, a_lo, b_hi, b_lo, unscale) -> float32 [M,N]
         = (a_lo @ b_hi + a_hi @ b_lo + a_hi @ b_hi) * unscale[0] * unscale[1]
 
-a_hi, a_lo [M,K] and b_hi, b_lo [K,N] are fp16 halves (hi + lo, 22 of float32's 24
-mantissa bits) of float32 operands scaled by powers of two into fp16's range
-(`fp16_halves`); unscale, float32 [2] (two balanced powers of two whose product is the
-scales' inverse, `unscale_of`), takes them back out exactly, one after the other: the
-inverse can lie outside float32's range where a @ b does not (operands at 1e-18 and
-1e-15: scales 2^74 and 2^64), and a tile times the larger factor alone could leave it
-(operands at 1e36 and 1e-4).
-Any strides: a transposed view of halves is read as it lies (`transposed`).
+a_hi, a_lo [M,K] and b_hi, b_lo [K,N] are fp16 halves (22 of float32's 24 mantissa
+bits) of float32 operands scaled by powers of two into fp16's range (`fp16_halves`);
+unscale, float32 [2], two balanced powers of two whose product is the scales' inverse
+(`unscale_of`: the inverse alone can lie outside float32's range), takes them back out
+exactly. Any strides: a transposed view of halves is read as it lies (`transposed`).
 
 On CUDA and under TRITON_INTERPRET=1 the operator runs the Triton kernel of
 kernels/split_gemm.py, which accumulates each BLOCK_K slice of K on the tensor cores
 and adds the slices' partials in float32 registers: the tensor cores' accumulation
 truncates, and one accumulator over all of K put cuBLAS fp16x3 GEMMs 5-190x above
-float32 SGEMM's error against float64 (docs/performance.md, the split GEMM). Under
-torch.compile on CUDA, inductor.py lowers it to a Triton template that autotuning
-tunes. Elsewhere it runs as float32 matmuls of the upcast halves (exact products,
+float32 SGEMM's error against float64. Under torch.compile on CUDA, inductor.py lowers
+it to a Triton template that autotuning tunes. Elsewhere it runs as float32 matmuls of the upcast halves (exact products,
 float32 accumulation, rounded to nearest). `matmul_fp16x3` takes a K past K_CHUNK rows
 in K_CHUNKS chunks, one operator call each.
 """
@@ -92,8 +88,7 @@ def transposed(halves):
 # float32. The kernel adds its K slices' partials one after another in one float32
 # accumulator, whose rounding grows with their count: at K = 2^20 + 2^10 (16,400 slices
 # of BLOCK_K 64) it was 5.8x float32 SGEMM's error against float64, in chunks within
-# 1.5x, and at the benchmark's K (up to 32,312) below 1.5x (docs/performance.md, the
-# split GEMM at long K). A fixed count, not a fixed length: under torch.compile a dynamic
+# 1.5x, and at the benchmark's K (up to 32,312) below 1.5x. A fixed count, not a fixed length: under torch.compile a dynamic
 # batch makes K symbolic, and a loop whose length depended on its value would
 # specialize it.
 K_CHUNK = 2 ** 15

@@ -1,69 +1,79 @@
 """Gluon device code for the whole attention-core backward in one warp-specialized pass on
 Hopper (sm_90): one product per matmul of bf16 / fp16 operands, P recomputed from the
-forward's log-sum-exp.
+forward's log-sum-exp (attention_bwd_ws_kernel), and the pass before it that computes
+delta = rowsum(dO * O), scales the log-sum-exp to base 2 and zeroes the semaphores
+(attention_delta_kernel).
 
 A work item is BLOCK_N = 128 keys of one (batch, head); a program walks every query tile
-(BLOCK_M = 128 queries) of an item, and takes items p, p + P, p + 2P, ... of its grid's
-P programs (one item each in a grid of one program per item), in three partitions:
-
-    producer (one warp, few registers), per item:
-        TMA  k, v [BN,D] into shared memory (once the consumers are done with the item
-             before); then q_m, dO_m [BM,D] into a NUM_STAGES-deep ring, each slot
-             guarded by a ready and an empty mbarrier
-    consumers (two warpgroups, one per 64 queries, the registers the workers gave up),
-    tile m:
-        issue  S_m  = q_m @ k^T,  dP_m = dO_m @ v^T          [BM,BN]
-        wait   for S_m (dK of tile m-1 done too: give slot m-1 back to the producer)
-               P = exp(S * scale - lse)  (0 for rows / columns past S), into shared
-               memory
-        issue  dV  += P^T @ dO_m                              [BN,D]
-        wait   for dP_m: dS = P * (dP - delta), into shared memory
-        issue  dQ_m = dS @ k,  dK += dS^T @ q_m               [BM,D], [BN,D]
-        wait   for dQ_m (dK in flight): hand it to the dQ writer in shared memory
-               (or, with DEFERRED_GRAD_Q, store it there and hand it over at tile
-               m+1's first barrier)
-    at the item's end: dK, dV through the P tile in shared memory to GRAD_QKV
-    dQ writer (one warp): adds each dQ_m into the head's dQ (below)
-
-Five products per tile, the minimum (two passes recompute S and dP twice: seven), with
-three waits per tile, each leaving a product in flight. S and dP stay in the consumers'
-registers with queries in rows (224 accumulator registers a thread with dQ, dK and dV;
-they get 240), and P and dS reach the products as shared-memory operands: with keys in
-rows (S^T, dP^T in registers as the A operands of dV and dK) the same tiles would need
-~290 registers. dQ is issued and waited in its own tile: carried into the next, its
-accumulator made ptxas serialize the wgmmas for want of registers.
-
-With ROTATED_WALK (a persistent grid; as many key blocks as query tiles) key block b
-walks the query tiles from tile b on, wrapping around, so that at every step the blocks
-of a head work on different tiles: in key-block order they reach a tile at the same
-step, and each waits for the adds of the blocks before it (docs/performance.md measured
-0.566 ms at batch 32 in order, 0.440 rotated).
-
-dQ is deterministic: the key blocks of a head add their dQ_m tiles in a fixed order of
-turns (the key-block order; with ROTATED_WALK the order of arrival, a block's step),
-enforced by one int32 semaphore per (head, query tile) that counts the turns already
-taken (SEMAPHORES, cleared by attention_delta_kernel). The first turn stores its tile
-into a float32 sum with a TMA copy, the others wait for their turn and add theirs with
-a TMA add (cp.reduce.async.bulk.tensor, one block at a time), each giving its buffer
-back once the copy has read it and counting itself on the semaphore once the copy is
-performed in global memory; the last turn then loads the sum back by TMA and stores dQ,
-scaled, in the operands' dtype: the sum's order is fixed, so the result is bitwise
-reproducible. A head's key blocks are consecutive items. In key-block order a block
-waits only on lower items, which their programs take before any higher one: every wait
-ends provided all programs run at once (a grid of one program per item launches in
-item order; a persistent grid is a cooperative launch). The rotated walk makes a block
-wait on any block of its head, so it runs on a persistent grid of at least as many
-programs as a head has blocks: a head's blocks then run on different programs, and a
-head whose items wrap from the last program to the first waits only on items the first
-programs take next, after items whose own waits end by the same argument one round
-earlier. Rows past the sequence end: TMA reads the next rows of the tensor (zeros past
-its end); P and dS are 0 there, so their dQ rows are 0 (added into the sum's padding
-rows) and nothing is stored for them in the outputs.
-
-delta = rowsum(dO * O) [B,H,S] float32 comes from attention_delta_kernel, a pass over dO
-and O before the main kernel, which scales the log-sum-exp to base 2 and zeroes the
-semaphores too.
+(BLOCK_M = 128 queries) of its items in three partitions: a producer warp loading k, v
+and a ring of q, dO tiles by TMA; two consumer warpgroups issuing the five products per
+tile (S, dP, dV, dQ, dK) with three waits; and a dQ-writer warp that adds each dQ tile
+into the head's dQ in a fixed order of turns, so the result is bitwise reproducible. The
+partitions, the register budget, the rotated walk and why every wait ends: the comment
+below.
 """
+# A work item is BLOCK_N = 128 keys of one (batch, head); a program walks every query tile
+# (BLOCK_M = 128 queries) of an item, and takes items p, p + P, p + 2P, ... of its grid's
+# P programs (one item each in a grid of one program per item), in three partitions:
+#
+#     producer (one warp, few registers), per item:
+#         TMA  k, v [BN,D] into shared memory (once the consumers are done with the item
+#              before); then q_m, dO_m [BM,D] into a NUM_STAGES-deep ring, each slot
+#              guarded by a ready and an empty mbarrier
+#     consumers (two warpgroups, one per 64 queries, the registers the workers gave up),
+#     tile m:
+#         issue  S_m  = q_m @ k^T,  dP_m = dO_m @ v^T          [BM,BN]
+#         wait   for S_m (dK of tile m-1 done too: give slot m-1 back to the producer)
+#                P = exp(S * scale - lse)  (0 for rows / columns past S), into shared
+#                memory
+#         issue  dV  += P^T @ dO_m                              [BN,D]
+#         wait   for dP_m: dS = P * (dP - delta), into shared memory
+#         issue  dQ_m = dS @ k,  dK += dS^T @ q_m               [BM,D], [BN,D]
+#         wait   for dQ_m (dK in flight): hand it to the dQ writer in shared memory
+#                (or, with DEFERRED_GRAD_Q, store it there and hand it over at tile
+#                m+1's first barrier)
+#     at the item's end: dK, dV through the P tile in shared memory to GRAD_QKV
+#     dQ writer (one warp): adds each dQ_m into the head's dQ (below)
+#
+# Five products per tile, the minimum (two passes recompute S and dP twice: seven), with
+# three waits per tile, each leaving a product in flight. S and dP stay in the consumers'
+# registers with queries in rows (224 accumulator registers a thread with dQ, dK and dV;
+# they get 240), and P and dS reach the products as shared-memory operands: with keys in
+# rows (S^T, dP^T in registers as the A operands of dV and dK) the same tiles would need
+# ~290 registers. dQ is issued and waited in its own tile: carried into the next, its
+# accumulator made ptxas serialize the wgmmas for want of registers.
+#
+# With ROTATED_WALK (a persistent grid; as many key blocks as query tiles) key block b
+# walks the query tiles from tile b on, wrapping around, so that at every step the blocks
+# of a head work on different tiles: in key-block order they reach a tile at the same
+# step, and each waits for the adds of the blocks before it (measured at batch 32: 0.566 ms in
+# order, 0.440 rotated).
+#
+# dQ is deterministic: the key blocks of a head add their dQ_m tiles in a fixed order of
+# turns (the key-block order; with ROTATED_WALK the order of arrival, a block's step),
+# enforced by one int32 semaphore per (head, query tile) that counts the turns already
+# taken (SEMAPHORES, cleared by attention_delta_kernel). The first turn stores its tile
+# into a float32 sum with a TMA copy, the others wait for their turn and add theirs with
+# a TMA add (cp.reduce.async.bulk.tensor, one block at a time), each giving its buffer
+# back once the copy has read it and counting itself on the semaphore once the copy is
+# performed in global memory; the last turn then loads the sum back by TMA and stores dQ,
+# scaled, in the operands' dtype: the sum's order is fixed, so the result is bitwise
+# reproducible. A head's key blocks are consecutive items. In key-block order a block
+# waits only on lower items, which their programs take before any higher one: every wait
+# ends provided all programs run at once (a grid of one program per item launches in
+# item order; a persistent grid is a cooperative launch). The rotated walk makes a block
+# wait on any block of its head, so it runs on a persistent grid of at least as many
+# programs as a head has blocks: a head's blocks then run on different programs, and a
+# head whose items wrap from the last program to the first waits only on items the first
+# programs take next, after items whose own waits end by the same argument one round
+# earlier. Rows past the sequence end: TMA reads the next rows of the tensor (zeros past
+# its end); P and dS are 0 there, so their dQ rows are 0 (added into the sum's padding
+# rows) and nothing is stored for them in the outputs.
+#
+# delta = rowsum(dO * O) [B,H,S] float32 comes from attention_delta_kernel, a pass over dO
+# and O before the main kernel, which scales the log-sum-exp to base 2 and zeroes the
+# semaphores too.
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
@@ -280,7 +290,7 @@ def store_grad_kv(grad_k, grad_v, staging, block, batch_head, GRAD_QKV, scale,
     through the two column halves of `staging` [BN,2D] (the P tile, free once the
     item's last dV is done): from the accumulators' layout, a thread's stores would be
     4 bytes each, 2 columns of a row; read back from shared memory they are 16 bytes,
-    8 columns (6% of the kernel's time at batch 32: docs/performance.md)."""
+    8 columns (measured: 6% of the kernel's time at batch 32)."""
     EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
     grad_k_tile = staging.slice(0, HEAD_DIM, dim=1)                    # [BN,D]
     grad_v_tile = staging.slice(HEAD_DIM, HEAD_DIM, dim=1)             # [BN,D]
@@ -470,7 +480,7 @@ def attention_delta_kernel(GRAD_ATTN, ATTN_OUT, LSE, DELTA, LSE_LOG2, SEMAPHORES
     float32 = rowsum(dO * O) per head, from GRAD_ATTN and ATTN_OUT [B,S,E]; LSE_LOG2
     [B,H,S] = LSE * log2(e), the log-sum-exp in base 2 (scaled here, the main kernel
     has no multiply waiting for its load before it issues a tile's first products:
-    docs/performance.md measured 2% of its time); and its SEMAPHORES [B*H, QUERY_TILES]
+    measured, 2% of its time); and its SEMAPHORES [B*H, QUERY_TILES]
     set to 0, so that no launch of its own clears them. A program takes BLOCK rows of
     HEADS consecutive heads ([BLOCK, HEADS, D] of each input: with all heads, whole rows
     of E), THREADS_HEADS of a warp's threads across the heads; program ids (batch *

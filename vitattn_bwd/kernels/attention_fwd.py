@@ -1,27 +1,17 @@
-"""Triton device code for the attention forward, FlashAttention-style.
-
-Per (batch, head), with q, k, v [S,D] float32:
+"""Triton device code for the attention forward, FlashAttention-style. Per (batch, head),
+with q, k, v [S,D] float32:
 
     attn_output = softmax(scale * q @ k^T) @ v        [S,D], stored with heads merged
     lse         = logsumexp(scale * q @ k^T, rows)    [S], natural log
 
 A program owns BLOCK_M query rows and sweeps the keys BLOCK_N at a time with an online
-softmax (running row max, running row sum, output accumulator rescaled whenever the max
-grows), as in Triton's fused-attention tutorial and flash-attn's Triton forward. No
-S x S tensor is written: the backward recomputes P tiles as exp(scale * q k^T - lse).
-
-The exponentials are exp2 of base-2 logits (scale * log2(e) * q.k): the product with
-log2(e) is one float32 multiply-add per score, a relative change of ~1e-7 (float32
-rounding), and exp2 is the hardware's native exponential.
-
-Both products are float32-grade "bf16x3" on tensor cores (dot_bf16x3: the small cross
-terms first, float32 accumulation, ~1e-5 relative error). q, k and v arrive already
-split into bf16 hi/lo tensors (made once by the caller with precision.split_bf16), so
-their tiles go from memory straight to the tensor cores; only the probabilities tile is
-split here, in registers.
-
-Head dims that are not powers of two run in tiles of the next one (softmax_bwd.py's
-padded_head_dim), the columns past HEAD_DIM zero-filled on load and masked on store.
+softmax (running row max and sum, the output rescaled whenever the max grows). No S x S
+tensor is written: the backward recomputes P tiles as exp(scale * q k^T - lse). The
+exponentials are exp2 of base-2 logits (one more float32 multiply-add per score, the
+hardware's native exponential). Both products are float32-grade "bf16x3" on tensor
+cores (dot_bf16x3); q, k and v arrive split into bf16 hi / lo by the caller, so only
+the probabilities tile is split here, in registers. Head dims that are not powers of
+two run in tiles of the next one, zero-filled past HEAD_DIM on load and masked on store.
 
 `attention_fwd_tile` holds the algorithm, so that a raw kernel (below, used eagerly and
 tested under TRITON_INTERPRET=1) and an Inductor template can share it.

@@ -1,37 +1,24 @@
 """The Gluon names that moved between Triton releases, chosen by what the installed
-triton offers (never by its version string), so that kernels/softmax_bwd_gluon.py reads
-the same on every release (and kernels/attention_bwd_ws.py):
+triton offers (never by its version string), so that kernels/softmax_bwd_gluon.py and
+kernels/attention_bwd_ws.py read the same on every release:
 
-    cta_barrier()                      all threads of the program (CTA) meet:
-                                       gl.barrier (3.7+), gl.thread_barrier (3.6)
-    async_load(smem, pointers, mask)   cp.async of a tile from global into shared memory:
-                                       async_copy.async_load (3.8+; 3.9 removed the old
-                                       name), async_copy.async_copy_global_to_shared (3.6,
-                                       3.7)
-    tma_load(desc, coords, bar, smem)  TMA copy of a tile from global into shared memory:
-                                       tma.async_load where it exists (3.9 raises on
-                                       the old name), tma.async_copy_global_to_shared
-    tma_store(desc, coords, smem)      TMA copy of a tile from shared into global memory:
-                                       tma.async_store (3.8+; 3.9 raises on the old
-                                       name), tma.async_copy_shared_to_global
-    tma_add(desc, coords, smem)        TMA add of a shared-memory tile into global
-                                       memory (cp.reduce.async.bulk.tensor .add):
-                                       tma.async_atomic_add (3.8+); 3.6 and 3.7 have the
-                                       builder's op but no name for it, so it is called
-                                       here as 3.8 calls it
-
-and on the host, for the CPU checks of the kernels' machine code:
-
+    cta_barrier()                      gl.barrier (3.7+), gl.thread_barrier (3.6)
+    async_load(smem, pointers, mask)   cp.async global -> shared: async_copy.async_load
+                                       (3.8+), async_copy_global_to_shared (3.6, 3.7)
+    tma_load(desc, coords, bar, smem)  tma.async_load, else async_copy_global_to_shared
+    tma_store(desc, coords, smem)      tma.async_store (3.8+), else
+                                       async_copy_shared_to_global
+    tma_add(desc, coords, smem)        TMA add into global memory: tma.async_atomic_add
+                                       (3.8+); on 3.6 and 3.7 the builder's op, called
+                                       as 3.8 calls it
     compile_without_launch(kernel, signature, constexprs, arch, **options)
-                                       triton.compile of a Gluon kernel for compute
-                                       capability `arch` (GluonASTSource, a private
-                                       module of every release from 3.6 to 3.9)
+                                       (host) triton.compile of a Gluon kernel for
+                                       compute capability `arch`, for the CPU checks
 
-Each pair lowers to the same instructions (bar.sync; cp.async with the same cache
-modifiers; cp.async.bulk.tensor), so the kernels' machine code does not depend on which
-name was found:
-scripts/kernel_resources.py --sass on each release shows it. `MISSING` lists what this
-triton lacks of the rest the kernels use (empty where they compile).
+Each pair lowers to the same instructions, so the kernels' machine code does not depend
+on which name was found (scripts/kernel_resources.py --sass on each release shows it).
+`MISSING` lists what this triton lacks of the rest the kernels use (empty where they
+compile).
 """
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia import hopper

@@ -7,29 +7,18 @@ three products per K slice, with two-level accumulation:
         acc    += partial                                     (float32 adds, rounded)
     C = acc * unscale[0] * unscale[1]
 
-Why two levels: the H200's tensor cores accumulate in float32 with truncation, so a
-product's error grows with the number of MMA steps that add into one accumulator, and
-it is biased. A cuBLAS fp16x3 GEMM of K = 1,154 was 5.6x float32 SGEMM's error against
-float64, at K = 18,464 (batch 32's weight gradients) 50-190x; K cut into slices of 128
-(24 MMA steps each) brought it to 1.3x SGEMM's (docs/performance.md, the split GEMM). Here a
-partial takes 3 * BLOCK_K / 16 MMA steps, and the partials are added by ordinary
-float32 adds, which round to nearest.
+Why two levels: the tensor cores accumulate in float32 with truncation, so the error of
+one accumulator over all of K grows with K and is biased (a cuBLAS fp16x3 GEMM at batch
+32's K = 18,464 was 50-190x float32 SGEMM's error against float64, in slices of 128
+1.3x). A and B are read through their strides (a transposed operand is a view); rows,
+columns and K slices past the end are masked; each output element is written by one
+program: deterministic. Element offsets are of OFFSET_DTYPE: tl.int64 only where an
+operand reaches 2^31 elements (grad_kv from batch 1,818 at ViT-L/14-336), since int64
+costs registers; with int32 the SASS is that of offsets written without a dtype.
 
-A and B are read through their strides, so a transposed operand (A^T for a weight
-gradient, K = B*S rows) is a view, not a copy. Rows of A, columns of B and the K slices
-past the end are masked (zeros add nothing). Each output element is written by one
-program: deterministic.
-
-Element offsets are of OFFSET_DTYPE: tl.int32 where A, B and C each span fewer than
-2^31 elements, tl.int64 where one reaches it (grad_kv [B*S, 2E] from batch 1,818 at
-ViT-L/14-336), where int32 offsets would wrap and read other memory. int64 costs
-registers (sm_90, the configured tiles: 160-176 -> 176-217, no spills), so it is
-chosen only there: with int32 the kernel compiles to the same SASS as with offsets
-written without a dtype (scripts/kernel_resources.py --sass, diffed).
-
-`split_gemm_tile` and `grouped_tile` hold the algorithm; the raw kernel below (eager
-launches, TRITON_INTERPRET=1 tests) and the Inductor template (inductor.py pastes every
-non-kernel function of this file into it) share them verbatim.
+`split_gemm_tile` and `grouped_tile` hold the algorithm; the raw kernel below and the
+Inductor template (inductor.py pastes every non-kernel function of this file into it)
+share them verbatim.
 """
 import triton
 import triton.language as tl
