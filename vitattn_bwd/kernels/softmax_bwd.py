@@ -26,7 +26,7 @@ No atomics: each output element is written by exactly one program (deterministic
 Precision: every product is float32-grade "bf16x3" (each float32 operand split into
 bf16 hi + lo, a @ b = a_lo@b_hi + a_hi@b_lo + a_hi@b_hi with float32 accumulation).
 (dK as one fp16 product, which the contract's tolerance allows, measured no faster on
-the H200 and cost accuracy: docs/performance.md.) dO, q, k and v arrive already
+the H200 and cost accuracy.) dO, q, k and v arrive already
 split (two bf16 tensors each, made once by the caller), so their tiles go from memory
 straight to the tensor cores; only the S x S tiles (P and the products with it) are
 split here, in registers.
@@ -149,7 +149,7 @@ def load_probs_tile(rows, row_ok, col_start, col_stride, SEQ_LEN: tl.constexpr,
     tl.dot operands, and a plain load used in the same iteration stalls the program for a
     memory round trip (H200, batch 32: cols 0.82 -> 0.74 ms). The rows pass loads in
     place: there the prefetch's extra registers cost more than it hid (its best tiles
-    0.63 -> 0.69 ms; docs/performance.md)."""
+    0.63 -> 0.69 ms)."""
     offs = col_start + tl.arange(0, BLOCK)
     return tl.load(rows + offs[None, :] * col_stride,
                    mask=row_ok[:, None] & (offs < SEQ_LEN)[None, :], other=0.0)

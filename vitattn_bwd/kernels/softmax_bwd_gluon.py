@@ -2,7 +2,7 @@
 
 The same two passes and the same math as kernels/softmax_bwd.py (read its docstring for
 the algorithm); what differs is how a program spends its time. Triton's `tl.dot` waits
-for every wgmma before the next instruction (the Triton templates' SASS: docs/performance.md), so a program
+for every wgmma before the next instruction (the Triton templates' SASS), so a program
 loads, splits, multiplies and waits in series. Here every product is an asynchronous
 wgmma (`warpgroup_mma(..., is_async=True)`) and the program waits only where it needs a
 result, so the tensor cores work while the same warps load the next P tile, split tiles
@@ -36,11 +36,11 @@ by truncation, an integer mask: a float -> bf16 conversion per element was the l
 costliest instruction), they are the A operands of the next products. The caller's
 operand halves are rounded, so each product has one rounded and one truncated operand
 (the neglected lo * lo term stays at 2^-15; rounded S x S splits measured 25% less
-error against float64 and a 15% slower cols pass on the H200: docs/performance.md).
+error against float64 and a 15% slower cols pass on the H200).
 Waits name the register operands of the products still in flight
 (`deps`), so the compiler keeps them until those products have read them.
 
-Measured on the H200 (docs/performance.md, "The attention core in Gluon"), batch 32:
+Measured on the H200, batch 32:
 rows 0.55-0.60 and cols 0.66-0.68 ms (the Triton templates 0.622 and 0.734); ncu puts the bound in
 load latency at 2-3 blocks of 4 warps per SM, not in the waits. The L2 prefetch took
 the cols pass from 0.775 ms (32 x 64 tiles) and left the rows pass within its spread.
@@ -52,7 +52,7 @@ product of operands in their own dtype, bf16 or fp16 (the operand pointers' elem
 type; VisionAttentionBlock under autocast), where only the hi tiles are copied, the
 S x S tiles are rounded to that dtype, and a gradient is stored once, in that dtype, in
 GRAD16 (HALVES_WIDTH 0: no halves). Measured on the H200 at batch 32, bf16, P recomputed
-(docs/performance.md, the one-product core): rows 0.225 ms, cols 0.366, against 0.716 for torch's
+(the one-product core): rows 0.225 ms, cols 0.366, against 0.716 for torch's
 flash-attention backward and 0.446 for cuDNN's at the same errors against float64.
 PRODUCTS 3 with fp16 operand pointers is fp16x3 on scaled fp16 halves (precision
 "highest"): fp16 hi + lo holds 22 of float32's 24 bits where bf16's hold 16, so every
@@ -64,7 +64,7 @@ are scaled before their split (rounded to nearest): P (at most 1) by P_SCALE, dS
 s_ds (a bound from the largest elements of dO and v, 2 * HEAD_DIM * 2^30, would leave a
 typical dS tile 2^8 lower). What bounds these products on the H200 is then the tensor
 cores' float32 accumulation, which truncates: ~2e-6 against float64 at S = 577, against
-~1e-5 for bf16x3 (docs/performance.md, precision "highest"). Every
+~1e-5 for bf16x3 (precision "highest"). Every
 scale is a power of two, so scaling is exact; the kernels take the scales out of the
 logits, delta and the outputs, and store each gradient once, in float32, in GRAD16 (no
 halves: the graph makes the next GEMMs' operands, with scales of their own).
