@@ -201,36 +201,44 @@ def _check_operand_scales(operand_scales, grad_attn_hi, products):
     return grad_attn_hi if operand_scales is None else operand_scales
 
 
+def _launch(kernel, rows_per_program, probs, halves, pass_args, scale, tiles, products,
+            prefetch, operand_scales):
+    """Launch a pass's kernel: one program per rows_per_program rows of each (batch,
+    head), given probs, the operand halves (grad_attn, q, k, v; hi, lo each), the scales
+    (_check_operand_scales), pass_args (the pass's other buffers, in the kernel's order),
+    scale and the constexprs."""
+    grad_attn_hi, qkv_halves = halves[0], halves[2:]
+    scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
+    batch, num_heads, seq_len, _ = qkv_halves[0].shape
+    grid = (-(-seq_len // rows_per_program), batch * num_heads)
+    launcher.launch(kernel, grid, probs, *halves, scales, *pass_args, scale,
+                    **_constexprs(probs, qkv_halves, tiles, products, prefetch))
+
+
+def _written_or_any(halves, any_buffer):
+    """A halves buffer, or where it is empty (no halves: never written) any real
+    pointer."""
+    return halves if halves.numel() else any_buffer
+
+
 def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
                 products=3, prefetch=ROWS_PREFETCH, operand_scales=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_rows_kernel
-    scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
-    if not grad_q_halves.numel():        # no halves: never written, any real pointer
-        grad_q_halves = grad_q_sums
-    batch, num_heads, seq_len, _ = q_hi.shape
-    grid = (-(-seq_len // tiles.block_m), batch * num_heads)
-    launcher.launch(softmax_bwd_rows_kernel, grid, probs, grad_attn_hi, grad_attn_lo, q_hi,
-                    q_lo, k_hi, k_lo, v_hi, v_lo, scales, attn_output, grad_q16,
-                    grad_q_halves, delta, grad_q_sums, scale,
-                    **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo), tiles,
-                                  products, prefetch))
+    _launch(softmax_bwd_rows_kernel, tiles.block_m, probs,
+            (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
+            (attn_output, grad_q16, _written_or_any(grad_q_halves, grad_q_sums), delta,
+             grad_q_sums), scale, tiles, products, prefetch, operand_scales)
 
 
 def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, products=3,
                 prefetch=COLS_PREFETCH, operand_scales=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_cols_kernel
-    scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
-    if not grad_kv_halves.numel():       # no halves: never written, any real pointer
-        grad_kv_halves = grad_kv_sums
-    batch, num_heads, seq_len, _ = q_hi.shape
-    grid = (-(-seq_len // tiles.block_n), batch * num_heads)
-    launcher.launch(softmax_bwd_cols_kernel, grid, probs, grad_attn_hi, grad_attn_lo, q_hi,
-                    q_lo, k_hi, k_lo, v_hi, v_lo, scales, delta, grad_kv16, grad_kv_halves,
-                    grad_kv_sums, scale,
-                    **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo), tiles,
-                                  products, prefetch))
+    _launch(softmax_bwd_cols_kernel, tiles.block_n, probs,
+            (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
+            (delta, grad_kv16, _written_or_any(grad_kv_halves, grad_kv_sums), grad_kv_sums),
+            scale, tiles, products, prefetch, operand_scales)
 
 
 # ---- what the compiled graph calls when max-autotune picks a Gluon kernel ------------
