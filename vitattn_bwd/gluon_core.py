@@ -47,11 +47,11 @@ from .precision import HALF_DTYPES
 # (tests/test_kernel_resources.py). The first of each is what Inductor takes untimed:
 # where the inputs are too large to copy for timing (inductor._select), and under
 # torch.use_deterministic_algorithms(True), where on the H200 (torch 2.11) the compiled
-# graphs ran the first extern choices, cuBLAS for the matmuls and the first Gluon
-# config (the one-product cols pass 1.5x slower: docs/performance.md, the deterministic
-# flag). So the cols pass's fastest at batch 32 comes first: 32 x 64 ran 0.358-0.366 ms
-# against 0.543-0.559 for 64 x 64 in the one-product core and was the fastest with P
-# given too; the rows pass's two are within 6% of each other.
+# graphs ran the first extern choices, cuBLAS for the matmuls and the first Gluon config
+# (the one-product cols pass 1.5x slower under the deterministic flag). So the cols
+# pass's fastest at batch 32 comes first: 32 x 64 ran 0.358-0.366 ms against 0.543-0.559
+# for 64 x 64 in the one-product core and was the fastest with P given too; the rows
+# pass's two are within 6% of each other.
 ROWS_TILES = (TileConfig(64, 32, 4, 2), TileConfig(64, 64, 4, 2))
 COLS_TILES = (TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2))
 # At 128-wide head tiles (head dims 72-128) a [64,128] float32 accumulator takes 64
@@ -66,8 +66,7 @@ COLS_TILES = (TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2))
 # Triton templates' cols tiles it is timed against spill 100-504 bytes there. On the
 # H200 at head dims 72 and 80 these tiles ran 3.08 and 0.59 ms (float32 "high", P
 # given, batch 32) against the Triton kernels' 8.86 and 2.39, and a SigLIP-shaped
-# tower's autotuning chose them (docs/performance.md, "The attention core at head dims
-# 64, 72 and 80"); 104 and 128 are not timed.
+# tower's autotuning chose them; 104 and 128 are not timed.
 WIDE_ROWS_TILES = (TileConfig(64, 32, 4, 2),)
 WIDE_COLS_TILES = (TileConfig(16, 64, 4, 3),)
 # Every multiple of 8 up to 128 (attention_core.kernel_head_dim): the kernels pad their
@@ -85,11 +84,11 @@ def cols_tiles(head_dim):
     """The cols pass's launch configurations at head_dim."""
     return COLS_TILES if head_tile(head_dim) <= 64 else WIDE_COLS_TILES
 # How many P tiles ahead of its register loads a program asks the L2 for them (the
-# kernels' prefetch_to_l2; 0: not at all). At batch 32 on the H200 (docs/performance.md, the
-# Gluon kernels) the cols pass at 32 x 64 tiles ran 0.774-0.775 ms without, 0.661-0.680 at 2
-# ahead. The rows pass showed no gain beyond its run-to-run spread: 0.593 / 0.603 without,
-# 0.546 / 0.603 at 4 ahead (two machines), 0.588-0.621 at 64 x 64 tiles either way; 4 is
-# what the committed runs used.
+# kernels' prefetch_to_l2; 0: not at all). At batch 32 on the H200 the cols pass at
+# 32 x 64 tiles ran 0.774-0.775 ms without, 0.661-0.680 at 2 ahead. The rows pass showed
+# no gain beyond its run-to-run spread: 0.593 / 0.603 without, 0.546 / 0.603 at 4 ahead
+# (two machines), 0.588-0.621 at 64 x 64 tiles either way; 4 is what the committed runs
+# used.
 ROWS_PREFETCH = 4
 COLS_PREFETCH = 2
 
@@ -202,36 +201,44 @@ def _check_operand_scales(operand_scales, grad_attn_hi, products):
     return grad_attn_hi if operand_scales is None else operand_scales
 
 
+def _launch(kernel, rows_per_program, probs, halves, pass_args, scale, tiles, products,
+            prefetch, operand_scales):
+    """Launch a pass's kernel: one program per rows_per_program rows of each (batch,
+    head), given probs, the operand halves (grad_attn, q, k, v; hi, lo each), the scales
+    (_check_operand_scales), pass_args (the pass's other buffers, in the kernel's order),
+    scale and the constexprs."""
+    grad_attn_hi, qkv_halves = halves[0], halves[2:]
+    scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
+    batch, num_heads, seq_len, _ = qkv_halves[0].shape
+    grid = (-(-seq_len // rows_per_program), batch * num_heads)
+    launcher.launch(kernel, grid, probs, *halves, scales, *pass_args, scale,
+                    **_constexprs(probs, qkv_halves, tiles, products, prefetch))
+
+
+def _written_or_any(halves, any_buffer):
+    """A halves buffer, or where it is empty (no halves: never written) any real
+    pointer."""
+    return halves if halves.numel() else any_buffer
+
+
 def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
                 products=3, prefetch=ROWS_PREFETCH, operand_scales=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_rows_kernel
-    scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
-    if not grad_q_halves.numel():        # no halves: never written, any real pointer
-        grad_q_halves = grad_q_sums
-    batch, num_heads, seq_len, _ = q_hi.shape
-    grid = (-(-seq_len // tiles.block_m), batch * num_heads)
-    launcher.launch(softmax_bwd_rows_kernel, grid, probs, grad_attn_hi, grad_attn_lo, q_hi,
-                    q_lo, k_hi, k_lo, v_hi, v_lo, scales, attn_output, grad_q16,
-                    grad_q_halves, delta, grad_q_sums, scale,
-                    **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo), tiles,
-                                  products, prefetch))
+    _launch(softmax_bwd_rows_kernel, tiles.block_m, probs,
+            (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
+            (attn_output, grad_q16, _written_or_any(grad_q_halves, grad_q_sums), delta,
+             grad_q_sums), scale, tiles, products, prefetch, operand_scales)
 
 
 def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, products=3,
                 prefetch=COLS_PREFETCH, operand_scales=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_cols_kernel
-    scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
-    if not grad_kv_halves.numel():       # no halves: never written, any real pointer
-        grad_kv_halves = grad_kv_sums
-    batch, num_heads, seq_len, _ = q_hi.shape
-    grid = (-(-seq_len // tiles.block_n), batch * num_heads)
-    launcher.launch(softmax_bwd_cols_kernel, grid, probs, grad_attn_hi, grad_attn_lo, q_hi,
-                    q_lo, k_hi, k_lo, v_hi, v_lo, scales, delta, grad_kv16, grad_kv_halves,
-                    grad_kv_sums, scale,
-                    **_constexprs(probs, (q_hi, q_lo, k_hi, k_lo, v_hi, v_lo), tiles,
-                                  products, prefetch))
+    _launch(softmax_bwd_cols_kernel, tiles.block_n, probs,
+            (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
+            (delta, grad_kv16, _written_or_any(grad_kv_halves, grad_kv_sums), grad_kv_sums),
+            scale, tiles, products, prefetch, operand_scales)
 
 
 # ---- what the compiled graph calls when max-autotune picks a Gluon kernel ------------
@@ -298,8 +305,7 @@ def cols_outputs(q_hi, products, empty=_new_empty):
 # The operators are defined through torch.library.Library, not custom_op: the graph calls
 # them on every backward, and under cProfile on the H200's host custom_op's wrapper
 # (autograd layer, per-call aliasing checks) took 0.22 ms of its own per call
-# (scripts/profile_host.py; docs/performance.md). Their outputs are new tensors and never need a
-# gradient.
+# (scripts/profile_host.py). Their outputs are new tensors and never need a gradient.
 _LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
 _OPERANDS = ("Tensor probs, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_hi, "
              "Tensor q_lo, Tensor k_hi, Tensor k_lo, Tensor v_hi, Tensor v_lo")

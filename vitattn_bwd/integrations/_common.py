@@ -375,3 +375,14 @@ def unswap(model):
 def swapped_layers(model):
     """Names of the swapped layers of `model`, in module order."""
     return [name for name, layer in model.named_modules() if is_swapped(layer)]
+
+
+def one_forward_fused_class(module_globals, forward, library):
+    """The `_fused_class(stock_cls, kind)` of an integration whose matched layers all run
+    one fused `forward` (timm's Block, OpenCLIP's ResidualAttentionBlock): make_fused_class
+    with a cache of its own, the classes put in the integration's `module_globals`."""
+    cache = {}
+
+    def fused_class(stock_cls, kind):
+        return make_fused_class(stock_cls, kind, forward, module_globals, cache, library)
+    return fused_class

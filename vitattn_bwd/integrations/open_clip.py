@@ -48,7 +48,6 @@ from . import _common
 __all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped",
            "register_classes"]
 
-_FUSED_CLASSES = {}
 _CLASSES = _common.ClassRegistry("open_clip.transformer", dict(
     block=("ResidualAttentionBlock",), attention=("Attention",),
     layer_scale=("LayerScale",), refused=("CustomResidualAttentionBlock",),
@@ -202,9 +201,8 @@ def _block_forward(self, q_x, k_x=None, v_x=None, attn_mask=None):
     return x + self.ls_2(self.mlp(self.ln_2(x)))
 
 
-def _fused_class(stock_cls, kind):
-    return _common.make_fused_class(stock_cls, kind, _block_forward, globals(),
-                                    _FUSED_CLASSES, "OpenCLIP")
+_fused_class = _common.one_forward_fused_class(globals(), _block_forward,
+                                                "OpenCLIP")
 
 
 LOOKED_FOR = ("OpenCLIP ResidualAttentionBlocks (ln_1 + attn (nn.MultiheadAttention or "

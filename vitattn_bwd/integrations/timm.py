@@ -50,7 +50,6 @@ from . import _common
 __all__ = ["swap_attention", "unswap_attention", "swapped_layers", "is_swapped",
            "register_classes"]
 
-_FUSED_CLASSES = {}
 _CLASSES = _common.ClassRegistry("timm.models.vision_transformer", dict(
     block=("Block",), attention=("Attention",), layer_scale=("LayerScale",),
     drop_path=("DropPath",), norm=("LayerNorm", "LayerNormFp32")))
@@ -147,9 +146,7 @@ def _block_forward(self, x, attn_mask=None, is_causal=False):
     return x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
 
 
-def _fused_class(stock_cls, kind):
-    return _common.make_fused_class(stock_cls, kind, _block_forward, globals(),
-                                    _FUSED_CLASSES, "timm")
+_fused_class = _common.one_forward_fused_class(globals(), _block_forward, "timm")
 
 
 LOOKED_FOR = ("timm Blocks (norm1 + attn.qkv/proj + ls1 + drop_path1 + norm2 + mlp of "

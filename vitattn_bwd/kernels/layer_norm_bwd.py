@@ -20,7 +20,7 @@ are), and writes its three column sums to PARTIAL_SUMS [3, programs, E]; the cal
 those rows in a fixed order. No atomics: the same bits on every run. This replaces what
 Inductor made of the same math: a pointwise kernel adding the four parts into
 grad_x_norm, the row kernel, and split reductions that read grad_x_norm, x and
-grad_output again (docs/performance.md).
+grad_output again.
 """
 import triton
 import triton.language as tl

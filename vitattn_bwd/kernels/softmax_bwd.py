@@ -26,7 +26,7 @@ No atomics: each output element is written by exactly one program (deterministic
 Precision: every product is float32-grade "bf16x3" (each float32 operand split into
 bf16 hi + lo, a @ b = a_lo@b_hi + a_hi@b_lo + a_hi@b_hi with float32 accumulation).
 (dK as one fp16 product, which the contract's tolerance allows, measured no faster on
-the H200 and cost accuracy: docs/performance.md.) dO, q, k and v arrive already
+the H200 and cost accuracy.) dO, q, k and v arrive already
 split (two bf16 tensors each, made once by the caller), so their tiles go from memory
 straight to the tensor cores; only the S x S tiles (P and the products with it) are
 split here, in registers.
@@ -149,7 +149,7 @@ def load_probs_tile(rows, row_ok, col_start, col_stride, SEQ_LEN: tl.constexpr,
     tl.dot operands, and a plain load used in the same iteration stalls the program for a
     memory round trip (H200, batch 32: cols 0.82 -> 0.74 ms). The rows pass loads in
     place: there the prefetch's extra registers cost more than it hid (its best tiles
-    0.63 -> 0.69 ms; docs/performance.md)."""
+    0.63 -> 0.69 ms)."""
     offs = col_start + tl.arange(0, BLOCK)
     return tl.load(rows + offs[None, :] * col_stride,
                    mask=row_ok[:, None] & (offs < SEQ_LEN)[None, :], other=0.0)
@@ -165,15 +165,15 @@ def recomputed_probabilities(a_hi, a_lo, b_hi, b_lo, lse_log2, scale, valid, zer
 
 
 @triton.jit
-def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI,
-                          V_LO, ATTN_OUT, batch, head, m_start, scale,
+def softmax_bwd_rows_tile(PROBS, grad_attn, q, k, v, ATTN_OUT, batch, head, m_start, scale,
                           SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
-    """Rows pass for query rows [m_start, m_start + BLOCK_M) of one (batch, head); PROBS
-    is P, or lse with RECOMPUTE_P (then q and the attention output ATTN_OUT [B,S,E] are
-    read; otherwise Q_HI, Q_LO and ATTN_OUT are unused). Returns grad_q [BLOCK_M,
-    HEAD_TILE] and delta [BLOCK_M] (rows past SEQ_LEN and columns past HEAD_DIM are 0)."""
+    """Rows pass for query rows [m_start, m_start + BLOCK_M) of one (batch, head), the
+    operands given as their (hi, lo) pointer pairs; PROBS is P, or lse with RECOMPUTE_P
+    (then q and the attention output ATTN_OUT [B,S,E] are read; otherwise q and ATTN_OUT
+    are unused). Returns grad_q [BLOCK_M, HEAD_TILE] and delta [BLOCK_M] (rows past
+    SEQ_LEN and columns past HEAD_DIM are 0)."""
     HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -182,13 +182,12 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
     head_rows_m = head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
                             NUM_HEADS * HEAD_DIM)
     rows_mask = head_tile_mask(row_ok, HEAD_DIM)                          # [BM,D]
-    grad_attn_hi, grad_attn_lo = load_pair(GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows_m,
-                                           rows_mask)                     # [BM,D]
+    grad_attn_hi, grad_attn_lo = load_pair(*grad_attn, head_rows_m, rows_mask)  # [BM,D]
 
     p_rows = PROBS + batch_head * SEQ_LEN * SEQ_LEN + offs_m[:, None] * SEQ_LEN
     head_start = batch_head * SEQ_LEN * HEAD_DIM
     if RECOMPUTE_P:
-        q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
+        q_hi, q_lo = load_pair(*q, head_start + offs_m[:, None] * HEAD_DIM
                                + offs_d[None, :], rows_mask)              # [BM,D]
         lse_log2 = load_vector(PROBS + batch_head * SEQ_LEN, m_start, SEQ_LEN,
                                BLOCK_M) * 1.4426950408889634              # [BM]
@@ -208,8 +207,8 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
         col_ok = offs_n < SEQ_LEN
         kv_offsets = head_start + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
         kv_mask = head_tile_mask(col_ok, HEAD_DIM)
-        k_hi, k_lo = load_pair(K_HI, K_LO, kv_offsets, kv_mask)           # [BN,D]
-        v_hi, v_lo = load_pair(V_HI, V_LO, kv_offsets, kv_mask)           # [BN,D]
+        k_hi, k_lo = load_pair(*k, kv_offsets, kv_mask)                   # [BN,D]
+        v_hi, v_lo = load_pair(*v, kv_offsets, kv_mask)                   # [BN,D]
         if RECOMPUTE_P:
             p = recomputed_probabilities(
                 q_hi, q_lo, k_hi, k_lo, lse_log2[:, None], scale,
@@ -237,15 +236,14 @@ def softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
 
 
 @triton.jit
-def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI,
-                          V_LO, DELTA, batch, head, n_start, scale, SEQ_LEN: tl.constexpr,
-                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          RECOMPUTE_P: tl.constexpr):
+def softmax_bwd_cols_tile(PROBS, grad_attn, q, k, v, DELTA, batch, head, n_start, scale,
+                          SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
     """Cols pass for key rows [n_start, n_start + BLOCK_N) of one (batch, head), with
-    delta from the rows pass; PROBS is P, or lse with RECOMPUTE_P (then k is read;
-    otherwise K_HI/K_LO are unused). Returns grad_k, grad_v [BLOCK_N, HEAD_TILE]
-    (columns past HEAD_DIM 0)."""
+    delta from the rows pass, the operands given as their (hi, lo) pointer pairs; PROBS
+    is P, or lse with RECOMPUTE_P (then k is read; otherwise k is unused). Returns
+    grad_k, grad_v [BLOCK_N, HEAD_TILE] (columns past HEAD_DIM 0)."""
     HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_n = n_start + tl.arange(0, BLOCK_N)
@@ -253,12 +251,12 @@ def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
     col_ok = offs_n < SEQ_LEN
     kv_mask = head_tile_mask(col_ok, HEAD_DIM)                            # [BN,D]
     head_start = batch_head * SEQ_LEN * HEAD_DIM
-    v_hi, v_lo = load_pair(V_HI, V_LO, head_start + offs_n[:, None] * HEAD_DIM
+    v_hi, v_lo = load_pair(*v, head_start + offs_n[:, None] * HEAD_DIM
                            + offs_d[None, :], kv_mask)                    # [BN,D]
 
     p_t_cols = PROBS + batch_head * SEQ_LEN * SEQ_LEN + offs_n[:, None]   # P^T rows
     if RECOMPUTE_P:
-        k_hi, k_lo = load_pair(K_HI, K_LO, head_start + offs_n[:, None] * HEAD_DIM
+        k_hi, k_lo = load_pair(*k, head_start + offs_n[:, None] * HEAD_DIM
                                + offs_d[None, :], kv_mask)                # [BN,D]
         lse_head = PROBS + batch_head * SEQ_LEN
         lse_next = load_vector(lse_head, 0, SEQ_LEN, BLOCK_M)
@@ -275,10 +273,9 @@ def softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K
         row_ok = offs_m < SEQ_LEN
         rows_mask = head_tile_mask(row_ok, HEAD_DIM)
         grad_attn_hi, grad_attn_lo = load_pair(
-            GRAD_ATTN_HI, GRAD_ATTN_LO, head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS,
-                                                  HEAD_DIM, NUM_HEADS * HEAD_DIM),
-            rows_mask)                                                    # [BM,D]
-        q_hi, q_lo = load_pair(Q_HI, Q_LO, head_start + offs_m[:, None] * HEAD_DIM
+            *grad_attn, head_rows(batch, head, offs_m, SEQ_LEN, NUM_HEADS, HEAD_DIM,
+                                  NUM_HEADS * HEAD_DIM), rows_mask)       # [BM,D]
+        q_hi, q_lo = load_pair(*q, head_start + offs_m[:, None] * HEAD_DIM
                                + offs_d[None, :], rows_mask)              # [BM,D]
         delta = delta_next
         delta_next = load_vector(delta_head, m_start + BLOCK_M, SEQ_LEN, BLOCK_M)
@@ -397,10 +394,10 @@ def softmax_bwd_rows_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     m_start = tl.program_id(0) * BLOCK_M
-    grad_q, delta = softmax_bwd_rows_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
-                                          K_HI, K_LO, V_HI, V_LO, ATTN_OUT, batch, head,
-                                          m_start, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM,
-                                          BLOCK_M, BLOCK_N, RECOMPUTE_P)
+    grad_q, delta = softmax_bwd_rows_tile(PROBS, (GRAD_ATTN_HI, GRAD_ATTN_LO), (Q_HI, Q_LO),
+                                          (K_HI, K_LO), (V_HI, V_LO), ATTN_OUT, batch,
+                                          head, m_start, scale, SEQ_LEN, NUM_HEADS,
+                                          HEAD_DIM, BLOCK_M, BLOCK_N, RECOMPUTE_P)
     store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
@@ -425,8 +422,8 @@ def softmax_bwd_cols_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
     batch = tl.program_id(1) // NUM_HEADS
     head = tl.program_id(1) % NUM_HEADS
     n_start = tl.program_id(0) * BLOCK_N
-    grad_k, grad_v = softmax_bwd_cols_tile(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
-                                           K_HI, K_LO, V_HI, V_LO, DELTA, batch, head,
+    grad_k, grad_v = softmax_bwd_cols_tile(PROBS, (GRAD_ATTN_HI, GRAD_ATTN_LO), (Q_HI, Q_LO),
+                                           (K_HI, K_LO), (V_HI, V_LO), DELTA, batch, head,
                                            n_start, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM,
                                            BLOCK_M, BLOCK_N, RECOMPUTE_P)
     grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)                  # [BN,2D]

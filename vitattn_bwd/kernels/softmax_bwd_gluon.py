@@ -2,7 +2,7 @@
 
 The same two passes and the same math as kernels/softmax_bwd.py (read its docstring for
 the algorithm); what differs is how a program spends its time. Triton's `tl.dot` waits
-for every wgmma before the next instruction (the Triton templates' SASS: docs/performance.md), so a program
+for every wgmma before the next instruction (the Triton templates' SASS), so a program
 loads, splits, multiplies and waits in series. Here every product is an asynchronous
 wgmma (`warpgroup_mma(..., is_async=True)`) and the program waits only where it needs a
 result, so the tensor cores work while the same warps load the next P tile, split tiles
@@ -36,11 +36,11 @@ by truncation, an integer mask: a float -> bf16 conversion per element was the l
 costliest instruction), they are the A operands of the next products. The caller's
 operand halves are rounded, so each product has one rounded and one truncated operand
 (the neglected lo * lo term stays at 2^-15; rounded S x S splits measured 25% less
-error against float64 and a 15% slower cols pass on the H200: docs/performance.md).
+error against float64 and a 15% slower cols pass on the H200).
 Waits name the register operands of the products still in flight
 (`deps`), so the compiler keeps them until those products have read them.
 
-Measured on the H200 (docs/performance.md, "The attention core in Gluon"), batch 32:
+Measured on the H200, batch 32:
 rows 0.55-0.60 and cols 0.66-0.68 ms (the Triton templates 0.622 and 0.734); ncu puts the bound in
 load latency at 2-3 blocks of 4 warps per SM, not in the waits. The L2 prefetch took
 the cols pass from 0.775 ms (32 x 64 tiles) and left the rows pass within its spread.
@@ -52,7 +52,7 @@ product of operands in their own dtype, bf16 or fp16 (the operand pointers' elem
 type; VisionAttentionBlock under autocast), where only the hi tiles are copied, the
 S x S tiles are rounded to that dtype, and a gradient is stored once, in that dtype, in
 GRAD16 (HALVES_WIDTH 0: no halves). Measured on the H200 at batch 32, bf16, P recomputed
-(docs/performance.md, the one-product core): rows 0.225 ms, cols 0.366, against 0.716 for torch's
+(the one-product core): rows 0.225 ms, cols 0.366, against 0.716 for torch's
 flash-attention backward and 0.446 for cuDNN's at the same errors against float64.
 PRODUCTS 3 with fp16 operand pointers is fp16x3 on scaled fp16 halves (precision
 "highest"): fp16 hi + lo holds 22 of float32's 24 bits where bf16's hold 16, so every
@@ -64,7 +64,7 @@ are scaled before their split (rounded to nearest): P (at most 1) by P_SCALE, dS
 s_ds (a bound from the largest elements of dO and v, 2 * HEAD_DIM * 2^30, would leave a
 typical dS tile 2^8 lower). What bounds these products on the H200 is then the tensor
 cores' float32 accumulation, which truncates: ~2e-6 against float64 at S = 577, against
-~1e-5 for bf16x3 (docs/performance.md, precision "highest"). Every
+~1e-5 for bf16x3 (precision "highest"). Every
 scale is a power of two, so scaling is exact; the kernels take the scales out of the
 logits, delta and the outputs, and store each gradient once, in float32, in GRAD16 (no
 halves: the graph makes the next GEMMs' operands, with scales of their own).
@@ -84,6 +84,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma,
                                                               warpgroup_mma_init,
                                                               warpgroup_mma_wait)
+# Gluon's aggregate classes (its own kernels import the decorator from here too)
+from triton.language.core import _aggregate as aggregate
 
 from .gluon_compat import async_load, cta_barrier
 from .softmax_bwd import padded_head_dim
@@ -121,21 +123,87 @@ def copy_layout_of(num_warps, head_dim):
                             [1, 0])
 
 
+@aggregate
+class PassConstants:
+    """A pass's compile-time constants, derived in one place from its kernel's: a program
+    owns OWN_BLOCK rows (queries in the rows pass, keys in the cols pass) and sweeps the
+    other side in NUM_TILES tiles of SWEPT_BLOCK rows, NUM_STAGES deep in shared memory;
+    its S x S tiles are [OWN_BLOCK, SWEPT_BLOCK] (P and dP, or P^T and dP^T)."""
+    ROWS_PASS: gl.constexpr          # the rows pass (dO, q owned; k, v swept), or cols
+    SEQ_LEN: gl.constexpr
+    NUM_HEADS: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    EMBED: gl.constexpr              # NUM_HEADS * HEAD_DIM: grad_attn's row stride
+    HEAD_TILE: gl.constexpr          # the width of every [.., D] tile, zero-padded
+    OWN_BLOCK: gl.constexpr
+    SWEPT_BLOCK: gl.constexpr
+    NUM_TILES: gl.constexpr
+    NUM_STAGES: gl.constexpr
+    QKV_BATCH_STRIDE: gl.constexpr   # q, k, v's element strides (program_coordinates)
+    QKV_HEAD_STRIDE: gl.constexpr
+    QKV_ROW_STRIDE: gl.constexpr
+    dtype: gl.constexpr              # the operands' bf16 / fp16
+    PARTS: gl.constexpr              # 2: hi and lo tiles; 1: hi alone (one product)
+    SCALED: gl.constexpr             # scaled fp16 halves (fp16_halves)
+    P_FACTOR: gl.constexpr           # what a P tile is multiplied by before its split
+    HALVES: gl.constexpr             # halves_parts: whether the bf16 halves are stored
+    tile_layout: gl.constexpr        # the S x S tiles
+    acc_layout: gl.constexpr         # the [OWN_BLOCK, HEAD_TILE] accumulators
+    a_layout: gl.constexpr           # A operands of their products, from registers
+    copy_layout: gl.constexpr        # the cp.async copies (copy_layout_of)
+    row_vector: gl.constexpr         # [OWN_BLOCK] along an S x S tile's rows
+    column_vector: gl.constexpr      # [SWEPT_BLOCK] along its columns
+
+    @gluon.constexpr_function
+    def __init__(self, ROWS_PASS, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                 QKV_BATCH_STRIDE, QKV_HEAD_STRIDE, QKV_ROW_STRIDE, PRODUCTS, dtype,
+                 num_warps):
+        own_block, swept_block = (BLOCK_M, BLOCK_N) if ROWS_PASS else (BLOCK_N, BLOCK_M)
+        head_tile = padded_head_dim(HEAD_DIM)
+        scaled = fp16_halves(PRODUCTS, dtype)
+        tile_layout = wgmma_layout(num_warps, swept_block)
+        acc_layout = wgmma_layout(num_warps, head_tile)
+        self.ROWS_PASS = gl.constexpr(ROWS_PASS)
+        self.SEQ_LEN = gl.constexpr(SEQ_LEN)
+        self.NUM_HEADS = gl.constexpr(NUM_HEADS)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.EMBED = gl.constexpr(NUM_HEADS * HEAD_DIM)
+        self.HEAD_TILE = gl.constexpr(head_tile)
+        self.OWN_BLOCK = gl.constexpr(own_block)
+        self.SWEPT_BLOCK = gl.constexpr(swept_block)
+        self.NUM_TILES = gl.constexpr((SEQ_LEN + swept_block - 1) // swept_block)
+        self.NUM_STAGES = gl.constexpr(NUM_STAGES)
+        self.QKV_BATCH_STRIDE = gl.constexpr(QKV_BATCH_STRIDE)
+        self.QKV_HEAD_STRIDE = gl.constexpr(QKV_HEAD_STRIDE)
+        self.QKV_ROW_STRIDE = gl.constexpr(QKV_ROW_STRIDE)
+        self.dtype = gl.constexpr(dtype)
+        self.PARTS = gl.constexpr(2 if PRODUCTS == 3 else 1)
+        self.SCALED = gl.constexpr(scaled)
+        self.P_FACTOR = gl.constexpr(P_SCALE.value if scaled else 1.0)
+        self.HALVES = gl.constexpr(halves_parts(PRODUCTS, dtype))
+        self.tile_layout = gl.constexpr(tile_layout)
+        self.acc_layout = gl.constexpr(acc_layout)
+        self.a_layout = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                         k_width=2))
+        self.copy_layout = gl.constexpr(copy_layout_of(num_warps, head_tile))
+        self.row_vector = gl.constexpr(gl.SliceLayout(1, tile_layout))
+        self.column_vector = gl.constexpr(gl.SliceLayout(0, tile_layout))
+
+
 @gluon.jit
-def program_coordinates(BLOCK: gl.constexpr, SEQ_LEN: gl.constexpr,
-                        NUM_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                        QKV_BATCH_STRIDE: gl.constexpr, QKV_HEAD_STRIDE: gl.constexpr):
-    """This program's (batch, head, first of its BLOCK rows, batch * NUM_HEADS + head,
-    offset of its head in q, k, v, offset of its head's columns in grad_attn [B,S,E]):
-    program ids (row block, batch * NUM_HEADS + head), offsets in int64. q, k, v
-    [B,H,S,D] are at element strides (QKV_BATCH_STRIDE, QKV_HEAD_STRIDE, row stride, 1):
-    contiguous, or views of the module's QKV projection [B,S,3E]."""
-    batch = gl.program_id(1) // NUM_HEADS
-    head = gl.program_id(1) % NUM_HEADS
-    batch_head = (batch * NUM_HEADS + head).to(gl.int64)
-    return (batch, head, gl.program_id(0) * BLOCK, batch_head,
-            batch.to(gl.int64) * QKV_BATCH_STRIDE + head.to(gl.int64) * QKV_HEAD_STRIDE,
-            batch.to(gl.int64) * SEQ_LEN * NUM_HEADS * HEAD_DIM + head * HEAD_DIM)
+def program_coordinates(c):
+    """This program's (batch, head, first of its OWN_BLOCK rows, batch * NUM_HEADS +
+    head, offset of its head in q, k, v, offset of its head's columns in grad_attn
+    [B,S,E]) (c: the pass's PassConstants): program ids (row block, batch * NUM_HEADS +
+    head), offsets in int64. q, k, v [B,H,S,D] are at element strides (QKV_BATCH_STRIDE,
+    QKV_HEAD_STRIDE, QKV_ROW_STRIDE, 1): contiguous, or views of the module's QKV
+    projection [B,S,3E]."""
+    batch = gl.program_id(1) // c.NUM_HEADS
+    head = gl.program_id(1) % c.NUM_HEADS
+    batch_head = (batch * c.NUM_HEADS + head).to(gl.int64)
+    return (batch, head, gl.program_id(0) * c.OWN_BLOCK, batch_head,
+            batch.to(gl.int64) * c.QKV_BATCH_STRIDE + head.to(gl.int64) * c.QKV_HEAD_STRIDE,
+            batch.to(gl.int64) * c.SEQ_LEN * c.NUM_HEADS * c.HEAD_DIM + head * c.HEAD_DIM)
 
 
 @gluon.jit
@@ -191,16 +259,14 @@ def copy_rows(smem, base, row_start, row_stride, SEQ_LEN: gl.constexpr,
 
 
 @gluon.jit
-def copy_pair(smem, index, HI, LO, row_start, row_stride, SEQ_LEN: gl.constexpr,
-              BLOCK: gl.constexpr, HEAD_DIM: gl.constexpr, PARTS: gl.constexpr,
-              layout: gl.constexpr):
-    """The PARTS parts of one operand tile (hi and lo; hi alone for one product) into
-    smem.index(PARTS * index) onwards."""
-    copy_rows(smem.index(PARTS * index), HI, row_start, row_stride, SEQ_LEN, BLOCK,
-              HEAD_DIM, layout)
-    if PARTS == 2:
-        copy_rows(smem.index(2 * index + 1), LO, row_start, row_stride, SEQ_LEN, BLOCK,
-                  HEAD_DIM, layout)
+def copy_pair(c, smem, index, HI, LO, row_start, row_stride, BLOCK: gl.constexpr):
+    """The c.PARTS parts of one operand tile of BLOCK rows (hi and lo; hi alone for one
+    product) into smem.index(c.PARTS * index) onwards (c: the pass's PassConstants)."""
+    copy_rows(smem.index(c.PARTS * index), HI, row_start, row_stride, c.SEQ_LEN, BLOCK,
+              c.HEAD_DIM, c.copy_layout)
+    if c.PARTS == 2:
+        copy_rows(smem.index(2 * index + 1), LO, row_start, row_stride, c.SEQ_LEN, BLOCK,
+                  c.HEAD_DIM, c.copy_layout)
 
 
 @gluon.jit
@@ -343,6 +409,70 @@ def next_p_t_tile(probs_head, key_offsets, queries, m_start, n_start, SEQ_LEN: g
 
 
 @gluon.jit
+def start_pass(c, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, SCALES,
+               scale, RECOMPUTE_P: gl.constexpr, OPERAND_SMEM: gl.constexpr):
+    """The opening both passes share (c: their PassConstants). Returns this program's
+    place (program_coordinates); its units: grad_p_units (dP and delta in the units of
+    the scaled dO and v), logit_scale (the logits' scale in the units of q and k, times
+    log2(e)), then s_do, s_q, s_k, s_v, s_ds (operand_scales); and its operand tiles in
+    shared memory, their first copies issued: the rows it owns, once, in `own` (rows
+    pass: dO, and q with RECOMPUTE_P; cols pass: v, and k), and two rings of the tiles
+    it sweeps (rows pass: k, v; cols pass: dO, q), their first NUM_STAGES - 1 tiles
+    (copy_swept_tiles)."""
+    batch, head, start, batch_head, head_start, grad_attn_start = program_coordinates(c)
+    do_s, q_s, k_s, v_s, ds_s = operand_scales(SCALES, c.SCALED)
+    grad_p_units = do_s * v_s
+    logit_scale = scale * LOG2E / (q_s * k_s)
+
+    own = gl.allocate_shared_memory(c.dtype, [c.PARTS * (1 + RECOMPUTE_P), c.OWN_BLOCK,
+                                              c.HEAD_TILE], OPERAND_SMEM)
+    ring_first = gl.allocate_shared_memory(c.dtype, [c.PARTS * c.NUM_STAGES, c.SWEPT_BLOCK,
+                                                     c.HEAD_TILE], OPERAND_SMEM)
+    ring_second = gl.allocate_shared_memory(c.dtype, [c.PARTS * c.NUM_STAGES,
+                                                      c.SWEPT_BLOCK, c.HEAD_TILE],
+                                            OPERAND_SMEM)
+    if c.ROWS_PASS:
+        copy_pair(c, own, 0, GRAD_ATTN_HI + grad_attn_start, GRAD_ATTN_LO + grad_attn_start,
+                  start, c.EMBED, c.OWN_BLOCK)
+        if RECOMPUTE_P:
+            copy_pair(c, own, 1, Q_HI + head_start, Q_LO + head_start, start,
+                      c.QKV_ROW_STRIDE, c.OWN_BLOCK)
+    else:
+        copy_pair(c, own, 0, V_HI + head_start, V_LO + head_start, start, c.QKV_ROW_STRIDE,
+                  c.OWN_BLOCK)
+        if RECOMPUTE_P:
+            copy_pair(c, own, 1, K_HI + head_start, K_LO + head_start, start,
+                      c.QKV_ROW_STRIDE, c.OWN_BLOCK)
+    for stage in gl.static_range(c.NUM_STAGES - 1):
+        copy_swept_tiles(c, ring_first, ring_second, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
+                         K_HI, K_LO, V_HI, V_LO, head_start, grad_attn_start, stage)
+    return (batch, head, start, batch_head, head_start, grad_attn_start,
+            (grad_p_units, logit_scale, do_s, q_s, k_s, v_s, ds_s), own, ring_first,
+            ring_second)
+
+
+@gluon.jit
+def copy_swept_tiles(c, ring_first, ring_second, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
+                     K_HI, K_LO, V_HI, V_LO, head_start, grad_attn_start, tile):
+    """Issue, as one cp.async group, the copies of tile `tile` (rows [tile * SWEPT_BLOCK,
+    +SWEPT_BLOCK)) of the two operands a pass sweeps into slot tile % NUM_STAGES of their
+    rings: k and v in the rows pass, dO and q in the cols pass."""
+    slot = tile % c.NUM_STAGES
+    row_start = tile * c.SWEPT_BLOCK
+    if c.ROWS_PASS:
+        copy_pair(c, ring_first, slot, K_HI + head_start, K_LO + head_start, row_start,
+                  c.QKV_ROW_STRIDE, c.SWEPT_BLOCK)
+        copy_pair(c, ring_second, slot, V_HI + head_start, V_LO + head_start, row_start,
+                  c.QKV_ROW_STRIDE, c.SWEPT_BLOCK)
+    else:
+        copy_pair(c, ring_first, slot, GRAD_ATTN_HI + grad_attn_start,
+                  GRAD_ATTN_LO + grad_attn_start, row_start, c.EMBED, c.SWEPT_BLOCK)
+        copy_pair(c, ring_second, slot, Q_HI + head_start, Q_LO + head_start, row_start,
+                  c.QKV_ROW_STRIDE, c.SWEPT_BLOCK)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def cols_carried_values(BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
                         HEAD_TILE: gl.constexpr, dtype: gl.constexpr,
                         acc_layout: gl.constexpr, a_layout: gl.constexpr):
@@ -393,83 +523,49 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     (key block, batch * NUM_HEADS + head). Outputs as kernels/softmax_bwd.py's cols
     kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16, GRAD_KV_SUMS
     [B,G,2E] float32. SCALES: float32 [5], read with fp16 halves only."""
-    EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
-    HEAD_TILE: gl.constexpr = padded_head_dim(HEAD_DIM)     # [.., D] tiles, zero-padded
-    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_M - 1) // BLOCK_M
-    dtype: gl.constexpr = GRAD_ATTN_HI.dtype.element_ty      # the operands' bf16 / fp16
-    PARTS: gl.constexpr = 2 if PRODUCTS == 3 else 1         # hi and lo, or hi alone
-    SCALED: gl.constexpr = fp16_halves(PRODUCTS, dtype)
-    P_FACTOR: gl.constexpr = P_SCALE if SCALED else 1.0
-    HALVES: gl.constexpr = halves_parts(PRODUCTS, dtype)
-    # [BN,BM] tiles (P^T, dP^T) and [BN,D] accumulators (dK, dV); A operands of the
-    # [BN,D] products come from registers.
-    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_M)
-    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_TILE)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                 k_width=2)
-    copy_layout: gl.constexpr = copy_layout_of(num_warps, HEAD_TILE)
-    key_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
-    query_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
+    c = PassConstants(False, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                      QKV_BATCH_STRIDE, QKV_HEAD_STRIDE, QKV_ROW_STRIDE, PRODUCTS,
+                      GRAD_ATTN_HI.dtype.element_ty, num_warps)
+    # this program's keys: v (and k) once; the query-side tiles dO_j, q_j in rings
+    (batch, head, n_start, batch_head, head_start, grad_attn_start, units, own,
+     ring_grad_attn, ring_q) = start_pass(c, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
+                                          K_LO, V_HI, V_LO, SCALES, scale, RECOMPUTE_P,
+                                          OPERAND_SMEM)
+    grad_p_units, logit_scale, do_s, q_s, k_s, v_s, ds_s = units
 
-    batch, head, n_start, batch_head, head_start, grad_attn_start = program_coordinates(
-        BLOCK_N, SEQ_LEN, NUM_HEADS, HEAD_DIM, QKV_BATCH_STRIDE, QKV_HEAD_STRIDE)
-    # dP^T and delta in the units of the scaled dO and v; the logits in those of q and k
-    do_s, q_s, k_s, v_s, ds_s = operand_scales(SCALES, SCALED)
-    grad_p_units = do_s * v_s
-    logit_scale = scale * LOG2E / (q_s * k_s)
-
-    # this program's keys: v (and k) once; the query-side tiles dO_j, q_j in a ring
-    own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_N, HEAD_TILE],
-                                    OPERAND_SMEM)
-    ring_grad_attn = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_M,
-                                                       HEAD_TILE], OPERAND_SMEM)
-    ring_q = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_M, HEAD_TILE],
-                                       OPERAND_SMEM)
-    copy_pair(own, 0, V_HI + head_start, V_LO + head_start, n_start, QKV_ROW_STRIDE,
-              SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
-    if RECOMPUTE_P:
-        copy_pair(own, 1, K_HI + head_start, K_LO + head_start, n_start, QKV_ROW_STRIDE,
-                  SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
-    for stage in gl.static_range(NUM_STAGES - 1):
-        copy_pair(ring_grad_attn, stage, GRAD_ATTN_HI + grad_attn_start,
-                  GRAD_ATTN_LO + grad_attn_start, stage * BLOCK_M, EMBED, SEQ_LEN, BLOCK_M,
-                  HEAD_DIM, PARTS, copy_layout)
-        copy_pair(ring_q, stage, Q_HI + head_start, Q_LO + head_start, stage * BLOCK_M,
-                  QKV_ROW_STRIDE, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
-        async_copy.commit_group()
-
-    keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
+    keys = n_start + gl.arange(0, BLOCK_N, layout=c.row_vector)
     probs_head = PROBS + batch_head * SEQ_LEN * SEQ_LEN        # P, or lse [S] per head
     lse_head = PROBS + batch_head * SEQ_LEN
     delta_head = DELTA + batch_head * SEQ_LEN
     if not RECOMPUTE_P:
         # P^T tiles [BN,BM]: element (key, query) at query * SEQ_LEN + key
         key_offsets = clamped(keys, SEQ_LEN)[:, None]
-        queries = gl.arange(0, BLOCK_M, layout=query_vector)
+        queries = gl.arange(0, BLOCK_M, layout=c.column_vector)
         p_t_next = gl.load(probs_head + key_offsets
                            + (clamped(queries, SEQ_LEN) * SEQ_LEN)[None, :])
         for ahead in gl.static_range(1, PREFETCH + 1):
             prefetch_to_l2(probs_head, ahead * BLOCK_M, n_start, SEQ_LEN, BLOCK_M,
                            BLOCK_N, num_warps)
-    zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=tile_layout)
+    zeros_tile = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=c.tile_layout)
     grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = cols_carried_values(
-        BLOCK_N, BLOCK_M, HEAD_TILE, dtype, acc_layout, a_layout)
-    for m_tile in range(NUM_TILES):
+        BLOCK_N, BLOCK_M, c.HEAD_TILE, c.dtype, c.acc_layout, c.a_layout)
+    for m_tile in range(c.NUM_TILES):
         slot = m_tile % NUM_STAGES
         m_start = m_tile * BLOCK_M
         async_copy.wait_group(NUM_STAGES - 2)          # this tile's copies have landed
         cta_barrier()
         fence_async_shared()
-        grad_attn_hi, grad_attn_lo = tile_parts(ring_grad_attn, slot, PARTS)  # [BM,D]
-        q_hi, q_lo = tile_parts(ring_q, slot, PARTS)                          # [BM,D]
-        queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
-        delta = load_vector(delta_head, m_start, SEQ_LEN, BLOCK_M, query_vector) * grad_p_units
+        grad_attn_hi, grad_attn_lo = tile_parts(ring_grad_attn, slot, c.PARTS)  # [BM,D]
+        q_hi, q_lo = tile_parts(ring_q, slot, c.PARTS)                        # [BM,D]
+        queries = m_start + gl.arange(0, BLOCK_M, layout=c.column_vector)
+        delta = (load_vector(delta_head, m_start, SEQ_LEN, BLOCK_M, c.column_vector)
+                 * grad_p_units)
         if RECOMPUTE_P:
-            lse = load_vector(lse_head, m_start, SEQ_LEN, BLOCK_M, query_vector)
-            k_hi, k_lo = tile_parts(own, 1, PARTS)                        # [BN,D]
+            lse = load_vector(lse_head, m_start, SEQ_LEN, BLOCK_M, c.column_vector)
+            k_hi, k_lo = tile_parts(own, 1, c.PARTS)                      # [BN,D]
             logits_t = issue_products(k_hi, k_lo, q_hi.permute((1, 0)),
                                       q_lo.permute((1, 0)), zeros_tile, False, PRODUCTS)
-        v_hi, v_lo = tile_parts(own, 0, PARTS)                            # [BN,D]
+        v_hi, v_lo = tile_parts(own, 0, c.PARTS)                          # [BN,D]
         grad_p_t = issue_products(v_hi, v_lo, grad_attn_hi.permute((1, 0)),
                                   grad_attn_lo.permute((1, 0)), zeros_tile, False,
                                   PRODUCTS)                                # [BN,BM]
@@ -484,7 +580,7 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             # dV of the previous tile is done reading the registers about to be reused
             p_t_hi, p_t_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_t_hi, p_t_lo))
             p_t = p_t_next
-        p_t_hi, p_t_lo = split_operand(p_t, dtype, PRODUCTS, a_layout, P_FACTOR)
+        p_t_hi, p_t_lo = split_operand(p_t, c.dtype, PRODUCTS, c.a_layout, c.P_FACTOR)
         grad_v = issue_products(p_t_hi, p_t_lo, grad_attn_hi, grad_attn_lo, grad_v, True,
                                 PRODUCTS)
         if RECOMPUTE_P:
@@ -495,30 +591,25 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
             grad_p_t, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
                 PRODUCTS, deps=(grad_p_t, grad_s_t_hi, grad_s_t_lo))
         grad_s_t = p_t * (grad_p_t - delta[None, :])                      # [BN,BM]
-        grad_s_t_hi, grad_s_t_lo = split_operand(grad_s_t, dtype, PRODUCTS, a_layout,
+        grad_s_t_hi, grad_s_t_lo = split_operand(grad_s_t, c.dtype, PRODUCTS, c.a_layout,
                                                  ds_s)
         grad_k = issue_products(grad_s_t_hi, grad_s_t_lo, q_hi, q_lo, grad_k, True,
                                 PRODUCTS)
         # every warpgroup is past the products of tile m_tile - 1: refill its slot
         cta_barrier()
-        refill = m_tile + NUM_STAGES - 1
-        copy_pair(ring_grad_attn, refill % NUM_STAGES, GRAD_ATTN_HI + grad_attn_start,
-                  GRAD_ATTN_LO + grad_attn_start, refill * BLOCK_M, EMBED, SEQ_LEN,
-                  BLOCK_M, HEAD_DIM, PARTS, copy_layout)
-        copy_pair(ring_q, refill % NUM_STAGES, Q_HI + head_start, Q_LO + head_start,
-                  refill * BLOCK_M, QKV_ROW_STRIDE, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS,
-                  copy_layout)
-        async_copy.commit_group()
+        copy_swept_tiles(c, ring_grad_attn, ring_q, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO,
+                         K_HI, K_LO, V_HI, V_LO, head_start, grad_attn_start,
+                         m_tile + NUM_STAGES - 1)
     grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo = warpgroup_mma_wait(
         0, deps=(grad_k, grad_v, p_t_hi, p_t_lo, grad_s_t_hi, grad_s_t_lo))
     async_copy.wait_group(0)
 
     grad_k = grad_k * (scale / (ds_s * grad_p_units * q_s))
-    if SCALED:
-        grad_v = grad_v * (1.0 / (P_FACTOR * do_s))
+    if c.SCALED:
+        grad_v = grad_v * (1.0 / (c.P_FACTOR * do_s))
     store_cols_outputs(GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS, grad_k, grad_v, batch, head,
-                       n_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, HALVES, SUM_ROWS, BLOCK_N,
-                       acc_layout)
+                       n_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, c.HALVES, SUM_ROWS, BLOCK_N,
+                       c.acc_layout)
 
 
 @gluon.jit
@@ -558,98 +649,63 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     bf16, DELTA [B,H,S], GRAD_Q_SUMS [B,G,E] float32. With RECOMPUTE_P, PROBS is lse and delta = rowsum(dO * O) comes
     from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read. SCALES: float32 [5], read
     with fp16 halves only; DELTA is stored unscaled."""
-    EMBED: gl.constexpr = NUM_HEADS * HEAD_DIM
-    HEAD_TILE: gl.constexpr = padded_head_dim(HEAD_DIM)     # [.., D] tiles, zero-padded
-    NUM_TILES: gl.constexpr = (SEQ_LEN + BLOCK_N - 1) // BLOCK_N
-    dtype: gl.constexpr = GRAD_ATTN_HI.dtype.element_ty      # the operands' bf16 / fp16
-    PARTS: gl.constexpr = 2 if PRODUCTS == 3 else 1         # hi and lo, or hi alone
-    SCALED: gl.constexpr = fp16_halves(PRODUCTS, dtype)
-    P_FACTOR: gl.constexpr = P_SCALE if SCALED else 1.0
-    HALVES: gl.constexpr = halves_parts(PRODUCTS, dtype)
-    # [BM,BN] tiles (P, dP) and [BM,D] accumulators (dQ); A operands of the [BM,D]
-    # products come from registers.
-    tile_layout: gl.constexpr = wgmma_layout(num_warps, BLOCK_N)
-    acc_layout: gl.constexpr = wgmma_layout(num_warps, HEAD_TILE)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
-                                                 k_width=2)
-    copy_layout: gl.constexpr = copy_layout_of(num_warps, HEAD_TILE)
-    query_vector: gl.constexpr = gl.SliceLayout(1, tile_layout)
-    key_vector: gl.constexpr = gl.SliceLayout(0, tile_layout)
+    c = PassConstants(True, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
+                      QKV_BATCH_STRIDE, QKV_HEAD_STRIDE, QKV_ROW_STRIDE, PRODUCTS,
+                      GRAD_ATTN_HI.dtype.element_ty, num_warps)
+    # this program's queries: dO (and q) once; the key-side tiles k_j, v_j in rings
+    (batch, head, m_start, batch_head, head_start, grad_attn_start, units, own, ring_k,
+     ring_v) = start_pass(c, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI,
+                          V_LO, SCALES, scale, RECOMPUTE_P, OPERAND_SMEM)
+    grad_p_units, logit_scale, do_s, q_s, k_s, v_s, ds_s = units
 
-    batch, head, m_start, batch_head, head_start, grad_attn_start = program_coordinates(
-        BLOCK_M, SEQ_LEN, NUM_HEADS, HEAD_DIM, QKV_BATCH_STRIDE, QKV_HEAD_STRIDE)
-    # dP and delta in the units of the scaled dO and v; the logits in those of q and k
-    do_s, q_s, k_s, v_s, ds_s = operand_scales(SCALES, SCALED)
-    grad_p_units = do_s * v_s
-    logit_scale = scale * LOG2E / (q_s * k_s)
-
-    # this program's queries: dO (and q) once; the key-side tiles k_j, v_j in a ring
-    own = gl.allocate_shared_memory(dtype, [PARTS * (1 + RECOMPUTE_P), BLOCK_M, HEAD_TILE],
-                                    OPERAND_SMEM)
-    ring_k = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_N, HEAD_TILE],
-                                       OPERAND_SMEM)
-    ring_v = gl.allocate_shared_memory(dtype, [PARTS * NUM_STAGES, BLOCK_N, HEAD_TILE],
-                                       OPERAND_SMEM)
-    copy_pair(own, 0, GRAD_ATTN_HI + grad_attn_start, GRAD_ATTN_LO + grad_attn_start,
-              m_start, EMBED, SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
-    if RECOMPUTE_P:
-        copy_pair(own, 1, Q_HI + head_start, Q_LO + head_start, m_start, QKV_ROW_STRIDE,
-                  SEQ_LEN, BLOCK_M, HEAD_DIM, PARTS, copy_layout)
-    for stage in gl.static_range(NUM_STAGES - 1):
-        copy_pair(ring_k, stage, K_HI + head_start, K_LO + head_start, stage * BLOCK_N,
-                  QKV_ROW_STRIDE, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
-        copy_pair(ring_v, stage, V_HI + head_start, V_LO + head_start, stage * BLOCK_N,
-                  QKV_ROW_STRIDE, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS, copy_layout)
-        async_copy.commit_group()
-
-    queries = m_start + gl.arange(0, BLOCK_M, layout=query_vector)
+    queries = m_start + gl.arange(0, BLOCK_M, layout=c.row_vector)
     probs_rows = PROBS + batch_head * SEQ_LEN * SEQ_LEN
-    keys = gl.arange(0, BLOCK_N, layout=key_vector)
+    keys = gl.arange(0, BLOCK_N, layout=c.column_vector)
     if RECOMPUTE_P:
         lse = load_vector(PROBS + batch_head * SEQ_LEN, m_start, SEQ_LEN, BLOCK_M,
-                          query_vector)
+                          c.row_vector)
         # delta = rowsum(dO * O), both [BM,D] rows of this head in [B,S,E]
-        head_cols = gl.arange(0, HEAD_TILE, layout=gl.SliceLayout(0, tile_layout))
-        rows_e = (batch * SEQ_LEN + queries[:, None]).to(gl.int64) * EMBED
+        head_cols = gl.arange(0, c.HEAD_TILE, layout=gl.SliceLayout(0, c.tile_layout))
+        rows_e = (batch * SEQ_LEN + queries[:, None]).to(gl.int64) * c.EMBED
         offsets = rows_e + head * HEAD_DIM + head_cols[None, :]
         row_ok = (queries < SEQ_LEN)[:, None]
-        if HEAD_TILE != HEAD_DIM:
+        if c.HEAD_TILE != HEAD_DIM:
             row_ok = row_ok & (head_cols < HEAD_DIM)[None, :]
         grad_attn = gl.load(GRAD_ATTN_HI + offsets, mask=row_ok, other=0.0).to(gl.float32)
-        if PARTS == 2:
+        if c.PARTS == 2:
             grad_attn += gl.load(GRAD_ATTN_LO + offsets, mask=row_ok, other=0.0).to(gl.float32)
         attn_output = gl.load(ATTN_OUT + offsets, mask=row_ok, other=0.0).to(gl.float32)
         delta = gl.sum(grad_attn * attn_output, axis=1) * v_s             # [BM]
     else:
-        delta = gl.zeros([BLOCK_M], gl.float32, layout=query_vector)      # summed below
+        delta = gl.zeros([BLOCK_M], gl.float32, layout=c.row_vector)      # summed below
         row_offsets = (clamped(queries, SEQ_LEN) * SEQ_LEN)[:, None]
         p_next = gl.load(probs_rows + row_offsets + clamped(keys, SEQ_LEN)[None, :])
         for ahead in gl.static_range(1, PREFETCH + 1):
             prefetch_to_l2(probs_rows, m_start, ahead * BLOCK_N, SEQ_LEN, BLOCK_M, BLOCK_N,
                            num_warps)
-        p_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_TILE], gl.float32,
-                                          layout=acc_layout))
-    zeros_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=tile_layout)
-    grad_s_k = warpgroup_mma_init(gl.zeros([BLOCK_M, HEAD_TILE], gl.float32,
-                                           layout=acc_layout))
-    p_hi = gl.zeros([BLOCK_M, BLOCK_N], dtype, layout=a_layout)
+        p_k = warpgroup_mma_init(gl.zeros([BLOCK_M, c.HEAD_TILE], gl.float32,
+                                          layout=c.acc_layout))
+    zeros_tile = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=c.tile_layout)
+    grad_s_k = warpgroup_mma_init(gl.zeros([BLOCK_M, c.HEAD_TILE], gl.float32,
+                                           layout=c.acc_layout))
+    p_hi = gl.zeros([BLOCK_M, BLOCK_N], c.dtype, layout=c.a_layout)
     p_lo = p_hi
     grad_s_hi = p_hi
     grad_s_lo = p_hi
-    for n_tile in range(NUM_TILES):
+    for n_tile in range(c.NUM_TILES):
         slot = n_tile % NUM_STAGES
         n_start = n_tile * BLOCK_N
         async_copy.wait_group(NUM_STAGES - 2)
         cta_barrier()
         fence_async_shared()
-        k_hi, k_lo = tile_parts(ring_k, slot, PARTS)                       # [BN,D]
-        v_hi, v_lo = tile_parts(ring_v, slot, PARTS)
-        keys = n_start + gl.arange(0, BLOCK_N, layout=key_vector)
+        k_hi, k_lo = tile_parts(ring_k, slot, c.PARTS)                     # [BN,D]
+        v_hi, v_lo = tile_parts(ring_v, slot, c.PARTS)
+        keys = n_start + gl.arange(0, BLOCK_N, layout=c.column_vector)
         if RECOMPUTE_P:
-            q_hi, q_lo = tile_parts(own, 1, PARTS)                        # [BM,D]
+            q_hi, q_lo = tile_parts(own, 1, c.PARTS)                      # [BM,D]
             logits = issue_products(q_hi, q_lo, k_hi.permute((1, 0)),
                                     k_lo.permute((1, 0)), zeros_tile, False, PRODUCTS)
-        grad_attn_hi, grad_attn_lo = tile_parts(own, 0, PARTS)            # [BM,D]
+        grad_attn_hi, grad_attn_lo = tile_parts(own, 0, c.PARTS)          # [BM,D]
         grad_p = issue_products(grad_attn_hi, grad_attn_lo, v_hi.permute((1, 0)),
                                 v_lo.permute((1, 0)), zeros_tile, False, PRODUCTS)  # [BM,BN]
         if RECOMPUTE_P:
@@ -663,7 +719,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
         else:
             p_hi, p_lo = warpgroup_mma_wait(2 * PRODUCTS, deps=(p_hi, p_lo))
             p = p_next
-            p_hi, p_lo = split_operand(p, dtype, PRODUCTS, a_layout, P_FACTOR)
+            p_hi, p_lo = split_operand(p, c.dtype, PRODUCTS, c.a_layout, c.P_FACTOR)
             p_k = issue_products(p_hi, p_lo, k_hi, k_lo, p_k, True, PRODUCTS)
             p_next = next_p_tile(probs_rows, row_offsets, keys, m_start, n_start, SEQ_LEN,
                                  BLOCK_M, BLOCK_N, PREFETCH, num_warps)
@@ -671,18 +727,12 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                 PRODUCTS, deps=(grad_p, grad_s_hi, grad_s_lo))
             grad_s = p * grad_p
             delta += gl.sum(grad_s, axis=1)
-        grad_s_hi, grad_s_lo = split_operand(grad_s, dtype, PRODUCTS, a_layout, ds_s)
+        grad_s_hi, grad_s_lo = split_operand(grad_s, c.dtype, PRODUCTS, c.a_layout, ds_s)
         grad_s_k = issue_products(grad_s_hi, grad_s_lo, k_hi, k_lo, grad_s_k, True,
                                   PRODUCTS)
         cta_barrier()
-        refill = n_tile + NUM_STAGES - 1
-        copy_pair(ring_k, refill % NUM_STAGES, K_HI + head_start, K_LO + head_start,
-                  refill * BLOCK_N, QKV_ROW_STRIDE, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS,
-                  copy_layout)
-        copy_pair(ring_v, refill % NUM_STAGES, V_HI + head_start, V_LO + head_start,
-                  refill * BLOCK_N, QKV_ROW_STRIDE, SEQ_LEN, BLOCK_N, HEAD_DIM, PARTS,
-                  copy_layout)
-        async_copy.commit_group()
+        copy_swept_tiles(c, ring_k, ring_v, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
+                         V_HI, V_LO, head_start, grad_attn_start, n_tile + NUM_STAGES - 1)
     async_copy.wait_group(0)
     if RECOMPUTE_P:
         grad_s_k, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
@@ -691,12 +741,12 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     else:
         grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo = warpgroup_mma_wait(
             0, deps=(grad_s_k, p_k, p_hi, p_lo, grad_s_hi, grad_s_lo))
-        delta_acc = gl.convert_layout(delta, gl.SliceLayout(1, acc_layout))
-        grad_q = ((grad_s_k - delta_acc[:, None] * p_k * (ds_s / P_FACTOR))
+        delta_acc = gl.convert_layout(delta, gl.SliceLayout(1, c.acc_layout))
+        grad_q = ((grad_s_k - delta_acc[:, None] * p_k * (ds_s / c.P_FACTOR))
                   * (scale / (ds_s * grad_p_units * k_s)))
 
-    if SCALED:
+    if c.SCALED:
         delta = delta * (1.0 / grad_p_units)
     store_rows_outputs(DELTA, GRAD_Q16, GRAD_Q_HALVES, GRAD_Q_SUMS, grad_q, delta, batch_head,
-                       batch, head, m_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, HALVES, SUM_ROWS,
-                       BLOCK_M, query_vector, acc_layout)
+                       batch, head, m_start, SEQ_LEN, NUM_HEADS, HEAD_DIM, c.HALVES, SUM_ROWS,
+                       BLOCK_M, c.row_vector, c.acc_layout)
