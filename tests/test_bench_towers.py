@@ -8,6 +8,7 @@ the GPU runs of the same suites are the script's docstring's commands. The integ
 head_dims and restart suites share run_towers / train_step with these and are left to
 the GPU run (their compiles of four or more towers would take minutes here)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +34,10 @@ def run_suite(out, suite, *extra):
 
 
 def check_row(row):
+    """A row's figures are positive and finite, its median inside its spread (which
+    model was faster is not asserted: on a shared machine it is noise)."""
+    assert all(math.isfinite(row[k]) for k in ("min_ms", "median_ms", "max_ms",
+                                               "first_step_s")), row
     assert 0 < row["min_ms"] <= row["median_ms"] <= row["max_ms"], row
     assert row["first_step_s"] > 0, row
 
@@ -97,9 +102,8 @@ def test_halves_suite_takes_each_attention_half_against_the_tower_without_them(t
                          "without attention", "compiled without attention"}
     for row in rows.values():
         check_row(row)
-    # the tower without attention halves is faster than either tower with them
-    for name in ("stock", "swapped"):
-        assert rows["without attention"]["median_ms"] < rows[name]["median_ms"]
+    assert set(result["attention_half_ms"]) == {"stock", "swapped", "compiled stock",
+                                                "compiled swapped"}
     for name, half in result["attention_half_ms"].items():
         assert half["without"] == ("compiled " if name.startswith("compiled") else "") \
             + "without attention"
