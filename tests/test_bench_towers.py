@@ -74,8 +74,14 @@ def test_deterministic_suite_repeats_every_step_bitwise_under_the_flag(tmp_path)
                     (result["setting"], mode, name)
 
 
-def test_host_suite_times_both_blocks(tmp_path):
-    record, _ = run_suite(tmp_path, "host", "--batch-sizes", "1")
+@pytest.fixture(scope="module")
+def host_suite(tmp_path_factory):
+    """The host suite's record and stdout, run once for the two tests that read it."""
+    return run_suite(tmp_path_factory.mktemp("host"), "host", "--batch-sizes", "1")
+
+
+def test_host_suite_times_both_blocks(host_suite):
+    record, _ = host_suite
     assert {(r["setting"], r["batch"]) for r in record["results"]} == {
         ("autocast", 1), ("float32 high", 1)}
     for r in record["results"]:
@@ -84,8 +90,8 @@ def test_host_suite_times_both_blocks(tmp_path):
             r["host_us"]["stock"] / r["host_us"]["swapped"])
 
 
-def test_host_suite_times_the_hf_attention_half_too(tmp_path):
-    record, stdout = run_suite(tmp_path, "host", "--batch-sizes", "1")
+def test_host_suite_times_the_hf_attention_half_too(host_suite):
+    record, stdout = host_suite
     for r in record["results"]:
         assert r["host_us"]["hf stock"] > 0
         assert r["hf_stock_over_swapped"] == pytest.approx(
