@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import vitattn_bwd
@@ -13,8 +13,14 @@ from vitattn_bwd import contract
 from vitattn_bwd.workloads import OUTPUT_NAMES
 
 from .helpers import assert_within_bounds, make_case
+from .strategies import profile_examples
 
 
+# Each example at a new (S, H, D) is an Inductor compile (~15 s on 2 CPU cores): under the
+# ci profile one wide explicit case and two drawn ones (tests/test_properties.py's
+# compiled-CPU property draws more shapes against the same float64 bounds).
+@settings(max_examples=profile_examples(2))
+@example(B=3, S=79, H=4, D=32, ln_grad="contract", seed=11)
 @given(B=st.integers(1, 4), S=st.sampled_from([1, 2, 7, 16, 31, 53, 64, 79, 80]),
        H=st.integers(1, 4), D=st.sampled_from([8, 16, 32, 64]),
        ln_grad=st.sampled_from(["exact", "contract"]), seed=st.integers(0, 2 ** 16))
