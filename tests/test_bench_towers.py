@@ -8,6 +8,7 @@ the GPU runs of the same suites are the script's docstring's commands. The integ
 head_dims and restart suites share run_towers / train_step with these and are left to
 the GPU run (their compiles of four or more towers would take minutes here)."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -33,6 +34,10 @@ def run_suite(out, suite, *extra):
 
 
 def check_row(row):
+    """A row's figures are positive and finite, its median inside its spread (which
+    model was faster is not asserted: on a shared machine it is noise)."""
+    assert all(math.isfinite(row[k]) for k in ("min_ms", "median_ms", "max_ms",
+                                               "first_step_s")), row
     assert 0 < row["min_ms"] <= row["median_ms"] <= row["max_ms"], row
     assert row["first_step_s"] > 0, row
 
@@ -69,8 +74,14 @@ def test_deterministic_suite_repeats_every_step_bitwise_under_the_flag(tmp_path)
                     (result["setting"], mode, name)
 
 
-def test_host_suite_times_both_blocks(tmp_path):
-    record, _ = run_suite(tmp_path, "host", "--batch-sizes", "1")
+@pytest.fixture(scope="module")
+def host_suite(tmp_path_factory):
+    """The host suite's record and stdout, run once for the two tests that read it."""
+    return run_suite(tmp_path_factory.mktemp("host"), "host", "--batch-sizes", "1")
+
+
+def test_host_suite_times_both_blocks(host_suite):
+    record, _ = host_suite
     assert {(r["setting"], r["batch"]) for r in record["results"]} == {
         ("autocast", 1), ("float32 high", 1)}
     for r in record["results"]:
@@ -79,8 +90,8 @@ def test_host_suite_times_both_blocks(tmp_path):
             r["host_us"]["stock"] / r["host_us"]["swapped"])
 
 
-def test_host_suite_times_the_hf_attention_half_too(tmp_path):
-    record, stdout = run_suite(tmp_path, "host", "--batch-sizes", "1")
+def test_host_suite_times_the_hf_attention_half_too(host_suite):
+    record, stdout = host_suite
     for r in record["results"]:
         assert r["host_us"]["hf stock"] > 0
         assert r["hf_stock_over_swapped"] == pytest.approx(
@@ -97,9 +108,8 @@ def test_halves_suite_takes_each_attention_half_against_the_tower_without_them(t
                          "without attention", "compiled without attention"}
     for row in rows.values():
         check_row(row)
-    # the tower without attention halves is faster than either tower with them
-    for name in ("stock", "swapped"):
-        assert rows["without attention"]["median_ms"] < rows[name]["median_ms"]
+    assert set(result["attention_half_ms"]) == {"stock", "swapped", "compiled stock",
+                                                "compiled swapped"}
     for name, half in result["attention_half_ms"].items():
         assert half["without"] == ("compiled " if name.startswith("compiled") else "") \
             + "without attention"

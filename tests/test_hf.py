@@ -777,6 +777,66 @@ def test_molmo_style_attention_dropout_modules(p):
         assert len(swapped_layers(swap_attention(tower, vision_only=False))) == 2
 
 
+# Molmo's DinoResidualAttentionBlock (olmo/image_vit.py): per-channel layer scales
+# lambda1 / lambda2 (ones at init, trained), each multiplying its half's output.
+class DinoResidualAttentionBlock(ResidualAttentionBlock):
+    def __init__(self, dim, heads, eps):
+        super().__init__(dim, heads, eps)
+        self.lambda1 = nn.Parameter(torch.ones(dim))
+        self.lambda2 = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x)) * self.lambda1
+        return x + self.feed_forward(self.ffn_norm(x)) * self.lambda2
+
+
+class Lambda1InsideBlock(DinoResidualAttentionBlock):
+    """lambda1 on the attention's values before the out projection: not a layer scale."""
+    def forward(self, x):
+        h = self.attention_norm(x)
+        B, S, E = h.shape
+        attn = self.attention
+        q, k, v = (lin(h).view(B, S, attn.num_heads, attn.head_dim).transpose(1, 2)
+                   for lin in (attn.wq, attn.wk, attn.wv))
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, S, E)
+        x = x + attn.wo(o * self.lambda1)
+        return x + self.feed_forward(self.ffn_norm(x)) * self.lambda2
+
+
+def test_molmo_dino_block_with_layer_scales_swaps_exactly(spy):
+    """lambda1 folded into the fused half's out projection, lambda2 on the stock FFN
+    half: in float64 the output and every parameter's gradient (lambda1 and lambda2
+    among them, moved off their init of ones) equal the stock tower's."""
+    torch.manual_seed(0)
+    stock = _perturb(_tower_of(DinoResidualAttentionBlock).double())
+    ours = swap_attention(copy.deepcopy(stock), vision_only=False)
+    assert swapped_layers(ours) == ["resblocks.0", "resblocks.1"]
+    assert list(ours.state_dict()) == list(stock.state_dict())
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    g = torch.randn(2, 7, 32, dtype=torch.float64)
+    want, got = stock(x), ours(x)
+    assert len(spy) == 2                              # both layers ran the fused half
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    names = [n for n, _ in ours.named_parameters()]
+    assert "resblocks.0.lambda1" in names and "resblocks.1.lambda2" in names
+    for name, a, b in zip(names, torch.autograd.grad(got, list(ours.parameters()), g),
+                          torch.autograd.grad(want, list(stock.parameters()), g)):
+        assert a.abs().max() > 0, name
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_molmo_style_layer_scales_used_otherwise_or_misshapen_are_refused():
+    """A lambda1 that is not a scale of the half's output fails the probe; a layer
+    scale that is not a [E] tensor is refused by name."""
+    _refused(_tower_of(Lambda1InsideBlock), r"resblocks\.0: Lambda1InsideBlock does not "
+             r"compute x \+ attention\(attention_norm\(x\)\) \[\* lambda1\].*differs",
+             vision_only=False)
+    tower = _tower_of(DinoResidualAttentionBlock)
+    tower.resblocks[0].lambda2 = nn.Parameter(torch.ones(1, 32))
+    _refused(tower, r"resblocks\.0: lambda2 must be a floating tensor of shape \(32,\)",
+             vision_only=False)
+
+
 # --------------------------------------------------------------------------------------
 # inside torch.compile
 # --------------------------------------------------------------------------------------

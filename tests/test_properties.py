@@ -139,7 +139,8 @@ def test_interpreter_core_bounds_separate_bf16x3_from_one_bf16_product(triton_in
 
 # --- the compiled CPU path -----------------------------------------------------------
 
-# each new (shape, scale, eps, mode, dtype, batch bucket) is a compile of a few seconds
+# each new (shape, scale, eps, mode, dtype, batch bucket) is a compile of a few seconds:
+# under the ci profile the explicit case and 3 drawn ones (the thorough profile: 30)
 COMPILED_CPU = S.block_cases(seqs=S.seq_lens(24), max_heads=2, head_dims=(8, 16),
                              max_batch=4, dtypes=(torch.float32, torch.float64),
                              batches=st.one_of(st.integers(1, 4), st.sampled_from([16, 17])))
@@ -156,7 +157,7 @@ def _check_compiled_cpu(case):
 
 def test_compiled_cpu_path_matches_float64():
     S.run_property("compiled CPU path", _check_compiled_cpu, COMPILED_CPU,
-                   explicit=[BLOCK_EXAMPLE], max_examples=S.profile_examples(4, 30))
+                   explicit=[BLOCK_EXAMPLE], max_examples=S.profile_examples(3, 30))
 
 
 # the other block plants (settings, recompiles) are invariants of tests/test_stateful.py
@@ -173,7 +174,8 @@ def test_compiled_cpu_property_catches(plant):
 # --- VisionAttentionBlock on the CPU ----------------------------------------------------
 
 # bounds: BLOCK_BOUNDS_CPU by dtype (plain float32 / float64 math, forward and backward).
-# Each new (shape, eps, dtype, batch bucket) compiles the backward (~3 s): few examples.
+# Each new (shape, eps, dtype, batch bucket) compiles the backward (~3 s): few examples
+# (ci: the explicit case and 2 drawn; thorough: 20).
 MODULE_CPU = S.module_cases(seqs=S.seq_lens(24), max_heads=2, head_dims=(8, 16),
                             batches=st.integers(1, 3),
                             dtypes=(torch.float32, torch.float64))
@@ -188,7 +190,7 @@ def _check_module_cpu(case):
 
 def test_module_cpu_matches_float64():
     S.run_property("module on the CPU", _check_module_cpu, MODULE_CPU,
-                   explicit=[MODULE_EXAMPLE], max_examples=S.profile_examples(3, 20))
+                   explicit=[MODULE_EXAMPLE], max_examples=S.profile_examples(2, 20))
 
 
 # each plant at the module's forward (the attention operator it calls) and at its backward

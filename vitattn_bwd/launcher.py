@@ -5,10 +5,9 @@ argument, builds a cache key from their type strings (a Gluon tensor descriptor'
 includes its layout's repr) and looks the compiled kernel up, on every call: on a CPU
 core with the driver's launch stubbed, 55.7 us for the warp-specialized backward's main
 kernel and 27.5 for its delta kernel (triton 3.6), against ~1 us for the compiled
-kernel's own launch and 2.9-6.0 us for this module's checks and key
-(docs/runs/one_off/launcher_key_cost_cpu_6bac151.txt). On the H200's host the backward's
-launcher took 186-198 us a call this way against 241-254 through the JIT path
-(docs/performance.md, "The launch cache").
+kernel's own launch and 2.9-6.0 us for this module's checks and key. On the H200's host
+the backward's launcher took 186-198 us a call this way against 241-254 through the JIT
+path.
 
     launch(kernel, grid, *args, **kwargs)
 
@@ -33,10 +32,12 @@ grid given as a callable, an argument of a kind the facts do not cover or a keyw
 value that cannot be hashed, a constexpr given by position (triton keys on its value,
 the facts on its kind), a constexpr global of the kernel that changed since it was
 compiled (triton raises there), and a JIT path that returns no compiled kernel.
+
+Importing this module does not import triton (the package's CPU path runs without it):
+triton's knobs, driver and JITFunction are bound here at the first launch.
 """
-from triton import knobs
-from triton.runtime import driver
-from triton.runtime.jit import JITFunction
+# triton's, bound by _bind_triton at the first launch; a test may patch one in before
+knobs = driver = JITFunction = None
 
 # (id(kernel), device, facts, kwargs, triton's knobs) -> (compiled kernel, the
 # constexprs' values in the kernel's argument order)
@@ -89,9 +90,22 @@ def _globals_unchanged(kernel):
                for (name, _), (value, globals_dict) in kernel.used_global_vals.items())
 
 
+def _bind_triton():
+    """Bind triton's knobs, driver and JITFunction to this module's names still unset."""
+    global knobs, driver, JITFunction
+    from triton import knobs as triton_knobs
+    from triton.runtime import driver as triton_driver
+    from triton.runtime.jit import JITFunction as triton_jit_function
+    knobs = triton_knobs if knobs is None else knobs
+    driver = triton_driver if driver is None else driver
+    JITFunction = triton_jit_function if JITFunction is None else JITFunction
+
+
 def launch(kernel, grid, *args, **kwargs):
     """`kernel[grid](*args, **kwargs)`, through the cache of compiled kernels (module
     docstring). grid: a tuple of up to three program counts."""
+    if knobs is None or driver is None or JITFunction is None:
+        _bind_triton()
     if _jit_path_only(kernel, grid):
         kernel[grid](*args, **kwargs)
         return

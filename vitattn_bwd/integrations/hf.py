@@ -22,11 +22,16 @@ vitattn_bwd.routing). Matched:
   (position_embeddings, cu_seqlens, ...) at the call;
 - Molmo style (ResidualAttentionBlock): `attention_norm`, `attention.{wq,wk,wv,wo}`,
   then `ffn_norm` and `feed_forward`, in a layer that computes x + attention(
-  attention_norm(x)), then x + feed_forward(ffn_norm(x)), with plain softmax attention:
-  its code has no reference in transformers, so the swap runs a CPU copy of the layer
-  (random parameters) on random tokens against that math and refuses a layer that
-  differs (a causal mask, rotary embeddings) or cannot be checked, unless its class is
-  registered (`register_classes`).
+  attention_norm(x)), then x + feed_forward(ffn_norm(x)), with plain softmax attention;
+  or, with per-channel layer scales `lambda1` / `lambda2` of shape [E] (Molmo's
+  DinoResidualAttentionBlock, as in DINOv2 towers), x + attention(attention_norm(x)) *
+  lambda1, then x + feed_forward(ffn_norm(x)) * lambda2: lambda1 is folded into the out
+  projection as timm's LayerScale is (vitattn_bwd.module.vision_attention's gamma, which
+  gets its gradient), lambda2 multiplies the stock feed-forward half. Its code has no
+  reference in transformers, so the swap runs a CPU copy of the layer (random
+  parameters, the layer scales included) on random tokens against that math and refuses
+  a layer that differs (a causal mask, rotary embeddings, a layer scale used otherwise)
+  or cannot be checked, unless its class is registered (`register_classes`).
 
 How: each matched layer keeps its own submodules and parameters (so state_dict keys,
 checkpoints, save_pretrained/from_pretrained, optimizers and hooks on the layer are
@@ -230,9 +235,29 @@ def _check_layer(name, layer, kind):
         raise ValueError(f"{name}: {refusal}")
     if getattr(attn, "is_causal", False):
         raise ValueError(f"{name}: causal attention is not supported")
-    if kind == "molmo" and not _common.stock_forward_is(type(layer), _REGISTERED_LAYERS):
-        _check_molmo_math(name, layer, num_heads)
+    if kind == "molmo":
+        for scale in _LAYER_SCALES:
+            _check_layer_scale(name, layer, scale, E)
+        if not _common.stock_forward_is(type(layer), _REGISTERED_LAYERS):
+            _check_molmo_math(name, layer, num_heads)
     return num_heads
+
+
+# A Molmo-style layer's per-channel layer scales (DinoResidualAttentionBlock's), each
+# optional: on the attention half's output, then on the feed-forward half's.
+_LAYER_SCALES = ("lambda1", "lambda2")
+
+
+def _check_layer_scale(name, layer, scale, E):
+    """A Molmo-style layer's `scale` attribute is absent or a floating [E] tensor."""
+    value = getattr(layer, scale, None)
+    if value is None:
+        return
+    if (not isinstance(value, torch.Tensor) or not value.is_floating_point()
+            or tuple(value.shape) != (E,)):
+        got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{name}: {scale} must be a floating tensor of shape ({E},) (a "
+                         f"per-channel layer scale), got {got}")
 
 
 # Molmo-style layers are matched by their submodules' names, which other models share
@@ -243,16 +268,17 @@ def _check_layer(name, layer, kind):
 # largest value refuses the layer. Float32 rounding leaves < 1e-6 (Molmo's einsum
 # attention against SDPA: 7.6e-7); a causal mask or a post-norm block 0.2-5.
 MOLMO_PROBE_TOLERANCE = 1e-4
-_MOLMO_MATH = ("x + attention(attention_norm(x)), then x + feed_forward(ffn_norm(x)), "
-               "with plain softmax attention of its wq / wk / wv / wo projections")
+_MOLMO_MATH = ("x + attention(attention_norm(x)) [* lambda1], then x + "
+               "feed_forward(ffn_norm(x)) [* lambda2], with plain softmax attention of "
+               "its wq / wk / wv / wo projections")
 
 
 def _check_molmo_math(name, layer, num_heads):
-    """Refuse, naming the layer, a Molmo-style layer that does not compute x +
-    attention(attention_norm(x)), then x + feed_forward(ffn_norm(x)), with plain softmax
-    attention of its projections, or whose computation cannot be checked: a submodule
-    besides those four (which the swapped layer would not run), a layer that cannot be
-    copied (one sharded by FSDP2), or one whose copy fails on random tokens."""
+    """Refuse, naming the layer, a Molmo-style layer that does not compute _MOLMO_MATH
+    (each layer scale where the layer has it), or whose computation cannot be checked:
+    a submodule besides those four (which the swapped layer would not run), a layer
+    that cannot be copied (one sharded by FSDP2), or one whose copy fails on random
+    tokens."""
     cls = type(layer).__name__
     register = (f"; if it computes exactly {_MOLMO_MATH}, declare its class with "
                 "vitattn_bwd.integrations.hf.register_classes(layer=...)")
@@ -313,9 +339,10 @@ def _random_cpu_copy(layer):
 
 def _molmo_probe(probe, num_heads):
     """(probe's forward on random tokens x [2,5,E], the swapped layer's math on x:
-    module.stock_forward of its attention_norm and projections, then x +
-    feed_forward(ffn_norm(x))), on the CPU without autocast. Hooks registered for every
-    module (torch.nn.modules.module.register_module_forward_hook) still fire."""
+    module.stock_forward of its attention_norm and projections with lambda1 as its
+    LayerScale, then x + feed_forward(ffn_norm(x)) * lambda2, each scale where the layer
+    has it), on the CPU without autocast. Hooks registered for every module
+    (torch.nn.modules.module.register_module_forward_hook) still fire."""
     conv = _CONVENTIONS["molmo"]
     norm, attn = getattr(probe, conv["norm"]), getattr(probe, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
@@ -324,11 +351,17 @@ def _molmo_probe(probe, num_heads):
         x = torch.randn(2, 5, E, generator=torch.Generator().manual_seed(1),
                         dtype=torch.float32)
         want = probe.forward(x)
+        lambda1, lambda2 = (getattr(probe, scale, None) for scale in _LAYER_SCALES)
         h = stock_forward(x, *_common.block_parameters(norm, *_qkv(q, k, v), o.weight,
                                                        o.bias),
-                          num_heads, norm.eps)
-        got = h + probe.feed_forward(probe.ffn_norm(h))
+                          num_heads, norm.eps, gamma=lambda1)
+        got = h + _scaled(probe.feed_forward(probe.ffn_norm(h)), lambda2)
     return want, got
+
+
+def _scaled(y, scale):
+    """y times a per-channel layer scale, or y where there is none."""
+    return y if scale is None else y * scale
 
 
 def _is_output_capture_hook(hook):
@@ -424,7 +457,7 @@ def _qkv(q, k, v):
     return weight, bias
 
 
-def _attention_half(layer, hidden_states, conv, num_heads):
+def _attention_half(layer, hidden_states, conv, num_heads, gamma=None):
     norm, attn = getattr(layer, conv["norm"]), getattr(layer, conv["attn"])
     q, k, v, o = (getattr(attn, p) for p in conv["proj"])
     if any(type(lin).forward is not nn.Linear.forward for lin in (q, k, v, o)):
@@ -433,7 +466,8 @@ def _attention_half(layer, hidden_states, conv, num_heads):
     if refusal:                        # the layer's name is made only to refuse
         raise ValueError(f"{_common._who(layer)}: {refusal}")
     return _common.fused_attention(hidden_states, norm, *_qkv(q, k, v), o.weight, o.bias,
-                                   num_heads, precision=_common.precision_of(layer))
+                                   num_heads, gamma=gamma,
+                                   precision=_common.precision_of(layer))
 
 
 def _clip_forward(self, hidden_states, *args, **kwargs):
@@ -475,11 +509,14 @@ def _clip_forward(self, hidden_states, *args, **kwargs):
 
 
 def _molmo_forward(self, x, *args, **kwargs):
-    """Molmo ResidualAttentionBlock: x + attention(norm(x)), then the stock FFN half."""
+    """Molmo ResidualAttentionBlock: x + attention(norm(x)), then the stock FFN half;
+    DinoResidualAttentionBlock: the same with lambda1 folded into the fused half's out
+    projection and lambda2 on the FFN half's output."""
     if args or any(v is not None for v in kwargs.values()):
         _common.refuse_mask(self, "extra forward arguments (a mask)")
-    x = _attention_half(self, x, _CONVENTIONS["molmo"], self._vitattn_num_heads)
-    return x + self.feed_forward(self.ffn_norm(x))
+    lambda1, lambda2 = (getattr(self, scale, None) for scale in _LAYER_SCALES)
+    x = _attention_half(self, x, _CONVENTIONS["molmo"], self._vitattn_num_heads, lambda1)
+    return x + _scaled(self.feed_forward(self.ffn_norm(x)), lambda2)
 
 
 def _fused_class(stock_cls, kind):
