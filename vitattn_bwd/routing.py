@@ -20,7 +20,7 @@ warp-specialized backward) under torch.use_deterministic_algorithms(True), and w
 the flag in bf16 training steps of at least OUR_ATTENTION_MIN_BATCH images. Inside
 torch.compile the fused path runs as block_ops.py's torch.library operators, opaque to
 dynamo, instead of the autograd.Function of eager calls. The measurements behind each
-default: docs/performance.md, "Towers" and "Tried and ruled out".
+default: docs/performance.md, "Towers" and "Ruled out".
 """
 from typing import NamedTuple
 
@@ -58,13 +58,13 @@ STOCK_DETERMINISTIC_ATTENTION = Route(stock=True, deterministic_attention=True)
 # Without the deterministic flag, the stock route's attention runs as deterministic_sdpa's
 # operators in training steps of at least this many images in these dtypes: from 24 the
 # steps are GPU-bound and our backward beats SDPA's, below it the host time loses
-# (docs/performance.md, "Towers", the autocast table, and "Tried and ruled out").
+# (docs/performance.md, "Towers", the autocast table, and "Ruled out").
 OUR_ATTENTION_MIN_BATCH = 24
 OUR_ATTENTION_DTYPES = (torch.bfloat16,)
 
 # float32 at torch's "high" inside torch.compile: training steps of at most this many
 # images run the stock ops, which the user's compile fuses; our operators left such steps
-# host-bound (docs/performance.md, "Towers", the float32 table, and "Tried and ruled out").
+# host-bound (docs/performance.md, "Towers", the float32 table, and "Ruled out").
 COMPILED_FLOAT32_STOCK_MAX_BATCH = 2
 
 
