@@ -26,14 +26,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from harness import (append_results, contract_rows, harness_times, host_ms_per_call,
+                     spin_up)
+from vitattn_bwd import contract, graph, reference
+from vitattn_bwd.workloads import (BATCH_SIZES, EMBED_DIM, NUM_HEADS, OUTPUT_NAMES, SEQ_LEN,
+                                   make_inputs, within_tolerance)
 
-from profile_host import host_us  # noqa: E402  (beside this script)
-from vitattn_bwd import contract, graph, reference  # noqa: E402
-from vitattn_bwd.workloads import (BATCH_SIZES, EMBED_DIM, NUM_HEADS,  # noqa: E402
-                                   OUTPUT_NAMES, SEQ_LEN, make_inputs, within_tolerance)
-
-L2_FLUSH_BYTES = 512 * 2 ** 20
 VECTOR_OUTPUTS = ("grad_qkv_bias", "grad_out_bias", "grad_ln_weight", "grad_ln_bias")
 # The shapes that run: the contract's on a GPU, a small one for the CPU demo.
 GPU_SHAPE = dict(seq_len=SEQ_LEN, embed_dim=EMBED_DIM, num_heads=NUM_HEADS)
@@ -43,85 +41,6 @@ CPU_SHAPE = dict(seq_len=65, embed_dim=128, num_heads=4)
 def reference_fn(*args):
     return reference.attention_block_backward(*args, num_heads=args[7].shape[1],
                                               ln_grad="contract")
-
-
-def fresh_copies(args, count):
-    """`count` copies of the inputs, each tensor at a new address."""
-    return [tuple(a.clone() if torch.is_tensor(a) else a for a in args)
-            for _ in range(count)]
-
-
-def spin_up(seconds=2.0):
-    """An idle GPU sits at low clocks (345 MHz seen on the H200): keep it busy first."""
-    a = torch.randn(4096, 4096, device="cuda")
-    start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
-        a @ a
-        torch.cuda.synchronize()
-
-
-def harness_times(fn, args, calls=20, warmup=3):
-    """Medians over `calls` calls, each on inputs at fresh addresses after an L2 flush:
-    span_ms (first kernel's start to last kernel's end, host gaps counted), event_ms
-    (CUDA events around the call), busy_ms (the kernels' own time added up), copy_ms
-    (of it, copies: a CUDA graph's input and output copies) and kernels (per call)."""
-    for call_args in fresh_copies(args, warmup):
-        fn(*call_args)
-    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    copies = fresh_copies(args, calls)
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(calls)]
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for call_args, (start, end) in zip(copies, events):
-            flush.fill_(1)
-            torch.cuda.synchronize()
-            start.record()
-            fn(*call_args)
-            end.record()
-            torch.cuda.synchronize()
-    del copies
-    device_events = sorted((e for e in prof.events()
-                            if e.device_type == torch.autograd.DeviceType.CUDA),
-                           key=lambda e: e.time_range.start)
-    # calls are separated by the flush kernel (a uint8 fill), one before each call
-    calls_events, current = [], None
-    for event in device_events:
-        if "fill" in event.name.lower() and "unsigned char" in event.name:
-            if current:
-                calls_events.append(current)
-            current = []
-        elif current is not None:
-            current.append(event)
-    calls_events.append(current)
-    calls_events = [c for c in calls_events if c]
-
-    def duration_ms(events):
-        return sum(e.time_range.end - e.time_range.start for e in events) / 1e3
-
-    def median_of(per_call):
-        return statistics.median(per_call(c) for c in calls_events)
-    return dict(
-        span_ms=median_of(lambda c: (max(e.time_range.end for e in c)
-                                     - min(e.time_range.start for e in c)) / 1e3),
-        event_ms=statistics.median(start.elapsed_time(end) for start, end in events),
-        busy_ms=median_of(duration_ms),
-        copy_ms=median_of(lambda c: duration_ms([e for e in c if _is_copy(e.name)])),
-        kernels=median_of(len))
-
-
-def _is_copy(kernel_name):
-    """A copy kernel or memcpy: what a CUDA graph's static inputs and outputs cost."""
-    name = kernel_name.lower()
-    return "multi_tensor_apply" in name or "memcpy" in name or "copy_kernel" in name
-
-
-def host_ms_per_call(fn, args, calls=10):
-    """Host time per call (call to return) on a copy of the inputs, the GPU kept busy so
-    that no call waits for it (profile_host.host_us: NaN where every try had a call wait
-    for the GPU; results/bench.json then holds null)."""
-    inputs = fresh_copies(args, 1)[0]
-    return host_us(lambda: fn(*inputs), calls) / 1e3
 
 
 def check_precision(batch, seeds):
@@ -338,6 +257,7 @@ def main():
         start = time.perf_counter()
         rows = run_gpu(args.batch_sizes or BATCH_SIZES, args.calls, args.seeds,
                        args.host_calls, args.previous)
+        append_results(contract_rows(rows, "python3 scripts/bench.py " + " ".join(sys.argv[1:])))
         device, shape = torch.cuda.get_device_name(), GPU_SHAPE
         print(f"\n{device}, torch {torch.__version__}; wall time "
               f"{time.perf_counter() - start:.0f} s including compiles")

@@ -293,6 +293,7 @@ def run_environment():
                                 capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
+    commit = commit or os.environ.get("RUN_COMMIT", "")      # a copy without .git
     try:
         import triton
         triton_version = triton.__version__
@@ -328,7 +329,8 @@ CONTRACT_FIGURES = {"vitattn_ms": ("contract span", "ms"),
                     "copy_ms": ("contract copies", "ms"),
                     "kernels": ("contract kernels per call", "kernels"),
                     "eager_ms": ("contract eager", "ms"),
-                    "compiled_reference_ms": ("contract torch.compile(reference)", "ms")}
+                    "compiled_reference_ms": ("contract torch.compile(reference)", "ms"),
+                    "previous_ms": ("contract span, the previous host path", "ms")}
 
 
 def contract_rows(bench_rows, command, setting="float32 high, P given"):

@@ -15,43 +15,13 @@ import argparse
 import cProfile
 import io
 import pstats
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from profile_kernels import module_step  # noqa: E402  (beside this script)
-from vitattn_bwd import contract, routing  # noqa: E402
-from vitattn_bwd.workloads import make_inputs  # noqa: E402
-
-
-def host_us(step, calls, sleep_cycles=int(5e8), tries=4):
-    """Host time per call of step(), with the GPU kept busy ahead of the calls by a sleep
-    kernel. A timing counts only if that sleep was still running when the last call
-    returned; otherwise some call waited for the GPU (the sleep was too short, or the
-    calls' kernels filled the launch queue, which blocks the host until the GPU drains
-    it) and it is timed again with half the calls and twice the sleep. NaN if no try
-    was clean."""
-    for _ in range(3):                                       # compile, warm up
-        step()
-    for _ in range(tries):
-        torch.cuda.synchronize()
-        torch.cuda._sleep(sleep_cycles)
-        sleep_done = torch.cuda.Event()
-        sleep_done.record()
-        start = time.perf_counter()
-        for _ in range(calls):
-            step()
-        elapsed = time.perf_counter() - start
-        caught_up = sleep_done.query()                   # the GPU got past the sleep
-        torch.cuda.synchronize()
-        if not caught_up:
-            return elapsed / calls * 1e6
-        calls, sleep_cycles = max(1, calls // 2), 2 * sleep_cycles
-    return float("nan")
+from harness import host_us, module_step
+from vitattn_bwd import contract, routing
+from vitattn_bwd.workloads import make_inputs
 
 
 def main():
