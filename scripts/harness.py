@@ -288,12 +288,14 @@ def contract_margins(batch, seed=0, precision="high", device="cuda"):
 
 def run_environment():
     """{commit, gpu, torch, triton, date} of this run, for a results row."""
+    # RUN_COMMIT names the package's commit where the copy that runs has no git history
+    # of its own (a device's copy of the working tree)
+    commit = os.environ.get("RUN_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                capture_output=True, text=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                          capture_output=True, text=True).stdout.strip()
     except OSError:
-        commit = ""
-    commit = commit or os.environ.get("RUN_COMMIT", "")      # a copy without .git
+        pass
     try:
         import triton
         triton_version = triton.__version__
