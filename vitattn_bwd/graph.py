@@ -46,7 +46,7 @@ BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v"
 # Rows (B*S) up to which precision "high" keeps the contract's margins with P given: the
 # weight gradients' sums grow with the rows while the tolerance's absolute term stays
 # 1e-2 (batch 420 missed 0.4% of grad_qkv_weight; batch 56 matched 0.99996). Past these
-# rows the contract's "high" runs "highest" (performance.md, "Precision margins").
+# rows the contract's "high" runs "highest" (precision.md, `"high"`).
 HIGH_PRECISION_MAX_ROWS = 64 * 577
 
 

@@ -589,7 +589,8 @@ def _lower_split_gemm(a_hi, a_lo, b_hi, b_lo, unscale):
 def recorded_autotune_choices():
     """A list that collects, while the context is open, one (operation, input sizes,
     winner, {choice: ms}) per selection Inductor's autotuning times in this process
-    (scripts/margin.py prints them; a graph loaded from a warm cache times nothing).
+    (`scripts/time_kernels.py --kernel margin` prints them; a graph loaded from a warm
+    cache times nothing).
     Through Inductor's feedback-saver hook, removed again on exit."""
     from torch._inductor import select_algorithm
     records = []
