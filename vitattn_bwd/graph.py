@@ -14,7 +14,10 @@ One compiled graph per configuration and batch bucket: batch 1 static, batches 2
 and large batches do not share tiles). fullgraph=True: exceeding dynamo's recompile
 limit raises instead of running eager code. On CUDA the graphs launch their kernels from
 Inductor's C++ wrapper, and the smallest batches replay as CUDA graphs (cuda_graphs.py).
-Every option is given per compile: no process-wide setting changes.
+Every option is given per compile: no process-wide setting changes, beyond what Inductor
+does at any compile (it raises Python's recursion limit to at least 2000, and loading
+C++ code, as the CPU's kernels and the C++ wrapper are, sets the private environment
+variable _TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR that such code reads).
 """
 import functools
 import os
