@@ -29,8 +29,8 @@ from .forward_graph import SavedForBackward, attention_block_forward
 from .layout import merge_heads, qkv_heads
 # where the one-product path runs, and torch's float32 matmul precision (routing.py)
 from .routing import one_product_supported, torch_float32_precision  # noqa: F401
-from .validation import (check_block_inputs, check_config, check_fused_inputs, check_precision,
-                         check_x)
+from .validation import (check_block_inputs, check_config, check_fused_dtypes,
+                         check_fused_inputs, check_precision, check_x)
 
 DOUBLE_BACKWARD_MESSAGE = (
     "VisionAttentionBlock does not support double backward (create_graph=True): its "
@@ -69,14 +69,19 @@ class VisionAttentionFunction(torch.autograd.Function):
     tensors all of that dtype: a bf16 / fp16 block; the projections and the attention
     one product each in that dtype, as under autocast; `precision` then does not
     matter). Errors are raised here, in the forward, never
-    later in the backward. Not twice differentiable."""
+    later in the backward. Not twice differentiable. block_checked: the caller
+    (`vision_attention`) has run check_block_inputs on these tensors already, so only the
+    fused path's own checks run here."""
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                num_heads, eps, precision="high", half_dtype=None):
+                num_heads, eps, precision="high", half_dtype=None, block_checked=False):
         params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
-        num_heads, eps = check_fused_inputs(x, params, num_heads, eps, precision,
-                                            half_dtype)
+        if block_checked:
+            check_fused_dtypes(x, params, num_heads, precision, half_dtype)
+        else:
+            num_heads, eps = check_fused_inputs(x, params, num_heads, eps, precision,
+                                                half_dtype)
         # The math runs as written, whatever autocast region the caller is in: an
         # autocast linear would hand bf16 q, k, v to the float32 backward.
         with autocast_off(x.device.type):
@@ -97,7 +102,7 @@ class VisionAttentionFunction(torch.autograd.Function):
             E = x.shape[-1]
             zeros = [x.new_zeros(shape) for shape in
                      ((E,), (E,), (3 * E, E), (3 * E,), (E, E), (E,))]
-            return (torch.zeros_like(x), *zeros, None, None, None, None)
+            return (torch.zeros_like(x), *zeros, None, None, None, None, None)
         # A backward called inside an autocast region (on the CPU it runs on the caller's
         # thread) must not turn our float32 math into bf16 either.
         with autocast_off(x.device.type):
@@ -106,7 +111,7 @@ class VisionAttentionFunction(torch.autograd.Function):
                 dict(grad_output=grad_y.contiguous(), **saved._asdict()), scale=ctx.scale,
                 norm_eps=ctx.eps, ln_grad="exact", precision=ctx.precision)
         return (grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
-                grad_out_weight, grad_out_bias, None, None, None, None)
+                grad_out_weight, grad_out_bias, None, None, None, None, None)
 
 
 def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
@@ -169,10 +174,10 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     with autocast_off(device.type):
         if decision.opaque_ops:
             # inside torch.compile: the torch.library operators, opaque to dynamo
-            check_fused_inputs(args[0], args[1:], *fused[7:])
+            check_fused_dtypes(args[0], args[1:], num_heads, *fused[9:])
             y = block_ops.vision_attention(*fused)
         else:
-            y = VisionAttentionFunction.apply(*fused)
+            y = VisionAttentionFunction.apply(*fused, True)   # block inputs checked above
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

@@ -286,9 +286,17 @@ def check_block_inputs(x, params, num_heads, eps, gamma=None):
 
 def check_fused_inputs(x, params, num_heads, eps, precision, half_dtype):
     """What the fused path takes (module.VisionAttentionFunction's docstring): the block's
-    inputs all in one dtype of supported_dtypes, or of half_dtype on the one-product path;
-    returns num_heads and eps as int and float."""
+    inputs (check_block_inputs), then check_fused_dtypes; returns num_heads and eps as int
+    and float."""
     num_heads, eps = check_block_inputs(x, params, num_heads, eps)
+    check_fused_dtypes(x, params, num_heads, precision, half_dtype)
+    return num_heads, eps
+
+
+def check_fused_dtypes(x, params, num_heads, precision, half_dtype):
+    """The fused path's own conditions on inputs that passed check_block_inputs: batch x
+    heads within the kernels' grid, a fused precision, and the block's inputs all in one
+    dtype of supported_dtypes, or of half_dtype on the one-product path."""
     check_batch_heads(x.shape[0], num_heads, x.device.type)
     check_precision(precision, FUSED_PRECISIONS)
     if half_dtype is not None and (half_dtype not in HALF_DTYPES
@@ -301,4 +309,3 @@ def check_fused_inputs(x, params, num_heads, eps, precision, half_dtype):
     for name, t in zip(BLOCK_PARAMS, params):
         if t.dtype != x.dtype:
             raise _dtype_mismatch(name, t, x)
-    return num_heads, eps
