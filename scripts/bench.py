@@ -249,6 +249,8 @@ def main():
     parser.add_argument("--previous", action="store_true",
                         help="also time ours at the previous release's host path "
                              "(PREVIOUS_SETTINGS)")
+    parser.add_argument("--no-record", action="store_true",
+                        help="do not append the GPU figures to results/runs.csv")
     parser.add_argument("--json", type=Path, default=Path("results/bench.json"))
     parser.add_argument("--plot", type=Path, default=Path("results/bench.png"))
     args = parser.parse_args()
@@ -257,7 +259,9 @@ def main():
         start = time.perf_counter()
         rows = run_gpu(args.batch_sizes or BATCH_SIZES, args.calls, args.seeds,
                        args.host_calls, args.previous)
-        append_results(contract_rows(rows, "python3 scripts/bench.py " + " ".join(sys.argv[1:])))
+        if not args.no_record:
+            append_results(contract_rows(rows, "python3 scripts/bench.py "
+                                         + " ".join(sys.argv[1:])))
         device, shape = torch.cuda.get_device_name(), GPU_SHAPE
         print(f"\n{device}, torch {torch.__version__}; wall time "
               f"{time.perf_counter() - start:.0f} s including compiles")

@@ -203,14 +203,18 @@ def sm90_compile_report(script_args, environment, timeout):
     process the interpreter (set by conftest) would replace the compiler. Skips where
     that triton has no CUDA backend."""
     import json
+    import os
     import subprocess
     import sys
     from pathlib import Path
 
     import pytest
     pytest.importorskip("triton")
-    result = subprocess.run([sys.executable, *script_args],
-                            cwd=Path(__file__).resolve().parent.parent, env=environment,
+    root = Path(__file__).resolve().parent.parent
+    # this tree's package, whichever one is installed (the scripts edit no sys.path)
+    path = os.pathsep.join(p for p in (str(root), environment.get("PYTHONPATH")) if p)
+    result = subprocess.run([sys.executable, *script_args], cwd=root,
+                            env=dict(environment, PYTHONPATH=path),
                             capture_output=True, text=True, timeout=timeout)
     if result.returncode and "No module named 'triton.backends.nvidia" in result.stderr:
         pytest.skip("this triton has no CUDA backend")
@@ -225,3 +229,19 @@ def graph_breaks_and_ops(model, *args, **kwargs):
     ops = {str(node.target) for gm in explanation.graphs for node in gm.graph.nodes
            if "vitattn_bwd" in str(node.target)}
     return explanation.graph_break_count, ops
+
+
+def dispatched_ops():
+    """A context (TorchDispatchMode) whose `names` lists the tensor operations dispatched
+    inside it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class DispatchedOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+    return DispatchedOps()

@@ -300,29 +300,19 @@ def test_argument_checks_do_no_tensor_work():
     timed: the tensor operations dispatched while they run are detaches (a view of each
     input, no data read); an added pass over the inputs, or a copy, would dispatch
     others."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    from tests.helpers import dispatched_ops
     from vitattn_bwd.validation import check_backward_inputs
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
 
     inputs = make_case(2, 9, 4, 16)
     tensors = {k: v for k, v in inputs.items() if torch.is_tensor(v)}
     args = (tensors, np.float32(0.125), 1e-5, np.int64(4), "exact", "high")
-    with Ops() as ops:
+    with dispatched_ops() as ops:
         checked, scale, norm_eps, num_heads = check_backward_inputs(*args)
     assert set(ops.names) <= {"aten.detach.default"}, ops.names
     assert (type(scale), type(norm_eps), type(num_heads)) == (float, float, int)
     assert scale == 0.125 and num_heads == 4
     assert all(checked[k].data_ptr() == t.data_ptr() for k, t in tensors.items())  # no copy
-    with Ops() as ops:                        # check_finite: the one pass, which shows
+    with dispatched_ops() as ops:             # check_finite: the one pass, which shows
         check_backward_inputs(*args, True)
     assert not set(ops.names) <= {"aten.detach.default"}, ops.names
 

@@ -27,7 +27,8 @@ def run_suite(out, suite, *extra):
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     run = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "bench_towers.py"), "--suite", suite,
-         "--out", str(out), "--layers", "1", "--rounds", "1", "--repeats", "2", *extra],
+         "--out", str(out), "--layers", "1", "--rounds", "1", "--repeats", "2",
+         "--no-record", *extra],
         capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=path), timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads((out / f"{suite}.json").read_text()), run.stdout

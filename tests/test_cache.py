@@ -86,7 +86,6 @@ def test_fresh_process_on_the_cache_compiles_nothing(warmed_cache):
     assert run.returncode == 0, run.stderr[-3000:]
     warm = json.loads(run.stdout.strip().splitlines()[-1])
     assert warm["miss"] == 0 and warm["hit"] >= 1, warm
-    assert warm["seconds"] > 0, warm
 
 
 def _first_call_under_the_flag(cache_dir):

@@ -30,7 +30,7 @@ DEVICE = "cuda"
 SEQ, EMBED, HEADS = 577, 1024, 16
 # The HF tower: 336 px / 14 px patches = 24 x 24 patches + the class token = 577 tokens.
 IMAGE, PATCH, LAYERS, MLP = 336, 14, 2, 4096
-BATCH = 2                       # the backward's batch-2..15 graph: one compile for all
+BATCH = 2                       # the backward's batch-2..15 graph, replayed as a CUDA graph
 
 
 def _block(dtype=torch.float32, precision=None):

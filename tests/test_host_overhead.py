@@ -21,9 +21,9 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import vitattn_bwd
+from tests.helpers import dispatched_ops
 from vitattn_bwd import graph
 from vitattn_bwd.workloads import make_inputs
 
@@ -70,18 +70,6 @@ def _our_part(batch, check_finite=False):
     return call
 
 
-class _Ops(TorchDispatchMode):
-    """The names of the tensor operations dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def _counted(call):
     """(Python calls, C calls, tensor operations' names) of one call of `call`, after a
     first one (which makes the stub and fills the caches)."""
@@ -95,7 +83,7 @@ def _counted(call):
         call()
     finally:
         sys.setprofile(None)
-    with _Ops() as ops:
+    with dispatched_ops() as ops:
         call()
     # the two events of the profiled call itself and of sys.setprofile's return
     return events["call"] - 1, events["c_call"] - 1, ops.names

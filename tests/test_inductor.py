@@ -46,12 +46,22 @@ def test_graph_launched_from_the_cpp_wrapper_gives_the_python_wrappers_bits(monk
     from tests.helpers import make_case
     from vitattn_bwd import contract, graph
     assert graph.CPP_WRAPPER_DEVICES == ("cuda",)
+    options_given = []
+    compile_options = inductor.compile_options
+
+    def recorded(*args, **kwargs):
+        options_given.append(compile_options(*args, **kwargs))
+        return options_given[-1]
+    monkeypatch.setattr(inductor, "compile_options", recorded)
     outputs = {}
     for devices in ((), ("cpu",)):
         monkeypatch.setattr(graph, "CPP_WRAPPER_DEVICES", devices)
         graph._compile.cache_clear()
         outputs[devices] = [contract.run(*make_case(B, 9, 2, 8).values()) for B in (1, 3)]
     graph._compile.cache_clear()
+    # each batch bucket's graph compiled once with each wrapper
+    assert [options.get("cpp_wrapper", False) for options in options_given] == [
+        False, False, True, True]
     for python_wrapper, cpp_wrapper in zip(*outputs.values()):
         for a, b in zip(python_wrapper, cpp_wrapper):
             assert torch.equal(a, b)

@@ -11,7 +11,9 @@ CPU, float64) the products are plain and Inductor fuses the rest.
 
 One compiled graph per configuration and batch bucket: batch 1 static, batches 2-15 and
 16+ each one dynamic-batch graph (max-autotune tunes at the first size it sees, so small
-and large batches do not share tiles). fullgraph=True: exceeding dynamo's recompile
+and large batches do not share tiles); on CUDA the 2-15 bucket compiles twice, replayed
+as CUDA graphs up to CUDA_GRAPH_MAX_BATCH and run directly above, both under the
+bucket's cache tag. fullgraph=True: exceeding dynamo's recompile
 limit raises instead of running eager code. On CUDA the graphs launch their kernels from
 Inductor's C++ wrapper, and the smallest batches replay as CUDA graphs (cuda_graphs.py).
 Every option is given per compile: no process-wide setting changes, beyond what Inductor

@@ -37,8 +37,9 @@ class LayerNormTiles(NamedTuple):
         return self.rows_per_chunk * self.chunks
 
 
-# Measured on the H200 (scripts/time_kernels.py --kernel layer_norm; the kernel's row in
-# docs/performance.md, "Components at batch 32"), at batch 32: 0.139 ms for the kernel
+# Measured on the H200 (scripts/time_kernels.py --kernel layer_norm; the kernel alone,
+# where docs/performance.md's "Components at batch 32" row has it in a whole call at
+# 0.134 ms), at batch 32: 0.139 ms for the kernel
 # (3.8 TB/s), 0.150 with its partial sums [3, 1154, E] added; 2 x 2 rows with 4 warps
 # 0.143 / 0.171 (four times the partial sums), 2-4 x 8-16 rows 0.141-0.157 /
 # 0.156-0.180. The chunks are a loop, so these tiles compile for sm_90 to 128 registers
