@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-from vitattn_bwd.attention_core import COLUMN_SUM_ROWS, TileConfig, head_tile
+from vitattn_bwd.softmax_bwd import COLUMN_SUM_ROWS, TileConfig, head_tile
 from vitattn_bwd.split_gemm import GROUP_M, GemmTiles
 
 SEQ_LEN, NUM_HEADS, HEAD_DIM = 577, 16, 64        # ViT-L/14-336's; --head-dim for others
@@ -167,7 +167,7 @@ def kernels(head_dim=HEAD_DIM):
     """(name, kernel, constexprs without the block sizes, configured tiles) of each
     kernel variant we launch; at a head_dim other than HEAD_DIM the attention kernels
     only (the LayerNorm kernel and the split GEMM do not depend on it)."""
-    from vitattn_bwd import attention_fwd, inductor, layer_norm
+    from vitattn_bwd import attention_fwd, inductor, layer_norm_bwd
     from vitattn_bwd.kernels.attention_fwd import attention_fwd_kernel
     from vitattn_bwd.kernels.layer_norm_bwd import layer_norm_bwd_kernel
     from vitattn_bwd.kernels.softmax_bwd import (softmax_bwd_cols_kernel,
@@ -179,7 +179,7 @@ def kernels(head_dim=HEAD_DIM):
     if head_dim == HEAD_DIM:
         variants.append(("layer norm", layer_norm_bwd_kernel,
                          dict(EMBED=NUM_HEADS * HEAD_DIM, BLOCK_E=NUM_HEADS * HEAD_DIM,
-                              EXACT=True, PARTS=4), (layer_norm.TILES,)))
+                              EXACT=True, PARTS=4), (layer_norm_bwd.TILES,)))
     gluon = _gluon_kernels(head_dim)
     for recompute in (False, True):
         mode = " recompute P" if recompute else ""
@@ -229,8 +229,8 @@ def _gluon_kernels(head_dim):
     Triton has Gluon."""
     try:
         from triton.experimental.gluon import language as gl
-        from vitattn_bwd import gluon_core
-        from vitattn_bwd.kernels import softmax_bwd_gluon
+        from vitattn_bwd import softmax_bwd_gluon
+        from vitattn_bwd.kernels import softmax_bwd_gluon as gluon_kernels
     except ImportError:
         return []
     # q, k, v halves contiguous [B,H,S,D]
@@ -238,12 +238,12 @@ def _gluon_kernels(head_dim):
         [64, head_tile(head_dim)], gl.bfloat16),
         QKV_BATCH_STRIDE=NUM_HEADS * SEQ_LEN * head_dim, QKV_HEAD_STRIDE=SEQ_LEN * head_dim,
         QKV_ROW_STRIDE=head_dim)
-    return [("rows", softmax_bwd_gluon.softmax_bwd_rows_kernel,
-             gluon_core.rows_tiles(head_dim),
-             dict(constexprs, PREFETCH=gluon_core.ROWS_PREFETCH)),
-            ("cols", softmax_bwd_gluon.softmax_bwd_cols_kernel,
-             gluon_core.cols_tiles(head_dim),
-             dict(constexprs, PREFETCH=gluon_core.COLS_PREFETCH))]
+    return [("rows", gluon_kernels.softmax_bwd_rows_kernel,
+             softmax_bwd_gluon.rows_tiles(head_dim),
+             dict(constexprs, PREFETCH=softmax_bwd_gluon.ROWS_PREFETCH)),
+            ("cols", gluon_kernels.softmax_bwd_cols_kernel,
+             softmax_bwd_gluon.cols_tiles(head_dim),
+             dict(constexprs, PREFETCH=softmax_bwd_gluon.COLS_PREFETCH))]
 
 
 SWEEP = [TileConfig(m, n, w, s) for (m, n), w, s in itertools.product(

@@ -6,7 +6,7 @@ on the GPU, checked against float64 and timed, one --kernel a call:
   attention_fwd   the fused attention forward (attention_fwd.py) against float32 SDPA and
                   the eager math (P materialized), TF32 off, at --batch-sizes (1 8 32);
                   --sweep then times tile configurations at --sweep-head-dims
-  core_gluon      the Gluon two-pass kernels (gluon_core.py) against the Triton kernels,
+  core_gluon      the Gluon two-pass kernels (softmax_bwd_gluon.py) against the Triton kernels,
                   P given and recomputed, at several L2 prefetch distances of P
   core_half       the one-product Gluon kernels (bf16 / fp16, P recomputed) against
                   torch's attention backwards, per tile config (--dtypes)
@@ -49,12 +49,12 @@ try:
 except ModuleNotFoundError:          # imported as scripts.time_kernels (the tests)
     from scripts import harness
 
-from vitattn_bwd import (attention_bwd_ws, attention_core, contract,
-                         gluon_core, layer_norm)
+from vitattn_bwd import (attention_bwd_ws, contract, layer_norm_bwd, softmax_bwd,
+                         softmax_bwd_gluon)
 from vitattn_bwd import attention_fwd as fwd
-from vitattn_bwd.attention_core import TileConfig
+from vitattn_bwd.softmax_bwd import TileConfig
 from vitattn_bwd.attention_fwd import attention_fwd_half
-from vitattn_bwd.layer_norm import LayerNormTiles
+from vitattn_bwd.layer_norm_bwd import LayerNormTiles
 from vitattn_bwd.layout import merge_heads, split_heads
 from vitattn_bwd.workloads import make_inputs as contract_inputs
 
@@ -162,9 +162,9 @@ def run_attention_fwd(args, record):
 TRITON_TILES = {"rows": TileConfig(64, 32, 4, 3), "cols": TileConfig(64, 64, 4, 2)}
 # (rows tiles, rows prefetch distance, cols tiles, cols prefetch distance) with P given;
 # with P recomputed (no P to prefetch) the configured tiles only
-ROWS_64x32, ROWS_64x64 = gluon_core.ROWS_TILES
-COLS_32x64, COLS_64x64 = gluon_core.COLS_TILES
-GLUON_VARIANTS = [(ROWS_64x32, gluon_core.ROWS_PREFETCH, COLS_32x64, gluon_core.COLS_PREFETCH),
+ROWS_64x32, ROWS_64x64 = softmax_bwd_gluon.ROWS_TILES
+COLS_32x64, COLS_64x64 = softmax_bwd_gluon.COLS_TILES
+GLUON_VARIANTS = [(ROWS_64x32, softmax_bwd_gluon.ROWS_PREFETCH, COLS_32x64, softmax_bwd_gluon.COLS_PREFETCH),
                   (ROWS_64x32, 0, COLS_32x64, 0), (ROWS_64x32, 6, COLS_32x64, 1),
                   (ROWS_64x32, 8, COLS_32x64, 3), (ROWS_64x64, 4, COLS_64x64, 1)]
 
@@ -186,8 +186,8 @@ def gluon_inputs(batch, recompute, seed=0):
 
 
 def gluon_outputs(probs, halves, attn_output, scale, rows_tiles, cols_tiles,
-                  rows_prefetch=gluon_core.ROWS_PREFETCH,
-                  cols_prefetch=gluon_core.COLS_PREFETCH):
+                  rows_prefetch=softmax_bwd_gluon.ROWS_PREFETCH,
+                  cols_prefetch=softmax_bwd_gluon.COLS_PREFETCH):
     """(rows, cols) launch closures of the three-product Gluon kernels and their
     NaN-poisoned outputs."""
     batch = halves[2].shape[0]
@@ -199,27 +199,27 @@ def gluon_outputs(probs, halves, attn_output, scale, rows_tiles, cols_tiles,
                                 dtype=torch.bfloat16)
     grad_kv16 = torch.full((batch, S, 2 * E), float("nan"), device="cuda",
                            dtype=torch.float16)
-    groups = attention_core.sum_groups(S)
+    groups = softmax_bwd.sum_groups(S)
     grad_q_sums = torch.full((batch, groups, E), float("nan"), device="cuda")
     grad_kv_sums = torch.full((batch, groups, 2 * E), float("nan"), device="cuda")
     placeholder = probs if attn_output is None else attn_output
 
     def rows():
-        gluon_core.launch_rows(probs, *halves, placeholder, delta, grad_q_halves,
+        softmax_bwd_gluon.launch_rows(probs, *halves, placeholder, delta, grad_q_halves,
                                grad_q_sums, grad_q16, scale, rows_tiles, prefetch=rows_prefetch)
 
     def cols():
-        gluon_core.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums,
+        softmax_bwd_gluon.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums,
                                grad_kv16, scale, cols_tiles, prefetch=cols_prefetch)
     return (rows, cols), (grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16,
                           grad_kv_halves, grad_kv_sums)
 
 
 def triton_outputs(probs, grad_attn, q, k, v, attn_output, scale):
-    grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.launch_rows(
+    grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.launch_rows(
         probs, grad_attn, q, k, v, attn_output, scale, TRITON_TILES["rows"].block_m,
         TRITON_TILES["rows"].block_n)
-    grad_kv16, grad_kv_halves, grad_kv_sums = attention_core.launch_cols(
+    grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.launch_cols(
         probs, grad_attn, q, k, v, delta, scale)
     return grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16, grad_kv_halves, grad_kv_sums
 
@@ -230,7 +230,7 @@ def compare(got, ref):
     errors = {}
     for name, g, r in zip(names, got, ref):
         if name in ("grad_q", "grad_kv"):
-            g, r = attention_core.float32_from_halves(g), attention_core.float32_from_halves(r)
+            g, r = softmax_bwd.float32_from_halves(g), softmax_bwd.float32_from_halves(r)
         if name.endswith("_sums"):           # where a program puts its sum depends on
             g, r = g.sum(1), r.sum(1)        # its block of rows; their totals do not
         errors[name] = float("nan") if torch.isnan(g.float()).any() else rel(g, r)
@@ -244,15 +244,15 @@ def gluon_float64_check():
         probs, grad_attn, q, k, v, out, scale = gluon_inputs(2, recompute, seed=1)
         halves = halves_of(grad_attn, q, k, v)
         (rows, cols), got = gluon_outputs(probs, halves, out, scale,
-                                          gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])
+                                          softmax_bwd_gluon.ROWS_TILES[0], softmax_bwd_gluon.COLS_TILES[0])
         rows()
         cols()
-        ref = attention_core.attention_backward_math(
+        ref = softmax_bwd.attention_backward_math(
             *(t.double() for t in (probs, grad_attn, q, k, v)), scale,
             attn_output=None if out is None else out.double())
-        grad_k, grad_v = attention_core.float32_from_halves(got[5]).chunk(2, dim=-1)
+        grad_k, grad_v = softmax_bwd.float32_from_halves(got[5]).chunk(2, dim=-1)
         results["recompute" if recompute else "P given"] = [
-            rel(attention_core.float32_from_halves(got[1]), ref[0]), rel(grad_k, ref[1]),
+            rel(softmax_bwd.float32_from_halves(got[1]), ref[0]), rel(grad_k, ref[1]),
             rel(grad_v, ref[2])]
     return results
 
@@ -267,10 +267,10 @@ def run_core_gluon(args, record):
         halves = halves_of(grad_attn, q, k, v)
         ref = triton_outputs(probs, grad_attn, q, k, v, out, scale)
         triton_ms = {
-            "rows": bench_ms(lambda: attention_core.launch_rows(
+            "rows": bench_ms(lambda: softmax_bwd.launch_rows(
                 probs, grad_attn, q, k, v, out, scale, TRITON_TILES["rows"].block_m,
                 TRITON_TILES["rows"].block_n)),
-            "cols": bench_ms(lambda: attention_core.launch_cols(
+            "cols": bench_ms(lambda: softmax_bwd.launch_cols(
                 probs, grad_attn, q, k, v, ref[2], scale))}
         for name in ("rows", "cols"):
             table.append((mode, "triton", name, tuple(TRITON_TILES[name]), "-",
@@ -308,7 +308,7 @@ def run_core_gluon(args, record):
 
 # ----------------------------------------------------------------------- core_half
 
-# tiles timed beside gluon_core's (each compiles for sm_90 without spills at one product:
+# tiles timed beside softmax_bwd_gluon's (each compiles for sm_90 without spills at one product:
 # scripts/kernel_resources.py)
 CANDIDATE_TILES = {"rows": (TileConfig(64, 32, 4, 3), TileConfig(128, 32, 8, 2),
                             TileConfig(128, 64, 8, 2)),
@@ -334,7 +334,7 @@ def half_passes(q, k, v, grad_attn, attn_output, lse, rows_tiles, cols_tiles):
     """(rows, cols) launch closures of the one-product kernels and their outputs (grad_q
     [B,S,E], grad_kv [B,S,2E] in q's dtype, delta, the bias sums)."""
     batch = q.shape[0]
-    groups = attention_core.sum_groups(S)
+    groups = softmax_bwd.sum_groups(S)
     delta = torch.empty(batch, H, S, device="cuda")
     grad_q = torch.full((batch, S, E), float("nan"), device="cuda", dtype=q.dtype)
     grad_kv = torch.full((batch, S, 2 * E), float("nan"), device="cuda", dtype=q.dtype)
@@ -344,11 +344,11 @@ def half_passes(q, k, v, grad_attn, attn_output, lse, rows_tiles, cols_tiles):
     operands = (grad_attn, grad_attn, q, q, k, k, v, v)
 
     def rows():
-        gluon_core.launch_rows(lse, *operands, attn_output, delta, unused, grad_q_sums,
+        softmax_bwd_gluon.launch_rows(lse, *operands, attn_output, delta, unused, grad_q_sums,
                                grad_q, SCALE, rows_tiles, products=1, prefetch=0)
 
     def cols():
-        gluon_core.launch_cols(lse, *operands, delta, unused, grad_kv_sums, grad_kv, SCALE,
+        softmax_bwd_gluon.launch_cols(lse, *operands, delta, unused, grad_kv_sums, grad_kv, SCALE,
                                cols_tiles, products=1, prefetch=0)
     return (rows, cols), (grad_q, grad_kv, delta, grad_q_sums, grad_kv_sums)
 
@@ -375,12 +375,12 @@ def cudnn_forward(q, k, v, scale):
 
 def half_float64_check(dtype):
     q, k, v, grad_attn, out, lse = half_inputs(2, dtype, seed=1)
-    ref = attention_core.attention_backward_math(
-        *(t.double() for t in (attention_core.probabilities(
+    ref = softmax_bwd.attention_backward_math(
+        *(t.double() for t in (softmax_bwd.probabilities(
             lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
     lse_check = rel(lse, torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * SCALE,
                                          -1))
-    tiles = gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0]
+    tiles = softmax_bwd_gluon.ROWS_TILES[0], softmax_bwd_gluon.COLS_TILES[0]
     (rows, cols), got = half_passes(q, k, v, grad_attn, out, lse, *tiles)
     rows()
     cols()
@@ -415,12 +415,12 @@ def run_core_half(args, record):
             half_float64_check(dtype)
         print(json.dumps(report), flush=True)
         q, k, v, grad_attn, out, lse = half_inputs(args.batch, dtype)
-        for rows_tiles in gluon_core.ROWS_TILES + CANDIDATE_TILES["rows"]:
+        for rows_tiles in softmax_bwd_gluon.ROWS_TILES + CANDIDATE_TILES["rows"]:
             (rows, _), _ = half_passes(q, k, v, grad_attn, out, lse, rows_tiles, rows_tiles)
             table.append((name, "ours rows", tuple(rows_tiles), bench_ms(rows)))
-        for cols_tiles in gluon_core.COLS_TILES + CANDIDATE_TILES["cols"]:
+        for cols_tiles in softmax_bwd_gluon.COLS_TILES + CANDIDATE_TILES["cols"]:
             (rows, cols), _ = half_passes(q, k, v, grad_attn, out, lse,
-                                          gluon_core.ROWS_TILES[0], cols_tiles)
+                                          softmax_bwd_gluon.ROWS_TILES[0], cols_tiles)
             rows()
             table.append((name, "ours cols", tuple(cols_tiles), bench_ms(cols)))
         for forward_name, forward in (("flash forward", attention_fwd_half),
@@ -479,25 +479,25 @@ def gluon_passes(probs, operands, attn_output, scale, head_dim, products):
     grad_kv16 = torch.full((batch, seq_len, 2 * width), dtype=gradient, **nan)
     grad_kv_halves = torch.full((batch, seq_len, 2 * halves * width), dtype=torch.bfloat16,
                                 **nan)
-    groups = attention_core.sum_groups(seq_len)
+    groups = softmax_bwd.sum_groups(seq_len)
     grad_q_sums = torch.full((batch, groups, width), **nan)
     grad_kv_sums = torch.full((batch, groups, 2 * width), **nan)
     placeholder = probs if attn_output is None else attn_output
-    rows_tiles, cols_tiles = gluon_core.rows_tiles(head_dim)[0], gluon_core.cols_tiles(head_dim)[0]
+    rows_tiles, cols_tiles = softmax_bwd_gluon.rows_tiles(head_dim)[0], softmax_bwd_gluon.cols_tiles(head_dim)[0]
     prefetch = {} if probs.dim() == 4 else dict(prefetch=0)
 
     def rows():
-        gluon_core.launch_rows(probs, *operands, placeholder, delta, grad_q_halves,
+        softmax_bwd_gluon.launch_rows(probs, *operands, placeholder, delta, grad_q_halves,
                                grad_q_sums, grad_q16, scale, rows_tiles, products, **prefetch)
 
     def cols():
-        gluon_core.launch_cols(probs, *operands, delta, grad_kv_halves, grad_kv_sums,
+        softmax_bwd_gluon.launch_cols(probs, *operands, delta, grad_kv_halves, grad_kv_sums,
                                grad_kv16, scale, cols_tiles, products, **prefetch)
 
     def grads():
         if products == 3:
-            return (attention_core.float32_from_halves(grad_q_halves),
-                    attention_core.float32_from_halves(grad_kv_halves), delta,
+            return (softmax_bwd.float32_from_halves(grad_q_halves),
+                    softmax_bwd.float32_from_halves(grad_kv_halves), delta,
                     grad_q16, grad_kv16, grad_q_sums, grad_kv_sums)
         return (grad_q16.float(), grad_kv16.float(), delta, grad_q_sums, grad_kv_sums)
     return rows, cols, grads
@@ -514,7 +514,7 @@ def head_dims_float64_check(seq_len, num_heads, head_dim):
     q, k, v, grad_attn, probs, lse, attn_output = head_dim_inputs(2, seq_len, num_heads,
                                                                   head_dim, seed=1)
     scale = 1 / math.sqrt(head_dim)
-    want = attention_core.attention_backward_math(
+    want = softmax_bwd.attention_backward_math(
         *(t.double() for t in (probs, grad_attn, q, k, v)), scale)
     result = {}
     for mode, p_or_lse, out in (("P given", probs, None), ("recompute", lse, attn_output)):
@@ -526,7 +526,7 @@ def head_dims_float64_check(seq_len, num_heads, head_dim):
         unwritten = sum(int(t.float().isnan().sum()) for t in outputs)
         result[f"f32 gluon {mode}"] = errors_of(outputs[0], outputs[1], want) + (
             [f"{unwritten} NaN"] if unwritten else [])
-        got = attention_core.attention_backward(p_or_lse, grad_attn, q, k, v, scale,
+        got = softmax_bwd.attention_backward(p_or_lse, grad_attn, q, k, v, scale,
                                                 attn_output=out)
         result[f"f32 triton {mode}"] = [rel(g, w) for g, w in zip(got, want)]
     # one product in bf16, P recomputed: against the float64 math on the bf16 values
@@ -534,7 +534,7 @@ def head_dims_float64_check(seq_len, num_heads, head_dim):
     q16, k16, v16, grad16 = (t.bfloat16() for t in (q, k, v, grad_attn))
     logits16 = (q16.double() @ k16.double().transpose(-1, -2)) * scale
     probs16 = torch.softmax(logits16, -1)
-    want16 = attention_core.attention_backward_math(
+    want16 = softmax_bwd.attention_backward_math(
         probs16, *(t.double() for t in (grad16, q16, k16, v16)), scale)
     rows, cols, grads = gluon_passes(
         torch.logsumexp(logits16, -1).float(),
@@ -566,11 +566,11 @@ def head_dims_timings(batch, seq_len, num_heads, head_dim):
         rows, cols, _ = gluon_passes(p_or_lse, operands, out, scale, head_dim, products=3)
         rows()
         table.append((f"f32 high gluon {mode}", bench_ms(rows) + bench_ms(cols)))
-        _, _, delta, _ = attention_core.launch_rows(p_or_lse, grad_attn, q, k, v, out, scale)
+        _, _, delta, _ = softmax_bwd.launch_rows(p_or_lse, grad_attn, q, k, v, out, scale)
         table.append((f"f32 high triton {mode}", bench_ms(
-            lambda: attention_core.launch_rows(  # noqa: B023
+            lambda: softmax_bwd.launch_rows(  # noqa: B023
                 p_or_lse, grad_attn, q, k, v, out, scale))  # noqa: B023
-            + bench_ms(lambda: attention_core.launch_cols(  # noqa: B023
+            + bench_ms(lambda: softmax_bwd.launch_cols(  # noqa: B023
                 p_or_lse, grad_attn, q, k, v, delta, scale))))  # noqa: B023
     backward, _ = torch_backward(SDPBackend.EFFICIENT_ATTENTION, q, k, v, grad_attn, scale)
     table.append(("f32 sdpa efficient (autograd)", bench_ms(backward)))
@@ -792,8 +792,8 @@ def run_core_ws(args, record):
         if b == batch:
             report[f"batch {b}: forwards"] = ws_forwards(q, k, v, table, flops)
             print(json.dumps(report[f"batch {b}: forwards"]), flush=True)
-        ref = attention_core.attention_backward_math(
-            *(t.double() for t in (attention_core.probabilities(
+        ref = softmax_bwd.attention_backward_math(
+            *(t.double() for t in (softmax_bwd.probabilities(
                 lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
         checks, outputs = {}, {}
         contiguous = [t.contiguous() for t in (q, k, v)]
@@ -826,10 +826,10 @@ def run_core_ws(args, record):
         if b == batch:
             checks["delta kernels"] = ws_delta_kernels(grad_attn, attn_output, lse, q, k, v,
                                                        table, flops)
-        try:                                 # gluon_core's kernels, as they are today
+        try:                                 # softmax_bwd_gluon's kernels, as they are today
             (rows, cols), current = half_passes(q, k, v, grad_attn, attn_output, lse,
-                                                gluon_core.ROWS_TILES[0],
-                                                gluon_core.COLS_TILES[0])
+                                                softmax_bwd_gluon.ROWS_TILES[0],
+                                                softmax_bwd_gluon.COLS_TILES[0])
             rows()
             cols()
             current = (current[0], *current[1].chunk(2, dim=-1))
@@ -880,7 +880,7 @@ def inductor_math(grad_output, p0, p1, p2, p3, unscale, x, x_mean, x_var, ln_wei
     """The graph's math before the fused kernel (the four GEMM outputs added, the row
     math, the sums over rows)."""
     grad_x_norm = (((p0 + p1) + (p2 + p3)) * unscale).view(x.shape)
-    grad_x, grad_ln_weight, grad_ln_bias = layer_norm.layer_norm_backward(
+    grad_x, grad_ln_weight, grad_ln_bias = layer_norm_bwd.layer_norm_backward(
         grad_output, grad_x_norm, x, x_mean, x_var, ln_weight, LN_EPS, "contract")
     return grad_x, torch.stack([grad_ln_weight, grad_ln_bias, grad_output.sum((0, 1))])
 
@@ -892,7 +892,7 @@ def max_rel(got, want):
 def run_layer_norm(args, record):
     compiled_math = torch.compile(inductor_math, dynamic=False)
     compiled_fused = torch.compile(
-        lambda *t: layer_norm.fused_layer_norm_backward(*t, LN_EPS, False), dynamic=True)
+        lambda *t: layer_norm_bwd.fused_layer_norm_backward(*t, LN_EPS, False), dynamic=True)
     table = []
     for batch in args.batch_sizes or (1, 8, 32):
         inputs = layer_norm_inputs(batch)
@@ -902,19 +902,19 @@ def run_layer_norm(args, record):
                       bench_ms(lambda: compiled_math(*inputs)),  # noqa: B023
                       max_rel(got[0], want[0]), max_rel(got[1], want[1])))
         got = compiled_fused(*inputs)
-        table.append((batch, f"fused, compiled {tuple(layer_norm.TILES)}",
+        table.append((batch, f"fused, compiled {tuple(layer_norm_bwd.TILES)}",
                       bench_ms(lambda: compiled_fused(*inputs)),  # noqa: B023
                       max_rel(got[0], want[0]), max_rel(torch.stack(got[1:]), want[1])))
         for tiles in LN_CANDIDATES:
-            grad_x, partial = layer_norm.launch(*inputs, LN_EPS, False, tiles)
+            grad_x, partial = layer_norm_bwd.launch(*inputs, LN_EPS, False, tiles)
             errors = max_rel(grad_x, want[0]), max_rel(partial.sum(1), want[1])
             table.append((batch, f"fused {tuple(tiles)}",
-                          bench_ms(lambda: layer_norm.launch(  # noqa: B023
+                          bench_ms(lambda: layer_norm_bwd.launch(  # noqa: B023
                               *inputs, LN_EPS, False, tiles)), *errors))  # noqa: B023
             # with the sums of its partials ([3, programs, E]: more rows per program,
             # fewer of them)
             table.append((batch, f"fused {tuple(tiles)} + partials summed",
-                          bench_ms(lambda: layer_norm.launch(  # noqa: B023
+                          bench_ms(lambda: layer_norm_bwd.launch(  # noqa: B023
                               *inputs, LN_EPS, False, tiles)[1].sum(1)), *errors))  # noqa: B023
     print(f"{'batch':>5} {'variant':48} {'ms':>7} {'grad_x err':>10} {'sums err':>9}")
     for batch, name, ms, err_x, err_sums in table:

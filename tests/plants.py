@@ -3,7 +3,7 @@
 A plant replaces one entry point, by monkeypatching the module attribute the property
 tests call at run time, with a wrapper that damages what goes in or comes out:
 
-    attention_core.attention_backward    ("core": the eager launchers, P or lse given)
+    softmax_bwd.attention_backward    ("core": the eager launchers, P or lse given)
     attention_fwd.launch_attention_fwd   ("fwd": the forward's launcher, which the
                                           operator calls on CUDA)
     vitattn_bwd.attention_block_backward ("block": the compiled path, the stateful test)
@@ -31,7 +31,7 @@ import pytest
 import torch
 
 import vitattn_bwd
-from vitattn_bwd import attention_core, attention_fwd, contract, forward_graph, module
+from vitattn_bwd import attention_fwd, contract, forward_graph, module, softmax_bwd
 
 ENV = "VITATTN_PLANT"
 
@@ -241,7 +241,7 @@ PLANTS = {
 }
 
 # target -> the (owner, attribute) pairs it patches
-TARGETS = {"core": [(attention_core, "attention_backward")],
+TARGETS = {"core": [(softmax_bwd, "attention_backward")],
            "fwd": [(attention_fwd, "launch_attention_fwd")],
            "block": [(vitattn_bwd, "attention_block_backward")],
            "contract": [(contract, "run")],

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from vitattn_bwd import attention_core, attention_fwd, buffers, split_gemm
+from vitattn_bwd import attention_fwd, buffers, softmax_bwd, split_gemm
 
 
 def test_output_buffer_is_not_nan_filled_under_the_deterministic_flag(deterministic):
@@ -44,8 +44,8 @@ def _launch_all():
     attn_output, lse = attention_fwd.launch_attention_fwd(q, k, v, scale)
     outputs = [attn_output, lse]
     for probs, output in ((P, None), (lse, attn_output)):
-        rows = attention_core.launch_rows(probs, grad_attn, q, k, v, output, scale)
-        outputs += [*rows, *attention_core.launch_cols(probs, grad_attn, q, k, v, rows[2],
+        rows = softmax_bwd.launch_rows(probs, grad_attn, q, k, v, output, scale)
+        outputs += [*rows, *softmax_bwd.launch_cols(probs, grad_attn, q, k, v, rows[2],
                                                        scale)]
     a, b = split_gemm.fp16_halves(torch.randn(37, 70, generator=g)), \
         split_gemm.fp16_halves(torch.randn(70, 45, generator=g))

@@ -254,7 +254,7 @@ def _package_copy(tmp_path):
 def test_template_sources_are_what_graph_and_inductor_import():
     sources = cache.template_sources()
     assert sources == cache._TEMPLATE_SOURCES
-    for name in ("graph.py", "inductor.py", "attention_core.py", "precision.py",
+    for name in ("graph.py", "inductor.py", "softmax_bwd.py", "precision.py",
                  "kernels/softmax_bwd.py"):
         assert name in sources, name
     # every kernels module that inductor.py names (at the top or inside a function), read
@@ -289,14 +289,14 @@ def test_touching_any_template_source_changes_the_tag(tmp_path):
 
 def test_a_new_module_imported_by_the_lowering_joins_the_tag(tmp_path):
     """Generic: a kernels module imported at the top of inductor.py and a module imported
-    inside a function of attention_core.py are followed without a list to update."""
+    inside a function of softmax_bwd.py are followed without a list to update."""
     copy = _package_copy(tmp_path)
     (copy / "kernels" / "new_tiles.py").write_text("from ..extra_math import helper\n")
     (copy / "extra_math.py").write_text("def helper():\n    return 1\n")
     (copy / "late.py").write_text("X = 1\n")
     (copy / "inductor.py").write_text("from .kernels import new_tiles\n"
                                       + (copy / "inductor.py").read_text())
-    (copy / "attention_core.py").write_text((copy / "attention_core.py").read_text()
+    (copy / "softmax_bwd.py").write_text((copy / "softmax_bwd.py").read_text()
                                             + "\n\ndef _late():\n    from .late import X\n")
     sources = cache.template_sources(copy)
     for rel in ("kernels/new_tiles.py", "extra_math.py", "late.py"):

@@ -1,4 +1,4 @@
-"""Whether the Gluon kernels run is decided by compiling them (gluon_core.compile_failure),
+"""Whether the Gluon kernels run is decided by compiling them (softmax_bwd_gluon.compile_failure),
 not by whether their file imports: here they compile for sm_90 on the CPU, with
 the installed triton and the newest (.ci/run); and when they cannot (forced here), the lowerings offer no Gluon
 choice, the one-product path gives way to the stock ops, and one warning names the
@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton.experimental.gluon")
 
-from vitattn_bwd import gluon_core, inductor, module  # noqa: E402
+from vitattn_bwd import inductor, module, softmax_bwd_gluon  # noqa: E402
 from vitattn_bwd.kernels import gluon_compat  # noqa: E402
 
 from .helpers import triton_environments, triton_version_in  # noqa: E402
@@ -27,9 +27,9 @@ def hopper(monkeypatch):
     """A CPU machine that says its CUDA device is an sm_90, with compile_failure's
     per-process answer forgotten before and after the test."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    gluon_core.compile_failure.cache_clear()
+    softmax_bwd_gluon.compile_failure.cache_clear()
     yield
-    gluon_core.compile_failure.cache_clear()
+    softmax_bwd_gluon.compile_failure.cache_clear()
 
 
 class _Node:
@@ -48,7 +48,7 @@ class _Choice:
 
 
 def _offered_gluon_tiles():
-    return inductor._gluon_tile_choices(_Choice(), gluon_core.ROWS_TILES, _Node(), 64,
+    return inductor._gluon_tile_choices(_Choice(), softmax_bwd_gluon.ROWS_TILES, _Node(), 64,
                                         inputs=(), layout=None, scale=0.125)
 
 
@@ -64,7 +64,7 @@ def test_the_kernels_compile_for_sm90(label):
     pytest.importorskip("triton.backends.nvidia")
     environment = triton_environments()[label]
     script = ("import warnings; warnings.simplefilter('error', RuntimeWarning); "
-              "from vitattn_bwd import gluon_core; print(gluon_core.compile_failure(90))")
+              "from vitattn_bwd import softmax_bwd_gluon; print(softmax_bwd_gluon.compile_failure(90))")
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=environment,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (triton_version_in(environment), result.stderr[-3000:])
@@ -72,9 +72,9 @@ def test_the_kernels_compile_for_sm90(label):
 
 
 def test_gluon_choices_are_offered_where_the_kernels_compile(hopper, monkeypatch):
-    monkeypatch.setattr(gluon_core, "_compile_probe", lambda arch: None)
-    assert gluon_core.available(CUDA, torch.bfloat16, 64)
-    assert len(_offered_gluon_tiles()) == len(gluon_core.ROWS_TILES)
+    monkeypatch.setattr(softmax_bwd_gluon, "_compile_probe", lambda arch: None)
+    assert softmax_bwd_gluon.available(CUDA, torch.bfloat16, 64)
+    assert len(_offered_gluon_tiles()) == len(softmax_bwd_gluon.ROWS_TILES)
 
 
 def test_a_kernel_that_does_not_compile_is_never_offered(hopper, monkeypatch):
@@ -83,12 +83,12 @@ def test_a_kernel_that_does_not_compile_is_never_offered(hopper, monkeypatch):
     def fail(arch):
         raise RuntimeError(f"PassManager::run failed for sm_{arch}")
 
-    monkeypatch.setattr(gluon_core, "_compile_probe", fail)
+    monkeypatch.setattr(softmax_bwd_gluon, "_compile_probe", fail)
     with pytest.warns(RuntimeWarning, match=f"triton {triton.__version__}.*PassManager"):
-        assert not gluon_core.available(CUDA, torch.float32, 64)
+        assert not softmax_bwd_gluon.available(CUDA, torch.float32, 64)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)       # once per process
-        assert not gluon_core.available(CUDA, torch.bfloat16, 64)
+        assert not softmax_bwd_gluon.available(CUDA, torch.bfloat16, 64)
         assert _offered_gluon_tiles() == []
         assert not module.one_product_supported(CUDA, torch.bfloat16, 64)
 
@@ -96,5 +96,5 @@ def test_a_kernel_that_does_not_compile_is_never_offered(hopper, monkeypatch):
 def test_a_gluon_without_a_name_the_kernels_use_falls_back(hopper, monkeypatch):
     monkeypatch.setattr(gluon_compat, "MISSING", ("barrier",))
     with pytest.warns(RuntimeWarning, match="lacks barrier"):
-        assert gluon_core.compile_failure(90) == "ImportError: this Gluon lacks barrier"
-    assert not gluon_core.available(CUDA, torch.float32, 64)
+        assert softmax_bwd_gluon.compile_failure(90) == "ImportError: this Gluon lacks barrier"
+    assert not softmax_bwd_gluon.available(CUDA, torch.float32, 64)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vitattn_bwd
-from vitattn_bwd import VisionAttentionBlock, attention_core, contract, reference
+from vitattn_bwd import VisionAttentionBlock, contract, reference, softmax_bwd
 from vitattn_bwd.workloads import (BATCH_SIZES, OUTPUT_NAMES, SEQ_LEN, make_inputs,
                                    within_tolerance)
 
@@ -84,7 +84,7 @@ def test_eager_triton_kernels(seq_len, head_dim):
                          device="cuda")
     P, q, k, v = (inputs[n] for n in ("attn_weights", "q", "k", "v"))
     grad_attn = torch.randn(B, seq_len, H * head_dim, device="cuda")
-    got = attention_core.attention_backward(P, grad_attn, q, k, v, 0.125)
+    got = softmax_bwd.attention_backward(P, grad_attn, q, k, v, 0.125)
     want = reference.softmax_attention_backward(
         P.double(), reference.split_heads(grad_attn.double(), H), q.double(), k.double(),
         v.double(), 0.125)

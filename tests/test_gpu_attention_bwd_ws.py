@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from vitattn_bwd import attention_bwd_ws, attention_core, launcher
+from vitattn_bwd import attention_bwd_ws, launcher, softmax_bwd
 from vitattn_bwd.attention_fwd import attention_fwd_half
 from vitattn_bwd.layout import merge_heads
 
@@ -54,8 +54,8 @@ def _flash_backward(q, k, v, grad_attn):
                                             (2, torch.bfloat16)])
 def test_gradients_against_float64(tiles, seq_len, dtype):
     q, k, v, grad_attn, attn_output, lse = _inputs(2, 3, seq_len, dtype, seed=seq_len)
-    ref = attention_core.attention_backward_math(
-        *(t.double() for t in (attention_core.probabilities(
+    ref = softmax_bwd.attention_backward_math(
+        *(t.double() for t in (softmax_bwd.probabilities(
             lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
     grad_qkv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE, tiles)
     got = grad_qkv.chunk(3, dim=-1)                                  # dQ | dK | dV
@@ -126,8 +126,8 @@ def test_persistent_programs_walk_many_items_to_the_same_bits(programs, rotated)
                                         tiles._replace(persistent=False))
     assert torch.equal(walked, other)
     q1, k1, v1 = (t[:1] for t in (q, k, v))                 # float64 at batch 1 (memory)
-    ref = attention_core.attention_backward_math(
-        *(t.double() for t in (attention_core.probabilities(
+    ref = softmax_bwd.attention_backward_math(
+        *(t.double() for t in (softmax_bwd.probabilities(
             lse[:1].double(), q1.double(), k1.double(), SCALE), grad_attn[:1], q1, k1, v1)),
         SCALE)
     flash = _flash_backward(q1, k1, v1, grad_attn[:1])
@@ -146,8 +146,8 @@ def test_the_longest_sequence_the_rotated_walk_takes():
     assert not attention_bwd_ws.fits(1, 1, seq_len + 1, sm_count)
     q, k, v, grad_attn, attn_output, lse = _inputs(1, 1, seq_len, torch.bfloat16, seed=3)
     grad_qkv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE)
-    ref = attention_core.attention_backward_math(
-        *(t.double() for t in (attention_core.probabilities(
+    ref = softmax_bwd.attention_backward_math(
+        *(t.double() for t in (softmax_bwd.probabilities(
             lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
     flash = _flash_backward(q, k, v, grad_attn)
     for name, g, f, r in zip(("dQ", "dK", "dV"), grad_qkv.chunk(3, dim=-1), flash, ref):
@@ -170,8 +170,8 @@ def test_more_heads_than_one_grid_dimension_holds():
     alone = attention_bwd_ws.launch(q2, k2, v2, grad_attn[last], attn_output[last],
                                     lse[last].contiguous(), SCALE, tiles)
     assert torch.equal(grad_qkv[last], alone)
-    ref = attention_core.attention_backward_math(
-        *(t.double() for t in (attention_core.probabilities(
+    ref = softmax_bwd.attention_backward_math(
+        *(t.double() for t in (softmax_bwd.probabilities(
             lse[last].double(), q2.double(), k2.double(), SCALE), grad_attn[last], q2, k2,
             v2)), SCALE)
     flash = _flash_backward(q2, k2, v2, grad_attn[last])

@@ -75,7 +75,7 @@ def test_module_layout_at_padded_head_dims(D):
 
 
 def test_head_dims_without_kernels_run_the_math():
-    """Head dims that are not multiples of 8 (attention_core.kernel_head_dim)."""
+    """Head dims that are not multiples of 8 (softmax_bwd.kernel_head_dim)."""
     q, k, v = _module_qkv(2, 100, 4, 44)
     got = fwd.attention_fwd(q, k, v, 0.2)
     want = fwd.attention_math(q, k, v, 0.2)

@@ -4,7 +4,7 @@ forward, module-mode core and module properties). Run with the gpu profile:
 
     HYPOTHESIS_PROFILE=gpu PYTHONPATH=. python3 -m pytest -q -m gpu tests/test_gpu_properties.py
 
-- the eager launchers of the attention core (attention_core.attention_backward) against
+- the eager launchers of the attention core (softmax_bwd.attention_backward) against
   float64 over seq_len 1-1100 with the tile edges, heads 1-16, head_dim 16-128, batch
   1-8, scale, tile overrides, and inputs that are views at odd offsets, transposed,
   strided or padded (tests/strategies.py; bounds from the precision map there);
@@ -34,7 +34,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from vitattn_bwd import attention_core, contract
+from vitattn_bwd import contract, softmax_bwd
 from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs
 
 from . import plants
@@ -63,7 +63,7 @@ CORE_EXAMPLES = [
 
 
 def _attention_backward(*args, **kwargs):       # looked up per call: plants replace it
-    return attention_core.attention_backward(*args, **kwargs)
+    return softmax_bwd.attention_backward(*args, **kwargs)
 
 
 def _check_core(case):
@@ -71,13 +71,13 @@ def _check_core(case):
         return S.check_core(case, DEVICE, S.CORE_BOUNDS_GPU, _attention_backward)
 
 
-def test_attention_core_matches_float64():
+def test_softmax_bwd_matches_float64():
     S.run_property("gpu: attention core (eager)", _check_core, GPU_CORE,
                    explicit=CORE_EXAMPLES, max_examples=40, budget_s=60)
 
 
 @pytest.mark.parametrize("plant", plants.plants_for("core"))
-def test_attention_core_property_catches(plant):
+def test_softmax_bwd_property_catches(plant):
     with plants.planted(plant), pytest.raises(AssertionError):
         S.run_property(f"gpu: attention core + {plant}", _check_core, GPU_CORE,
                        explicit=CORE_EXAMPLES[:1], **S.PLANT_SETTINGS_EXPLICIT)
@@ -250,13 +250,13 @@ CORE_LSE_EXAMPLES = [
 ]
 
 
-def test_attention_core_module_mode_matches_float64():
+def test_softmax_bwd_module_mode_matches_float64():
     S.run_property("gpu: attention core, module mode (lse)", _check_core, GPU_CORE_LSE,
                    explicit=CORE_LSE_EXAMPLES, max_examples=25, budget_s=20)
 
 
 @pytest.mark.parametrize("plant", plants.plants_for("core"))
-def test_attention_core_module_mode_property_catches(plant):
+def test_softmax_bwd_module_mode_property_catches(plant):
     with plants.planted(plant), pytest.raises(AssertionError):
         S.run_property(f"gpu: attention core, module mode + {plant}", _check_core,
                        GPU_CORE_LSE, explicit=CORE_LSE_EXAMPLES[:1],

@@ -18,13 +18,13 @@ def test_lowerings_are_registered_for_both_operators():
 def test_templates_carry_the_tested_device_code_verbatim():
     """Every non-kernel @triton.jit function of kernels/softmax_bwd.py is pasted into the
     templates, so what runs under the interpreter is what Inductor compiles."""
-    from vitattn_bwd.kernels import softmax_bwd
+    from vitattn_bwd.kernels import softmax_bwd as kernels_module
     body = inductor._device_source()
     names = [jit.fn.__name__ for jit in inductor.device_functions()]
     assert "softmax_bwd_rows_tile" in names and "store_grad_kv_halves" in names
     assert not [name for name in names if name.endswith("_kernel")]
     for name in names:
-        assert inspect.getsource(getattr(softmax_bwd, name).fn) in body
+        assert inspect.getsource(getattr(kernels_module, name).fn) in body
 
 
 def test_compile_options_carry_the_cache_tag_and_change_nothing_global():
@@ -70,14 +70,14 @@ def test_graph_launched_from_the_cpp_wrapper_gives_the_python_wrappers_bits(monk
 def test_compiled_cpu_graph_goes_through_the_lowering_fallback():
     """On the CPU the lowering hands the operator back to its eager implementation;
     the compiled result equals the eager one."""
-    from vitattn_bwd import attention_core
+    from vitattn_bwd import softmax_bwd
     g = torch.Generator().manual_seed(0)
     P = torch.softmax(torch.randn(2, 2, 9, 9, generator=g), -1)
     grad_attn = torch.randn(2, 9, 16, generator=g)
     q, k, v = (torch.randn(2, 2, 9, 8, generator=g) for _ in range(3))
 
     def rows(P, grad_attn, k, v):
-        return attention_core.softmax_bwd_rows(P, grad_attn, q, k, v, None, 0.3)
+        return softmax_bwd.softmax_bwd_rows(P, grad_attn, q, k, v, None, 0.3)
 
     calls = []
     original = inductor._lower_rows

@@ -5,7 +5,7 @@ same specialization from triton's own binder. That is checked here with the inst
 triton and the newest (.ci/run), for every kernel the package launches through the
 cache, on arguments varied one at a time over what the binder distinguishes. The
 bitwise comparison of the two paths on the GPU is in tests/test_gpu_attention_bwd_ws.py
-and tests/test_gpu_gluon.py."""
+and tests/test_gpu_softmax_bwd_gluon.py."""
 import json
 import subprocess
 import sys
@@ -61,8 +61,8 @@ def _launches():
     """(kernel, args, kwargs) of each launch the package sends through the cache, as
     the launchers make them on CPU tensors (the GPU-only facts, such as the SM count,
     replaced), recorded instead of launched."""
-    from vitattn_bwd import attention_bwd_ws, gluon_core
-    from vitattn_bwd.attention_core import TileConfig
+    from vitattn_bwd import attention_bwd_ws, softmax_bwd_gluon
+    from vitattn_bwd.softmax_bwd import TileConfig
     recorded = []
     original = launcher.launch
     launcher.launch = lambda kernel, grid, *args, **kwargs: recorded.append(
@@ -77,9 +77,9 @@ def _launches():
                                 tiles=attention_bwd_ws.WsTiles(128, 128, 2, 168))
         parts = [torch.zeros(batch, heads, seq_len, head_dim, dtype=torch.bfloat16)] * 8
         other = torch.zeros(1)
-        gluon_core.launch_rows(lse, *parts, other, other, torch.zeros(0), other, other,
+        softmax_bwd_gluon.launch_rows(lse, *parts, other, other, torch.zeros(0), other, other,
                                0.125, TileConfig(64, 32, 4, 2), products=1)
-        gluon_core.launch_cols(lse, *parts, other, torch.zeros(0), other, other, 0.125,
+        softmax_bwd_gluon.launch_cols(lse, *parts, other, torch.zeros(0), other, other, 0.125,
                                TileConfig(32, 64, 4, 3), products=1)
     finally:
         launcher.launch = original

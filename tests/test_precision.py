@@ -230,15 +230,15 @@ def test_split_fp16_is_float32_grade_compiled_too():
 
 
 def test_fp16_operand_scales_bring_every_operand_and_ds_into_fp16s_range():
-    """attention_core.fp16_operand_scales: each operand scaled into [2^14, 2^15), and dS
+    """softmax_bwd.fp16_operand_scales: each operand scaled into [2^14, 2^15), and dS
     (in the scaled units of dO and v) times s_ds below 2^14 and not far below it."""
-    from vitattn_bwd import attention_core
+    from vitattn_bwd import softmax_bwd
     from vitattn_bwd.layout import split_heads
     g = torch.Generator().manual_seed(1)
     B, H, S, D = 2, 3, 40, 16
     q, k, v = (torch.randn(B, H, S, D, generator=g) * m for m in (1e3, 1e-3, 7.0))
     grad_attn = torch.randn(B, S, H * D, generator=g) * 1e-6
-    scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)
+    scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)
     assert scales.shape == (5,) and scales.dtype == torch.float32
     for t, t_scale in zip((grad_attn, q, k, v), scales):
         assert 2 ** 14 <= (t * t_scale).abs().max() < 2 ** 15
@@ -260,12 +260,12 @@ def test_fp16_operand_scales_keep_the_kernels_products_of_scales_in_range(magnit
     the reciprocals of those), finite and nonzero in float32 where operands are zeros or
     tiny: an all-zero dO had s_do = 2^127, s_do * s_v inf, and every gradient NaN on the
     GPU. Zero operands take scale 1; every operand stays in fp16's range once scaled."""
-    from vitattn_bwd import attention_core
+    from vitattn_bwd import softmax_bwd
     g = torch.Generator().manual_seed(3)
     B, H, S, D = 2, 3, 40, 16
     q, k, v = (torch.randn(B, H, S, D, generator=g) * m for m in magnitudes[1:])
     grad_attn = torch.randn(B, S, H * D, generator=g) * magnitudes[0]
-    scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)
+    scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)
     s_do, s_q, s_k, s_v, s_ds = scales.unbind()
     grad_p_units = s_do * s_v
     for product in (grad_p_units, s_q * s_k, s_ds * grad_p_units * s_q,
@@ -282,13 +282,13 @@ def test_fp16_operand_scales_of_ordinary_operands_are_each_ones_own():
     """Where no product of scales nears float32's range, nothing is lowered: each scale
     is its operand's fp16_scale, and s_ds the bound's (gradients of a mean loss, 1e-9,
     included)."""
-    from vitattn_bwd import attention_core
+    from vitattn_bwd import softmax_bwd
     g = torch.Generator().manual_seed(4)
     B, H, S, D = 2, 3, 40, 16
     for magnitudes in ((1, 1, 1, 1), (1e-9, 1, 1, 1), (1e-7, 1e3, 1e-3, 7), (1e20, 1, 1, 1e-20)):
         q, k, v = (torch.randn(B, H, S, D, generator=g) * m for m in magnitudes[1:])
         grad_attn = torch.randn(B, S, H * D, generator=g) * magnitudes[0]
-        scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)
+        scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)
         own = [fp16_scale(t) for t in (grad_attn, q, k, v)]
         assert torch.equal(scales[:4], torch.stack(own)), magnitudes
         row_norm = lambda t, s: torch.linalg.vector_norm(                  # noqa: E731
@@ -302,27 +302,27 @@ def test_operators_with_operand_scales_return_float32_gradients_and_check_them(
     """The attention-core operators given operand_scales (fp16 halves): float32
     gradients, no halves, on the CPU as compiled; a malformed operand_scales is refused,
     naming it."""
-    from vitattn_bwd import attention_core
+    from vitattn_bwd import softmax_bwd
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)       # the float64 math
     g = torch.Generator().manual_seed(2)
     B, H, S, D = 1, 2, 9, 16
     q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
     grad_attn = torch.randn(B, S, H * D, generator=g)
     probs = torch.softmax(torch.randn(B, H, S, S, generator=g), -1)
-    scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)
-    grad_q, grad_q_halves, delta, _ = attention_core.softmax_bwd_rows(
+    scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)
+    grad_q, grad_q_halves, delta, _ = softmax_bwd.softmax_bwd_rows(
         probs, grad_attn, q, k, v, None, 0.25, scales)
-    grad_kv, grad_kv_halves, _ = attention_core.softmax_bwd_cols(
+    grad_kv, grad_kv_halves, _ = softmax_bwd.softmax_bwd_cols(
         probs, grad_attn, q, k, v, delta, 0.25, scales)
     assert grad_q.dtype == grad_kv.dtype == torch.float32
     assert grad_q_halves.shape[-1] == grad_kv_halves.shape[-1] == 0
-    want = attention_core.attention_backward_math(
+    want = softmax_bwd.attention_backward_math(
         *(t.double() for t in (probs, grad_attn, q, k, v)), 0.25)
     torch.testing.assert_close(grad_q.double(), want[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad_kv.double(), torch.cat(want[1:], -1), rtol=1e-6,
                                atol=1e-7)
     with pytest.raises(ValueError, match="operand_scales"):
-        attention_core.softmax_bwd_rows(probs, grad_attn, q, k, v, None, 0.25, scales[:4])
+        softmax_bwd.softmax_bwd_rows(probs, grad_attn, q, k, v, None, 0.25, scales[:4])
     with pytest.raises(ValueError, match="operand_scales"):
-        attention_core.softmax_bwd_cols(probs, grad_attn, q.half(), k.half(), v.half(),
+        softmax_bwd.softmax_bwd_cols(probs, grad_attn, q.half(), k.half(), v.half(),
                                         delta, 0.25, scales)

@@ -1,7 +1,7 @@
 """CPU property tests, drawn from the strategies the GPU properties use (tests/strategies.py)
 at small sizes:
 
-- the raw Triton kernels of the attention core (attention_core.attention_backward) under
+- the raw Triton kernels of the attention core (softmax_bwd.attention_backward) under
   Triton's interpreter, against float64, over seq_len 1-80 with the tile edges, heads,
   head dims 16-128, scale, tile sizes, and inputs that are views at odd offsets,
   transposed, strided or padded; with P given, and in module mode (the log-sum-exp given,
@@ -25,7 +25,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from vitattn_bwd import attention_core
+from vitattn_bwd import softmax_bwd
 
 from . import plants
 from . import strategies as S
@@ -52,7 +52,7 @@ CORE_EXAMPLE = S.CoreCase(batch=2, heads=2, seq_len=33, head_dim=16, scale=0.25,
 
 
 def _attention_backward(*args, **kwargs):       # looked up per call: plants replace it
-    return attention_core.attention_backward(*args, **kwargs)
+    return softmax_bwd.attention_backward(*args, **kwargs)
 
 
 def _check_core(case):
@@ -60,13 +60,13 @@ def _check_core(case):
         return S.check_core(case, "cpu", S.CORE_BOUNDS_INTERPRETER, _attention_backward)
 
 
-def test_attention_core_kernels_under_interpreter(triton_interpreter):
+def test_softmax_bwd_kernels_under_interpreter(triton_interpreter):
     S.run_property("interpreter: attention core", _check_core, INTERPRETER_CORE,
                    explicit=[CORE_EXAMPLE], max_examples=S.profile_examples(15))
 
 
 @pytest.mark.parametrize("plant", plants.plants_for("core"))
-def test_attention_core_property_catches(triton_interpreter, plant):
+def test_softmax_bwd_property_catches(triton_interpreter, plant):
     with plants.planted(plant), pytest.raises(AssertionError):
         S.run_property(f"interpreter: attention core + {plant}", _check_core,
                        INTERPRETER_CORE, explicit=[CORE_EXAMPLE], **S.PLANT_SETTINGS)
@@ -81,14 +81,14 @@ INTERPRETER_CORE_LSE = S.core_cases(max_seq=80, max_heads=2, max_batch=2,
 CORE_LSE_EXAMPLE = dataclasses.replace(CORE_EXAMPLE, p_source="lse", seed=2, scale=0.5)
 
 
-def test_attention_core_module_mode_under_interpreter(triton_interpreter):
+def test_softmax_bwd_module_mode_under_interpreter(triton_interpreter):
     S.run_property("interpreter: attention core, module mode (lse)", _check_core,
                    INTERPRETER_CORE_LSE, explicit=[CORE_LSE_EXAMPLE],
                    max_examples=S.profile_examples(10))
 
 
 @pytest.mark.parametrize("plant", plants.plants_for("core"))
-def test_attention_core_module_mode_property_catches(triton_interpreter, plant):
+def test_softmax_bwd_module_mode_property_catches(triton_interpreter, plant):
     with plants.planted(plant), pytest.raises(AssertionError):
         S.run_property(f"interpreter: attention core, module mode + {plant}", _check_core,
                        INTERPRETER_CORE_LSE, explicit=[CORE_LSE_EXAMPLE],

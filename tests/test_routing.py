@@ -161,7 +161,7 @@ def test_the_one_product_facts_asked_are_the_dtypes_it_would_run_in():
 
 def test_one_product_supported_is_the_cpu_or_gluon():
     assert routing.one_product_supported(torch.device("cpu"), BF16, 72)
-    # no CUDA device here: gluon_core.available says no before asking the device
+    # no CUDA device here: softmax_bwd_gluon.available says no before asking the device
     assert not routing.one_product_supported(torch.device("meta"), BF16, 64)
 
 

@@ -349,7 +349,7 @@ def compile_failure():
     """None where the main kernel compiles for sm_90 at FASTEST_TILES with the installed
     triton, else why not, in one line; and then, once per process, a RuntimeWarning
     naming the triton. It uses more of Gluon than the two-pass kernels that
-    gluon_core.compile_failure probes (warp_specialize, setmaxnreg, mbarriers, the TMA
+    softmax_bwd_gluon.compile_failure probes (warp_specialize, setmaxnreg, mbarriers, the TMA
     add), so a triton may compile those and not this one."""
     return compile_probe.compile_failure(
         lambda: compile_sm90(FASTEST_TILES),

@@ -24,12 +24,12 @@ import math
 import torch
 
 from . import buffers
-from .attention_core import TileConfig, head_tile, triton_supports
+from .softmax_bwd import TileConfig, head_tile, triton_supports
 from .layout import merge_heads, qkv_heads
 from .precision import split_bf16_truncated
 
 
-# Defaults per head tile (attention_core.head_tile: head dims that are not powers of two
+# Defaults per head tile (softmax_bwd.head_tile: head dims that are not powers of two
 # run in the next power of two's tiles, zero-padded), sized for the 227 KB of shared
 # memory of an H100/H200: a program keeps its q hi/lo tiles (2 * BLOCK_M * D * 2 bytes)
 # and pipelines num_stages k and v hi/lo tiles (4 * BLOCK_N * D * 2 bytes each stage).

@@ -88,7 +88,7 @@ def _imported_files(package_dir, rel):
 def template_sources(package_dir=None):
     """The package's source files (relative paths, sorted) whose change must change the
     cache-key tag: forward_graph.py, graph.py and inductor.py and, transitively, every
-    module of the package they import (attention_core.py, precision.py, the kernels,
+    module of the package they import (softmax_bwd.py, precision.py, the kernels,
     ...)."""
     package_dir = pathlib.Path(package_dir or _PACKAGE)
     seen, todo = set(), [r for r in _COMPILED_ROOTS if (package_dir / r).is_file()]

@@ -28,7 +28,7 @@ import torch
 from torch.nn import functional as F
 
 from . import cache, graph
-from .attention_core import triton_supports
+from .softmax_bwd import triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_split
 from .errors import out_of_memory_as_such
 from .layout import qkv_heads

@@ -3,10 +3,10 @@ configuration by Inductor (`compiled_backward`).
 
 On CUDA (float32) every product is float32-grade from operands split once
 (precision.py): cuBLAS bf16 GEMMs around the two attention-core operators
-(attention_core.py, lowered to our kernels by inductor.py), the QKV weight gradient one
+(softmax_bwd.py, lowered to our kernels by inductor.py), the QKV weight gradient one
 fp16 GEMM of operands brought into fp16's range by a power-of-two scale (precision
 "high"); "highest" runs fp16x3 products (split_gemm.py). The LayerNorm backward and the
-sums of its parameters' gradients are one Triton kernel (layer_norm.py). Elsewhere (the
+sums of its parameters' gradients are one Triton kernel (layer_norm_bwd.py). Elsewhere (the
 CPU, float64) the products are plain and Inductor fuses the rest.
 
 One compiled graph per configuration and batch bucket: batch 1 static, batches 2-15 and
@@ -27,7 +27,7 @@ import types
 
 import torch
 
-from . import attention_core, cache, layer_norm
+from . import cache, layer_norm_bwd, softmax_bwd
 from .cuda_graphs import GraphedCall
 from .errors import out_of_memory_as_such
 from .layout import qkv_heads
@@ -81,10 +81,10 @@ def _high_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     grad_attn = matmul_halves_by_weight(grad_rows_halves, out_weight, split).view(B, S, E)
 
     # the core's gradients in fp16 and as bf16 halves, and their partial sums over rows
-    grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.softmax_bwd_rows(
+    grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
         attn_weights, grad_attn, q, k, v, forward_output,
         scale)                                    # [B,S,E], [B,S,2E], [B,H,S], [B,G,E]
-    grad_kv16, grad_kv_halves, grad_kv_sums = attention_core.softmax_bwd_cols(
+    grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
         attn_weights, grad_attn, q, k, v, delta, scale)    # [B,S,2E], [B,S,4E], [B,G,2E]
     grad_q_halves = grad_q_halves.view(rows, 2 * E)
     grad_kv_halves = grad_kv_halves.view(rows, 4 * E)
@@ -106,7 +106,7 @@ def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     """The same products at precision "highest" (CUDA), float32-faithful: every GEMM
     fp16x3 from scaled fp16 halves with two-level accumulation (split_gemm.py), the
     attention core fp16x3 on the scaled fp16 halves of its operands
-    (attention_core.fp16_operand_scales), which writes float32 gradients. Each operand is
+    (softmax_bwd.fp16_operand_scales), which writes float32 gradients. Each operand is
     split once for the GEMMs that read it (grad_rows, grad_q and grad_kv twice, once as
     a transposed view). Returns what _high_products returns, with two
     grad_x_norm parts."""
@@ -118,11 +118,11 @@ def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
                                     fp16_halves(attn_rows))                    # [E,E]
     grad_attn = matmul_fp16x3(grad_rows_halves, fp16_halves(out_weight)).view(B, S, E)
     # the core's float32 gradients and their partial sums over rows
-    operand_scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)     # [5]
-    grad_q, _, delta, grad_q_sums = attention_core.softmax_bwd_rows(
+    operand_scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)     # [5]
+    grad_q, _, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
         attn_weights, grad_attn, q, k, v, forward_output, scale,
         operand_scales)                                 # [B,S,E], [B,H,S], [B,G,E]
-    grad_kv, _, grad_kv_sums = attention_core.softmax_bwd_cols(
+    grad_kv, _, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
         attn_weights, grad_attn, q, k, v, delta, scale, operand_scales)  # [B,S,2E], [B,G,2E]
     grad_q_halves = fp16_halves(grad_q.view(rows, E))                          # [B*S,E]
     grad_kv_halves = fp16_halves(grad_kv.view(rows, 2 * E))                    # [B*S,2E]
@@ -154,9 +154,9 @@ def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     grad_out_weight = mm_float32(grad_rows.t(), attn_rows)                     # [E,E]
     grad_attn = mm_half(grad_rows, out_weight.to(dtype)).view(B, S, E)
     # the core's gradients in `dtype`, and their partial sums over rows
-    grad_q, _, delta, grad_q_sums = attention_core.softmax_bwd_rows(
+    grad_q, _, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
         attn_weights, grad_attn, q, k, v, forward_output, scale)  # [B,S,E], [B,H,S], [B,G,E]
-    grad_kv, _, grad_kv_sums = attention_core.softmax_bwd_cols(
+    grad_kv, _, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
         attn_weights, grad_attn, q, k, v, delta, scale)            # [B,S,2E], [B,G,2E]
     grad_q, grad_kv = grad_q.view(rows, E), grad_kv.view(rows, 2 * E)
     qkv_weight = qkv_weight.to(dtype)
@@ -179,7 +179,7 @@ def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     E = H * D
     grad_out_weight = grad_rows.t() @ attn_rows
     grad_attn = (grad_rows @ out_weight).view(B, S, E)
-    grad_qkv = torch.cat(attention_core.attention_backward_math(                 # [B*S,3E]
+    grad_qkv = torch.cat(softmax_bwd.attention_backward_math(                 # [B*S,3E]
         attn_weights, grad_attn, q, k, v, scale, forward_output),
         dim=-1).view(B * S, 3 * E)
     return (grad_out_weight, (grad_qkv @ qkv_weight,), grad_qkv.t() @ x_norm_rows,
@@ -193,12 +193,12 @@ def _layer_norm_backward_of_parts(grad_output, grad_x_norm_parts, unscale, x, x_
     LayerNorm operator on CUDA, the math elsewhere."""
     if x.is_cuda:
         missing = (None,) * (4 - len(grad_x_norm_parts))       # two parts: part2, part3
-        return layer_norm.fused_layer_norm_backward(
+        return layer_norm_bwd.fused_layer_norm_backward(
             grad_output, *grad_x_norm_parts, *missing, unscale, x, x_mean, x_var,
             ln_weight, norm_eps, ln_grad == "exact")
     B, S, E = x.shape
     grad_x_norm = functools.reduce(torch.add, grad_x_norm_parts) * unscale
-    grad_x, grad_ln_weight, grad_ln_bias = layer_norm.layer_norm_backward(
+    grad_x, grad_ln_weight, grad_ln_bias = layer_norm_bwd.layer_norm_backward(
         grad_output, grad_x_norm.view(B, S, E), x, x_mean, x_var, ln_weight, norm_eps,
         ln_grad)
     # summed in grad_x_norm's dtype (float32 or float64), never in bf16 / fp16

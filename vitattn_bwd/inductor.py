@@ -11,7 +11,7 @@ The templates paste the device code of kernels/softmax_bwd.py (and kernels/split
 verbatim behind a thin entry point, so the kernels tested under TRITON_INTERPRET=1 are
 the ones compiled here. The lowerings hand them grad_attn, q, k, v as bf16 (hi, lo)
 pairs (or fp16 halves of scaled operands for precision "highest"), one pointwise pass
-per tensor. On Hopper the Gluon kernels (gluon_core.py) are candidates beside the
+per tensor. On Hopper the Gluon kernels (softmax_bwd_gluon.py) are candidates beside the
 templates' configs, as ExternKernelChoices (as Inductor keeps cuBLAS among its mm
 configs); bf16 / fp16 operands (the module's one-product path) go to them alone.
 """
@@ -36,8 +36,8 @@ except ImportError as error:              # pragma: no cover - depends on the to
                       f"{torch.__version__} lacks ({error}); it was written against torch "
                       "2.11-2.14") from error
 
-from . import attention_core, gluon_core, split_gemm
-from .attention_core import TileConfig
+from . import softmax_bwd, softmax_bwd_gluon, split_gemm
+from .softmax_bwd import TileConfig
 from .split_gemm import GemmTiles
 from .precision import BF16_HI_MASK, BF16_ROUNDING_BIAS, FP16_HI_MASK, FP16_ROUNDING_BIAS
 
@@ -226,7 +226,7 @@ def _tile_choices(template, tile_configs, input_nodes, layout, constexprs, **cho
 # ---- the Gluon kernels as autotune candidates ------------------------------------------
 # Each Gluon tile config is an ExternKernelChoice bound to the template's inputs (which
 # include the delta / halves buffers the kernel fills) and its tiles. Timing calls
-# gluon_core.rows_out / cols_out on them. The winner's node is made by `_gluon_node`: a
+# softmax_bwd_gluon.rows_out / cols_out on them. The winner's node is made by `_gluon_node`: a
 # FallbackKernel of the functional operator gluon_softmax_bwd_rows / _cols, so Inductor
 # sees all its outputs as outputs of the node it schedules; the lowering then returns
 # those (`_gluon_outputs`) instead of the template's buffers, which nothing writes or
@@ -268,22 +268,22 @@ def _gluon_choices():
     """(rows, cols) ExternKernelChoices of the Gluon kernels (one per process)."""
     rows_op = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows.default
     cols_op = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols.default
-    return (ExternKernelChoice(gluon_core.rows_out, name="vitattn_gluon_softmax_bwd_rows",
+    return (ExternKernelChoice(softmax_bwd_gluon.rows_out, name="vitattn_gluon_softmax_bwd_rows",
                                kernel_creator=_gluon_node(rows_op)),
-            ExternKernelChoice(gluon_core.cols_out, name="vitattn_gluon_softmax_bwd_cols",
+            ExternKernelChoice(softmax_bwd_gluon.cols_out, name="vitattn_gluon_softmax_bwd_cols",
                                kernel_creator=_gluon_node(cols_op)))
 
 
 def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, layout, scale):
-    """The Gluon candidates where the kernels run (Hopper, gluon_core.HEAD_DIMS), with the
+    """The Gluon candidates where the kernels run (Hopper, softmax_bwd_gluon.HEAD_DIMS), with the
     products of the operands' dtype."""
     dtype = tensor_node.get_dtype()
-    if not gluon_core.available(tensor_node.get_device(), dtype, head_dim):
+    if not softmax_bwd_gluon.available(tensor_node.get_device(), dtype, head_dim):
         return []
     return [choice.bind(inputs, layout, scale=scale, block_m=tiles.block_m,
                         block_n=tiles.block_n, num_warps=tiles.num_warps,
                         num_stages=tiles.num_stages,
-                        products=attention_core.products_of(dtype))
+                        products=softmax_bwd.products_of(dtype))
             for tiles in tile_configs]
 
 
@@ -298,7 +298,7 @@ def _selected_outputs(template, choices, inputs, layout, template_outputs):
 
 
 def _template_applies(tensor_node, head_dim):
-    return attention_core.triton_supports(tensor_node.get_device().type,
+    return softmax_bwd.triton_supports(tensor_node.get_device().type,
                                           tensor_node.get_dtype(), head_dim)
 
 
@@ -307,7 +307,7 @@ def _kernels_apply(tensor_node, head_dim, fp16_halves):
     halves), or the Gluon kernels (Hopper; float32, bf16 and fp16). Elsewhere the
     operator's own implementation runs."""
     return ((_template_applies(tensor_node, head_dim) and not fp16_halves)
-            or gluon_core.available(tensor_node.get_device(), tensor_node.get_dtype(),
+            or softmax_bwd_gluon.available(tensor_node.get_device(), tensor_node.get_dtype(),
                                     head_dim))
 
 
@@ -424,7 +424,7 @@ def _operands(probs, grad_attn, q, k, v, operand_scales):
         return [_contiguous(probs), *(part for index, t in enumerate((grad_attn, q, k, v))
                                       for part in _split(t, _FP16_SPLIT, operand_scales,
                                                          index))]
-    if attention_core.products_of(k.get_dtype()) == 1:
+    if softmax_bwd.products_of(k.get_dtype()) == 1:
         return [_contiguous(probs), *(t for t in [_contiguous(grad_attn),
                                                   *_as_they_lie(q, k, v)]
                                       for _ in range(2))]
@@ -435,12 +435,12 @@ def _operands(probs, grad_attn, q, k, v, operand_scales):
 def _constexprs(probs, num_heads, seq_len, head_dim, scale):
     return dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale,
                 RECOMPUTE_P=len(probs.get_size()) == 3,
-                SUM_ROWS=attention_core.COLUMN_SUM_ROWS)
+                SUM_ROWS=softmax_bwd.COLUMN_SUM_ROWS)
 
 
 def _column_sums_buffer(batch, seq_len, width, device):
     """The float32 partial sums over rows a pass writes: [B, sum_groups(S), width]."""
-    return empty_strided([batch, attention_core.sum_groups(seq_len), width], None,
+    return empty_strided([batch, softmax_bwd.sum_groups(seq_len), width], None,
                          dtype=torch.float32, device=device)
 
 
@@ -464,10 +464,10 @@ def _lower_pass(op, probs, grad_attn, q, k, v, pass_input, scale, operand_scales
     device, dtype = k.get_device(), k.get_dtype()
     width = num_heads * head_dim * (1 if rows else 2)          # E for dQ, 2E for dK | dV
     halves = empty_strided([batch, seq_len,
-                            attention_core.halves_width(dtype, width, fp16_halves)],
+                            softmax_bwd.halves_width(dtype, width, fp16_halves)],
                            None, dtype=torch.bfloat16, device=device)  # [B,S,2E] / [B,S,4E]
     sums = _column_sums_buffer(batch, seq_len, width, device)  # [B,G,E] / [B,G,2E]
-    layout = ir.FixedLayout(device, attention_core.gradient_dtype(dtype, fp16_halves),
+    layout = ir.FixedLayout(device, softmax_bwd.gradient_dtype(dtype, fp16_halves),
                             [batch, seq_len, width])           # [B,S,E] / [B,S,2E]
     if rows:
         if pass_input is None:       # P given: ATTN_OUT is not read, a placeholder
@@ -485,7 +485,7 @@ def _lower_pass(op, probs, grad_attn, q, k, v, pass_input, scale, operand_scales
         inputs.append(operand_scales)
     pass_index = 0 if rows else 1
     template = _templates()[pass_index]
-    gluon_tiles = (gluon_core.rows_tiles, gluon_core.cols_tiles)[pass_index](head_dim)
+    gluon_tiles = (softmax_bwd_gluon.rows_tiles, softmax_bwd_gluon.cols_tiles)[pass_index](head_dim)
     choices = _gluon_tile_choices(_gluon_choices()[pass_index], gluon_tiles, k, head_dim,
                                   inputs, layout, scale)
     if _template_applies(k, head_dim) and not fp16_halves:

@@ -9,7 +9,7 @@ With precision None:
 - inside an autocast region, or for a block all in bfloat16 or all in float16: the stock
   ops (`stock_forward`); `precision="medium"` asks for the one-product path there;
 - otherwise the fused path at torch's float32 matmul precision, on a GPU only at head
-  dims the attention kernels take (attention_core.triton_supports), and not inside
+  dims the attention kernels take (softmax_bwd.triton_supports), and not inside
   torch.compile at "high" for training steps of at most COMPILED_FLOAT32_STOCK_MAX_BATCH
   images (the stock ops, which the user's compile fuses). "highest" and the
   deterministic flag (without warn_only) keep the fused path: the stock ops are neither
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import attention_core, gluon_core
+from . import softmax_bwd, softmax_bwd_gluon
 from .precision import HALF_DTYPES
 
 
@@ -71,11 +71,11 @@ COMPILED_FLOAT32_STOCK_MAX_BATCH = 2
 @torch.compiler.assume_constant_result
 def one_product_supported(device, dtype, head_dim):
     """Where the one-product path (bf16 / fp16 activations, the attention core's
-    one-product kernels) runs: on Hopper GPUs with Gluon (gluon_core.available), and on
+    one-product kernels) runs: on Hopper GPUs with Gluon (softmax_bwd_gluon.available), and on
     the CPU (the same graph with PyTorch math, for correctness). Elsewhere precision
     "medium" runs the fused float32 path at "high" instead (route). Constant for a
     process, so torch.compile reads it once when tracing."""
-    return device.type == "cpu" or gluon_core.available(device, dtype, head_dim)
+    return device.type == "cpu" or softmax_bwd_gluon.available(device, dtype, head_dim)
 
 
 def torch_float32_precision():
@@ -116,7 +116,7 @@ def fused_kernels_for(device, head_dim):
     templates on CUDA at their head dims (multiples of 8 up to 128); the CPU's plain
     math counts (the CPU path exists for correctness, and is what the CPU tests
     check)."""
-    return device.type == "cpu" or attention_core.triton_supports(device.type,
+    return device.type == "cpu" or softmax_bwd.triton_supports(device.type,
                                                                    torch.float32, head_dim)
 
 

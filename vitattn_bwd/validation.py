@@ -211,7 +211,7 @@ def check_like_x(tensors, x, num_heads, same_dtype=True):
 # --- the entry points ------------------------------------------------------------------
 
 # The attention kernels launch one row of programs per (batch, head) on the grid's y
-# axis (attention_core, gluon_core, attention_fwd, inductor's templates), which CUDA caps.
+# axis (softmax_bwd, softmax_bwd_gluon, attention_fwd, inductor's templates), which CUDA caps.
 MAX_BATCH_HEADS = 65535
 
 

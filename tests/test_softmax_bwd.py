@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from vitattn_bwd import attention_core, reference
+from vitattn_bwd import reference, softmax_bwd
 
 from .helpers import relative_errors
 
@@ -30,7 +30,7 @@ def _textbook(P, grad_attn, q, k, v, scale):
 @pytest.mark.parametrize("B,H,S,D", [(2, 3, 17, 8), (1, 1, 1, 4), (2, 2, 64, 16)])
 def test_plain_math_equals_textbook_backward(B, H, S, D):
     P, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, dtype=torch.float64)
-    got = attention_core.attention_backward_math(P, grad_attn, q, k, v, scale)
+    got = softmax_bwd.attention_backward_math(P, grad_attn, q, k, v, scale)
     for g, want in zip(got, _textbook(P, grad_attn, q, k, v, scale)):
         torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
 
@@ -40,9 +40,9 @@ def test_operators_write_fp16_copies_and_bf16_halves():
     the operators round float64 math to the formats the graph's GEMMs read: fp16
     gradients, and [hi | lo] bf16 halves whose sum keeps ~16 mantissa bits."""
     P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 4)
-    grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.softmax_bwd_rows(
+    grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
         P, grad_attn, q, k, v, None, scale)
-    grad_kv16, grad_kv_halves, grad_kv_sums = attention_core.softmax_bwd_cols(
+    grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
         P, grad_attn, q, k, v, delta, scale)
     assert (grad_q16.dtype, grad_q_halves.dtype, grad_kv16.dtype) == (
         torch.float16, torch.bfloat16, torch.float16)
@@ -50,7 +50,7 @@ def test_operators_write_fp16_copies_and_bf16_halves():
     want_q, want_k, want_v = _textbook(P, grad_attn, q, k, v, scale)
     want_kv = torch.cat([want_k, want_v], dim=-1)
     for halves, want in ((grad_q_halves, want_q), (grad_kv_halves, want_kv)):
-        err = (attention_core.float32_from_halves(halves).double() - want).abs()
+        err = (softmax_bwd.float32_from_halves(halves).double() - want).abs()
         assert (err <= 2 ** -16 * want.abs() + 1e-12).all()
     for copy16, want in ((grad_q16, want_q), (grad_kv16, want_kv)):
         assert torch.equal(copy16, want.half())                # round to nearest fp16
@@ -72,34 +72,34 @@ def test_operators_of_half_precision_operands(dtype):
     q, k, v, grad_attn = (t.to(dtype) for t in (q, k, v, grad_attn))
     lse, attn_output = _log_sum_exp_and_output(q.double(), k.double(), v.double(), scale)
     attn_output = attn_output.to(dtype)
-    grad_q, grad_q_halves, delta, grad_q_sums = attention_core.softmax_bwd_rows(
+    grad_q, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
         lse.float(), grad_attn, q, k, v, attn_output, scale)
-    grad_kv, grad_kv_halves, grad_kv_sums = attention_core.softmax_bwd_cols(
+    grad_kv, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
         lse.float(), grad_attn, q, k, v, delta, scale)
     assert grad_q.dtype == grad_kv.dtype == dtype
     assert grad_q_halves.shape == (2, 17, 0) and grad_kv_halves.shape == (2, 17, 0)
     assert delta.dtype == grad_q_sums.dtype == grad_kv_sums.dtype == torch.float32
     # (the rows pass takes delta from attn_output, the cols pass's math from P and dP)
     operands = (lse.float().double(), grad_attn.double(), q.double(), k.double(), v.double())
-    want_q = attention_core.attention_backward_math(*operands, scale, attn_output.double())[0]
-    _, want_k, want_v = attention_core.attention_backward_math(*operands, scale)
+    want_q = softmax_bwd.attention_backward_math(*operands, scale, attn_output.double())[0]
+    _, want_k, want_v = softmax_bwd.attention_backward_math(*operands, scale)
     for got, want in ((grad_q, want_q), (grad_kv, torch.cat([want_k, want_v], dim=-1))):
         torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
-    torch.library.opcheck(attention_core.softmax_bwd_rows,
+    torch.library.opcheck(softmax_bwd.softmax_bwd_rows,
                           (lse.float(), grad_attn, q, k, v, attn_output, scale))
-    torch.library.opcheck(attention_core.softmax_bwd_cols,
+    torch.library.opcheck(softmax_bwd.softmax_bwd_cols,
                           (lse.float(), grad_attn, q, k, v, delta, scale))
 
 
 def test_operators_pass_opcheck():
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, 9, 8)
-    _, _, delta, _ = attention_core.softmax_bwd_rows(P, grad_attn, q, k, v, None, scale)
-    torch.library.opcheck(attention_core.softmax_bwd_rows,
+    _, _, delta, _ = softmax_bwd.softmax_bwd_rows(P, grad_attn, q, k, v, None, scale)
+    torch.library.opcheck(softmax_bwd.softmax_bwd_rows,
                           (P, grad_attn, q, k, v, None, scale))
-    torch.library.opcheck(attention_core.softmax_bwd_cols,
+    torch.library.opcheck(softmax_bwd.softmax_bwd_cols,
                           (P, grad_attn, q, k, v, delta, scale))
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
-    torch.library.opcheck(attention_core.softmax_bwd_rows,
+    torch.library.opcheck(softmax_bwd.softmax_bwd_rows,
                           (lse, grad_attn, q, k, v, attn_output, scale))
 
 
@@ -110,7 +110,7 @@ def test_operators_pass_opcheck():
 def test_triton_kernels_under_interpreter(triton_interpreter, S, D, block_m, block_n):
     B, H = 2, 2
     P, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, seed=S)
-    got = attention_core.attention_backward(P, grad_attn, q, k, v, scale,
+    got = softmax_bwd.attention_backward(P, grad_attn, q, k, v, scale,
                                             block_m=block_m, block_n=block_n)
     want = _textbook(P, grad_attn, q, k, v, scale)
     # bf16x3: ~1e-5 on the GPU; the interpreter truncates where the GPU rounds. Errors
@@ -136,16 +136,16 @@ def test_kernels_at_head_dims_that_are_not_powers_of_two(triton_interpreter, D,
     B, H, S = 1, 3, 21
     P, lse, attn_output, grad_attn, q, k, v, scale = _softmax_inputs(B, H, S, D, seed=D)
     probs, output = (lse, attn_output) if recompute_p else (P, None)
-    grad_q16, grad_q_halves, delta, grad_q_sums = attention_core.launch_rows(
+    grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.launch_rows(
         probs, grad_attn, q, k, v, output, scale, 16, 32)
-    grad_kv16, grad_kv_halves, grad_kv_sums = attention_core.launch_cols(
+    grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.launch_cols(
         probs, grad_attn, q, k, v, delta, scale, 32, 16)
     want_q, want_k, want_v = _textbook(P, grad_attn, q, k, v, scale)
     want_kv = torch.cat([want_k, want_v], dim=-1)                         # [B,S,2E]
     for copy16, halves, sums, want in ((grad_q16, grad_q_halves, grad_q_sums, want_q),
                                        (grad_kv16, grad_kv_halves, grad_kv_sums, want_kv)):
         scale_of = want.norm().item()
-        assert (attention_core.float32_from_halves(halves).double() - want).norm() \
+        assert (softmax_bwd.float32_from_halves(halves).double() - want).norm() \
             <= 2e-4 * scale_of
         assert (copy16.double() - want).norm() <= 2e-3 * scale_of      # fp16 rounding
         assert (sums.double().sum(1) - want.sum(1)).norm() <= 2e-4 * scale_of
@@ -157,12 +157,12 @@ def test_kernels_at_head_dims_that_are_not_powers_of_two(triton_interpreter, D,
 def test_kernels_fp16_copies_match_their_halves(triton_interpreter):
     """The kernels' two output formats describe the same gradient."""
     P, grad_attn, q, k, v, scale = _core_inputs(1, 2, 21, 16, seed=5)
-    grad_q16, grad_q_halves, delta, _ = attention_core.launch_rows(P, grad_attn, q, k, v,
+    grad_q16, grad_q_halves, delta, _ = softmax_bwd.launch_rows(P, grad_attn, q, k, v,
                                                                    None, scale)
-    grad_kv16, grad_kv_halves, _ = attention_core.launch_cols(P, grad_attn, q, k, v, delta,
+    grad_kv16, grad_kv_halves, _ = softmax_bwd.launch_cols(P, grad_attn, q, k, v, delta,
                                                               scale)
     for copy16, halves in ((grad_q16, grad_q_halves), (grad_kv16, grad_kv_halves)):
-        value = attention_core.float32_from_halves(halves)
+        value = softmax_bwd.float32_from_halves(halves)
         assert ((copy16.float() - value).abs() <= 2 ** -10 * value.abs() + 1e-6).all()
 
 
@@ -174,12 +174,12 @@ def test_kernels_partial_sums_add_up_to_the_bias_gradient(triton_interpreter, bl
     groups, per batch element, they are the gradients' sums over rows."""
     S = 37                                                 # 3 groups, the last partial
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, S, 16, seed=8)
-    _, grad_q_halves, delta, grad_q_sums = attention_core.launch_rows(
+    _, grad_q_halves, delta, grad_q_sums = softmax_bwd.launch_rows(
         P, grad_attn, q, k, v, None, scale, block, block)
-    _, grad_kv_halves, grad_kv_sums = attention_core.launch_cols(
+    _, grad_kv_halves, grad_kv_sums = softmax_bwd.launch_cols(
         P, grad_attn, q, k, v, delta, scale, block, block)
     for sums, halves in ((grad_q_sums, grad_q_halves), (grad_kv_sums, grad_kv_halves)):
-        grad = attention_core.float32_from_halves(halves).double()          # [B,S,N]
+        grad = softmax_bwd.float32_from_halves(halves).double()          # [B,S,N]
         assert sums.shape == (2, 3, grad.shape[-1])
         torch.testing.assert_close(sums.double().sum(1), grad.sum(1), rtol=1e-5,
                                    atol=1e-5 * grad.abs().sum(1).max().item())
@@ -212,9 +212,9 @@ def test_math_recomputes_p_from_its_log_sum_exp():
     _, grad_attn, q, k, v, scale = _core_inputs(2, 2, 13, 8, dtype=torch.float64, seed=3)
     logits = (q @ k.transpose(-1, -2)) * scale
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
-    given = attention_core.attention_backward_math(torch.softmax(logits, -1), grad_attn,
+    given = softmax_bwd.attention_backward_math(torch.softmax(logits, -1), grad_attn,
                                                    q, k, v, scale)
-    recomputed = attention_core.attention_backward_math(lse, grad_attn, q, k, v, scale,
+    recomputed = softmax_bwd.attention_backward_math(lse, grad_attn, q, k, v, scale,
                                                         attn_output)
     for a, b in zip(given, recomputed):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
@@ -227,10 +227,10 @@ def test_module_mode_delta_comes_from_the_forward_output():
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
     heads = reference.split_heads
     want = (heads(grad_attn, 2) * heads(attn_output, 2)).sum(-1)          # [B,H,S]
-    _, _, delta, _ = attention_core.softmax_bwd_rows(lse, grad_attn, q, k, v, attn_output,
+    _, _, delta, _ = softmax_bwd.softmax_bwd_rows(lse, grad_attn, q, k, v, attn_output,
                                                      scale)
     torch.testing.assert_close(delta, want.float(), rtol=1e-6, atol=1e-6)
-    _, _, shifted, _ = attention_core.softmax_bwd_rows(lse, grad_attn, q, k, v,
+    _, _, shifted, _ = softmax_bwd.softmax_bwd_rows(lse, grad_attn, q, k, v,
                                                        attn_output * 1.01, scale)
     torch.testing.assert_close(shifted, (want * 1.01).float(), rtol=1e-6, atol=1e-6)
 
@@ -239,7 +239,7 @@ def test_log_sum_exp_without_the_forward_output_is_refused():
     """probs as a log-sum-exp needs attn_output: a clear error, not delta from garbage."""
     _, grad_attn, q, k, v, scale = _core_inputs(1, 2, 9, 8, seed=6)
     lse, _ = _log_sum_exp_and_output(q, k, v, scale)
-    for rows in (attention_core.softmax_bwd_rows, attention_core.launch_rows):
+    for rows in (softmax_bwd.softmax_bwd_rows, softmax_bwd.launch_rows):
         with pytest.raises(ValueError, match="attn_output"):
             rows(lse, grad_attn, q, k, v, None, scale)
 
@@ -252,7 +252,7 @@ def test_rows_kernel_takes_delta_from_the_forward_output(triton_interpreter):
     heads = reference.split_heads
     want = (heads(grad_attn.double(), 2) * heads(attn_output.double(), 2)).sum(-1)
     for factor in (1.0, 1.01):
-        _, _, delta, _ = attention_core.launch_rows(lse, grad_attn, q, k, v,
+        _, _, delta, _ = softmax_bwd.launch_rows(lse, grad_attn, q, k, v,
                                                     attn_output * factor, scale, 16, 16)
         torch.testing.assert_close(delta.double(), want * factor, rtol=1e-4, atol=1e-5)
 
@@ -262,7 +262,7 @@ def test_kernels_recompute_p_under_interpreter(triton_interpreter, S, block_m, b
     """RECOMPUTE_P: the kernels read lse [B,H,S] instead of P, and take delta from the
     attention output, and match the textbook."""
     P, lse, attn_output, grad_attn, q, k, v, scale = _softmax_inputs(2, 2, S, 16, seed=S)
-    got = attention_core.attention_backward(lse, grad_attn, q, k, v, scale,
+    got = softmax_bwd.attention_backward(lse, grad_attn, q, k, v, scale,
                                             attn_output=attn_output, block_m=block_m,
                                             block_n=block_n)
     want = _textbook(P, grad_attn, q, k, v, scale)

@@ -22,8 +22,8 @@ head views of the module's QKV projection [B,S,3E] (bf16 / fp16, read where they
 lie). `products` is 3 for the bf16 halves of float32 tensors (bf16x3), or 1 for bf16 /
 fp16 tensors given as they are (each tensor twice: its lo is never read); with one
 product grad_q16 / grad_kv16 are in the operands' dtype and the halves buffers are
-empty (attention_core.py). With `operand_scales` (float32 [5],
-attention_core.fp16_operand_scales: the powers of two s_do, s_q, s_k, s_v that
+empty (softmax_bwd.py). With `operand_scales` (float32 [5],
+softmax_bwd.fp16_operand_scales: the powers of two s_do, s_q, s_k, s_v that
 grad_attn, q, k and v were scaled by into fp16's range before their split, and s_ds for
 dS), the halves are fp16 and the products fp16x3 (precision "highest"): grad_q16 /
 grad_kv16 are then float32 gradients, unscaled, and the halves buffers empty. max-autotune
@@ -36,14 +36,14 @@ import functools
 import torch
 
 from . import buffers, compile_probe, launcher
-from .attention_core import (COLUMN_SUM_ROWS, MAX_KERNEL_HEAD_DIM, TileConfig,
+from .softmax_bwd import (COLUMN_SUM_ROWS, MAX_KERNEL_HEAD_DIM, TileConfig,
                              gradient_dtype, halves_width, head_tile, kernel_head_dim,
                              sum_groups)
 from .precision import HALF_DTYPES
 
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
 # num_warps = 4 per 64 rows the program owns), at head tiles up to 64 wide
-# (attention_core.head_tile). Each compiles for sm_90 without spills
+# (softmax_bwd.head_tile). Each compiles for sm_90 without spills
 # (tests/test_kernel_resources.py). The first of each is what Inductor takes untimed:
 # where the inputs are too large to copy for timing (inductor._select), and under
 # torch.use_deterministic_algorithms(True), where on the H200 (torch 2.11) the compiled
@@ -69,7 +69,7 @@ COLS_TILES = (TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2))
 # tower's autotuning chose them; 104 and 128 are not timed.
 WIDE_ROWS_TILES = (TileConfig(64, 32, 4, 2),)
 WIDE_COLS_TILES = (TileConfig(16, 64, 4, 3),)
-# Every multiple of 8 up to 128 (attention_core.kernel_head_dim): the kernels pad their
+# Every multiple of 8 up to 128 (softmax_bwd.kernel_head_dim): the kernels pad their
 # tiles to head_tile(head_dim) columns. Checked against float64 on the H200 at 64, 72
 # and 80.
 HEAD_DIMS = tuple(d for d in range(1, MAX_KERNEL_HEAD_DIM + 1) if kernel_head_dim(d))
@@ -123,14 +123,14 @@ def _compile_probe(arch):
     """Compile the rows and cols kernels (P given, three products of bf16 halves: the
     variant that uses every Gluon feature the family has) at ViT-L/14-336's shape and
     their first configured tiles for `arch`, launching nothing."""
-    from .kernels import gluon_compat, softmax_bwd_gluon
+    from .kernels import gluon_compat, softmax_bwd_gluon as kernels
     if gluon_compat.MISSING:
         raise ImportError(f"this Gluon lacks {', '.join(gluon_compat.MISSING)}")
     seq_len, num_heads, head_dim = 577, 16, 64
     strides = (num_heads * seq_len * head_dim, seq_len * head_dim, head_dim)
     for kernel, tiles, prefetch in (
-            (softmax_bwd_gluon.softmax_bwd_rows_kernel, ROWS_TILES[0], ROWS_PREFETCH),
-            (softmax_bwd_gluon.softmax_bwd_cols_kernel, COLS_TILES[0], COLS_PREFETCH)):
+            (kernels.softmax_bwd_rows_kernel, ROWS_TILES[0], ROWS_PREFETCH),
+            (kernels.softmax_bwd_cols_kernel, COLS_TILES[0], COLS_PREFETCH)):
         constexprs = kernel_constexprs(seq_len, num_heads, head_dim, strides, tiles,
                                        recompute_p=False, products=3, prefetch=prefetch)
         gluon_compat.compile_without_launch(kernel, _probe_signature(kernel, constexprs),

@@ -1,10 +1,10 @@
-"""On the GPU: the fused LayerNorm backward operator (layer_norm.py) at the block's size,
+"""On the GPU: the fused LayerNorm backward operator (layer_norm_bwd.py) at the block's size,
 against float64, bitwise repeatable, through opcheck and under torch.compile (where
 Inductor launches the Triton kernel itself)."""
 import pytest
 import torch
 
-from vitattn_bwd import layer_norm, reference
+from vitattn_bwd import layer_norm_bwd, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -34,18 +34,18 @@ def _float64(grad_output, p0, p1, p2, p3, unscale, x, x_mean, x_var, ln_weight, 
 @pytest.mark.parametrize("ln_grad", ["exact", "contract"])
 def test_operator_matches_float64(B, S, E, ln_grad):
     inputs = _inputs(B, S, E)
-    got = layer_norm.fused_layer_norm_backward(*inputs, ln_grad == "exact")
+    got = layer_norm_bwd.fused_layer_norm_backward(*inputs, ln_grad == "exact")
     want = _float64(*inputs, ln_grad)
     for name, g, w in zip(("grad_x", "grad_ln_weight", "grad_ln_bias", "grad_out_bias"),
                           got, want):
         err = ((g.double() - w).abs().max() / w.abs().max()).item()
         assert err < 1e-5, f"{name}: relative error {err:.2e}"
-    again = layer_norm.fused_layer_norm_backward(*inputs, ln_grad == "exact")
+    again = layer_norm_bwd.fused_layer_norm_backward(*inputs, ln_grad == "exact")
     assert all(torch.equal(a, b) for a, b in zip(got, again))
 
 
 def test_operator_passes_opcheck():
-    torch.library.opcheck(layer_norm.fused_layer_norm_backward, (*_inputs(2, 9, 64), True))
+    torch.library.opcheck(layer_norm_bwd.fused_layer_norm_backward, (*_inputs(2, 9, 64), True))
 
 
 def test_compiled_operator_with_a_dynamic_batch():
@@ -53,11 +53,11 @@ def test_compiled_operator_with_a_dynamic_batch():
     with a dynamic batch: the eager operator's values to float32 rounding, the same bits
     on every call. (Not the eager bits: on the H200 the column sums, added in Inductor's
     order, differed by up to 9e-6 absolute, 1.4e-4 relative where they cancel.)"""
-    compiled = torch.compile(layer_norm.fused_layer_norm_backward, dynamic=True,
+    compiled = torch.compile(layer_norm_bwd.fused_layer_norm_backward, dynamic=True,
                              fullgraph=True)
     for B in (2, 5):
         inputs = _inputs(B, 577, 1024, seed=B)
         got = compiled(*inputs, False)
-        for g, want in zip(got, layer_norm.fused_layer_norm_backward(*inputs, False)):
+        for g, want in zip(got, layer_norm_bwd.fused_layer_norm_backward(*inputs, False)):
             torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5 * want.abs().max())
         assert all(torch.equal(a, b) for a, b in zip(got, compiled(*inputs, False)))

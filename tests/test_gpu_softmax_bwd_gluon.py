@@ -1,4 +1,4 @@
-"""On a Hopper GPU: the Gluon attention-core kernels (gluon_core.py) against the
+"""On a Hopper GPU: the Gluon attention-core kernels (softmax_bwd_gluon.py) against the
 float64 math, P given and recomputed from its log-sum-exp, at every tile config
 max-autotune may pick, at odd lengths; every output element written; bitwise
 repeatable; the operators the compiled graph calls when a Gluon kernel wins; and the
@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from vitattn_bwd import attention_core, gluon_core, launcher
+from vitattn_bwd import launcher, softmax_bwd, softmax_bwd_gluon
 from vitattn_bwd.attention_fwd import attention_fwd_half
 from vitattn_bwd.layout import merge_heads, split_heads
 from vitattn_bwd.precision import split_bf16_rounded, split_fp16
@@ -22,7 +22,7 @@ D = 64
 
 @pytest.fixture(autouse=True)
 def _hopper():
-    if not gluon_core.available(torch.device("cuda"), torch.float32, D):
+    if not softmax_bwd_gluon.available(torch.device("cuda"), torch.float32, D):
         pytest.skip("the Gluon kernels need a Hopper GPU and a Triton with Gluon")
 
 
@@ -54,13 +54,13 @@ def _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles):
     grad_q16 = torch.full((B, S, E), dtype=torch.float16, **nan)
     grad_kv_halves = torch.full((B, S, 4 * E), dtype=torch.bfloat16, **nan)
     grad_kv16 = torch.full((B, S, 2 * E), dtype=torch.float16, **nan)
-    groups = attention_core.sum_groups(S)
+    groups = softmax_bwd.sum_groups(S)
     grad_q_sums = torch.full((B, groups, E), **nan)
     grad_kv_sums = torch.full((B, groups, 2 * E), **nan)
     halves = _halves(grad_attn, q, k, v)
-    gluon_core.launch_rows(probs, *halves, probs if attn_output is None else attn_output,
+    softmax_bwd_gluon.launch_rows(probs, *halves, probs if attn_output is None else attn_output,
                            delta, grad_q_halves, grad_q_sums, grad_q16, scale, rows_tiles)
-    gluon_core.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums, grad_kv16,
+    softmax_bwd_gluon.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums, grad_kv16,
                            scale, cols_tiles)
     return (grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16, grad_kv_halves,
             grad_kv_sums)
@@ -70,7 +70,7 @@ def _terms(probs, grad_attn, q, k, v, attn_output, scale):
     """(P * dP) k and (P * dP)^T q, times scale, and dV, in float64 [B,S,E]: the terms
     dQ and dK are differences of (dQ = that minus delta * P k, ...)."""
     probs, grad_attn, q, k, v = (t.double() for t in (probs, grad_attn, q, k, v))
-    p = attention_core.probabilities(probs, q, k, scale)                    # [B,H,S,S]
+    p = softmax_bwd.probabilities(probs, q, k, scale)                    # [B,H,S,S]
     grad_attn = split_heads(grad_attn, q.shape[1])                          # [B,H,S,D]
     p_grad_p = p * (grad_attn @ v.transpose(-1, -2))
     return (merge_heads(p_grad_p @ k * scale), merge_heads(p_grad_p.transpose(-1, -2) @ q
@@ -79,13 +79,13 @@ def _terms(probs, grad_attn, q, k, v, attn_output, scale):
 
 
 def _float64(probs, grad_attn, q, k, v, attn_output, scale):
-    return attention_core.attention_backward_math(
+    return softmax_bwd.attention_backward_math(
         *(t.double() for t in (probs, grad_attn, q, k, v)), scale,
         attn_output=None if attn_output is None else attn_output.double())
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["P", "lse"])
-@pytest.mark.parametrize("tiles", list(zip(gluon_core.ROWS_TILES, gluon_core.COLS_TILES)),
+@pytest.mark.parametrize("tiles", list(zip(softmax_bwd_gluon.ROWS_TILES, softmax_bwd_gluon.COLS_TILES)),
                          ids=lambda t: f"{tuple(t[0])}-{tuple(t[1])}")
 @pytest.mark.parametrize("B,H,S", [(2, 16, 577), (1, 2, 1), (3, 1, 100), (1, 3, 64)])
 def test_gluon_kernels_match_float64(recompute, tiles, B, H, S):
@@ -102,8 +102,8 @@ def test_gluon_kernels_match_float64_at_every_head_dim(recompute, B, H, S, head_
     80 and 104 in 128), with each head between neighbours whose columns a padded tile
     covers, and 128 at its own tiles: as at 64, every output against float64."""
     case = _case(B, H, S, recompute, seed=head_dim, head_dim=head_dim)
-    _assert_matches_float64(case, _run(*case, gluon_core.rows_tiles(head_dim)[0],
-                                       gluon_core.cols_tiles(head_dim)[0]))
+    _assert_matches_float64(case, _run(*case, softmax_bwd_gluon.rows_tiles(head_dim)[0],
+                                       softmax_bwd_gluon.cols_tiles(head_dim)[0]))
 
 
 def _assert_matches_float64(case, outputs):
@@ -113,8 +113,8 @@ def _assert_matches_float64(case, outputs):
         outputs)
     for out in outputs:
         assert not out.isnan().any()                       # every element written
-    grad_q = attention_core.float32_from_halves(grad_q_halves)
-    grad_k, grad_v = attention_core.float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
+    grad_q = softmax_bwd.float32_from_halves(grad_q_halves)
+    grad_k, grad_v = softmax_bwd.float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
     want = _float64(*case)
     # dQ and dK are sums of terms that cancel (to exactly 0 at one token): their errors
     # are measured against those terms' size, the terms the kernels add up
@@ -143,24 +143,24 @@ def _run_fp16_halves(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, 
     B, H, S, _ = q.shape
     E = H * D
     nan = dict(device="cuda", fill_value=float("nan"))
-    operand_scales = attention_core.fp16_operand_scales(grad_attn, q, k, v)
+    operand_scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)
     halves = [part for t, t_scale in zip((grad_attn, q, k, v), operand_scales)
               for part in split_fp16(t * t_scale)]
     no_halves = torch.empty(B, S, 0, dtype=torch.bfloat16, device="cuda")
     delta, grad_q = torch.full((B, H, S), **nan), torch.full((B, S, E), **nan)
     grad_kv = torch.full((B, S, 2 * E), **nan)
-    groups = attention_core.sum_groups(S)
+    groups = softmax_bwd.sum_groups(S)
     grad_q_sums, grad_kv_sums = (torch.full((B, groups, w), **nan) for w in (E, 2 * E))
-    gluon_core.launch_rows(probs, *halves, probs if attn_output is None else attn_output,
+    softmax_bwd_gluon.launch_rows(probs, *halves, probs if attn_output is None else attn_output,
                            delta, no_halves, grad_q_sums, grad_q, scale, rows_tiles,
                            operand_scales=operand_scales)
-    gluon_core.launch_cols(probs, *halves, delta, no_halves, grad_kv_sums, grad_kv, scale,
+    softmax_bwd_gluon.launch_cols(probs, *halves, delta, no_halves, grad_kv_sums, grad_kv, scale,
                            cols_tiles, operand_scales=operand_scales)
     return grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums
 
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["P", "lse"])
-@pytest.mark.parametrize("tiles", list(zip(gluon_core.ROWS_TILES, gluon_core.COLS_TILES)),
+@pytest.mark.parametrize("tiles", list(zip(softmax_bwd_gluon.ROWS_TILES, softmax_bwd_gluon.COLS_TILES)),
                          ids=lambda t: f"{tuple(t[0])}-{tuple(t[1])}")
 @pytest.mark.parametrize("B,H,S", [(2, 16, 577), (1, 2, 1), (3, 1, 100)])
 def test_fp16_halves_kernels_are_float32_grade(recompute, tiles, B, H, S):
@@ -188,7 +188,7 @@ def test_fp16_halves_kernels_are_float32_grade(recompute, tiles, B, H, S):
                                       wants, terms):
             assert (got_sum - w.sum(1)).norm().item() < 4e-6 * scale_ * math.sqrt(S)
     probs, grad_attn, q, k, v = (t.double() for t in case[:5])
-    p = attention_core.probabilities(probs, q, k, scale)
+    p = softmax_bwd.probabilities(probs, q, k, scale)
     grad_p = split_heads(grad_attn, H) @ v.transpose(-1, -2)
     want_delta = (p * grad_p).sum(-1)
     assert ((delta.double() - want_delta).norm() / want_delta.norm()).item() < 4e-6
@@ -213,8 +213,8 @@ def test_fp16_halves_kernels_with_zero_or_tiny_operands(recompute, magnitudes):
     case = (probs, grad_attn * do_m, q * q_m, k, v * v_m, attn_output, scale)
     if q_m == 0 and recompute:
         pytest.skip("q of zeros changes the log-sum-exp; P given covers it")
-    grad_q, delta, _, grad_kv, _ = _run_fp16_halves(*case, gluon_core.ROWS_TILES[0],
-                                                    gluon_core.COLS_TILES[0])
+    grad_q, delta, _, grad_kv, _ = _run_fp16_halves(*case, softmax_bwd_gluon.ROWS_TILES[0],
+                                                    softmax_bwd_gluon.COLS_TILES[0])
     for out in (grad_q, delta, grad_kv):
         assert torch.isfinite(out).all()
     want = _float64(*case)
@@ -225,7 +225,7 @@ def test_fp16_halves_kernels_with_zero_or_tiny_operands(recompute, magnitudes):
 
 def test_gluon_kernels_are_bitwise_repeatable():
     case = _case(2, 16, 577, recompute=False, seed=1)
-    tiles = (gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])
+    tiles = (softmax_bwd_gluon.ROWS_TILES[0], softmax_bwd_gluon.COLS_TILES[0])
     first, second = _run(*case, *tiles), _run(*case, *tiles)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
@@ -237,7 +237,7 @@ def test_the_launch_cache_runs_what_the_jit_path_runs(monkeypatch, recompute):
     from vitattn_bwd.kernels.softmax_bwd_gluon import (softmax_bwd_cols_kernel,
                                                        softmax_bwd_rows_kernel)
     case = _case(2, 16, 577, recompute=recompute, seed=2)
-    tiles = (gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0])
+    tiles = (softmax_bwd_gluon.ROWS_TILES[0], softmax_bwd_gluon.COLS_TILES[0])
     monkeypatch.setattr(launcher, "_compiled", {})
     rows_runs = recorded_jit_runs(monkeypatch, softmax_bwd_rows_kernel)
     cols_runs = recorded_jit_runs(monkeypatch, softmax_bwd_cols_kernel)
@@ -257,7 +257,7 @@ def test_operators_of_the_compiled_graph(recompute):
     Gluon kernel: the same outputs as the launchers into given buffers."""
     probs, grad_attn, q, k, v, attn_output, scale = _case(2, 4, 577, recompute, seed=2)
     halves = _halves(grad_attn, q, k, v)
-    rows_tiles, cols_tiles = gluon_core.ROWS_TILES[0], gluon_core.COLS_TILES[0]
+    rows_tiles, cols_tiles = softmax_bwd_gluon.ROWS_TILES[0], softmax_bwd_gluon.COLS_TILES[0]
     placeholder = probs if attn_output is None else attn_output
     rows = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows(probs, *halves, placeholder, scale,
                                                         *rows_tiles, 3)      # bf16x3
@@ -277,15 +277,15 @@ def _run_one_product(lse, grad_attn, q, k, v, attn_output, scale):
     delta = torch.full((B, H, S), **nan)
     grad_q = torch.full((B, S, E), dtype=q.dtype, **nan)
     grad_kv = torch.full((B, S, 2 * E), dtype=q.dtype, **nan)
-    groups = attention_core.sum_groups(S)
+    groups = softmax_bwd.sum_groups(S)
     grad_q_sums = torch.full((B, groups, E), **nan)
     grad_kv_sums = torch.full((B, groups, 2 * E), **nan)
     operands = (grad_attn, grad_attn, q, q, k, k, v, v)          # lo is never read
     unused = torch.empty(0, device="cuda", dtype=torch.bfloat16)  # no halves
-    gluon_core.launch_rows(lse, *operands, attn_output, delta, unused, grad_q_sums, grad_q,
-                           scale, gluon_core.rows_tiles(head_dim)[0], products=1)
-    gluon_core.launch_cols(lse, *operands, delta, unused, grad_kv_sums, grad_kv, scale,
-                           gluon_core.cols_tiles(head_dim)[0], products=1)
+    softmax_bwd_gluon.launch_rows(lse, *operands, attn_output, delta, unused, grad_q_sums, grad_q,
+                           scale, softmax_bwd_gluon.rows_tiles(head_dim)[0], products=1)
+    softmax_bwd_gluon.launch_cols(lse, *operands, delta, unused, grad_kv_sums, grad_kv, scale,
+                           softmax_bwd_gluon.cols_tiles(head_dim)[0], products=1)
     return grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums
 
 
@@ -313,7 +313,7 @@ def test_one_product_kernels_read_the_qkv_projection_where_it_lies(dtype, B, H, 
         assert not got.isnan().any()
         assert torch.equal(got, want)
     grad_q, _, _, grad_kv, _ = from_views
-    want = attention_core.attention_backward_math(
+    want = softmax_bwd.attention_backward_math(
         *(t.double() for t in (lse, grad_attn, q, k, v)), scale,
         attn_output=attn_output.double())
     scales = [max(w.norm().item(), t.norm().item())

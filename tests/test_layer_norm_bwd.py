@@ -1,12 +1,12 @@
 """The LayerNorm backward: the PyTorch math against the reference, and the fused
-kernel (under Triton's interpreter here; on the GPU in tests/test_gpu_layer_norm.py and
+kernel (under Triton's interpreter here; on the GPU in tests/test_gpu_layer_norm_bwd.py and
 the compiled runs of tests/test_gpu.py) against float64, including its sums over rows,
 the rows and columns past a block, strided inputs and no rows at all."""
 import pytest
 import torch
 
-from vitattn_bwd import layer_norm, reference
-from vitattn_bwd.layer_norm import LayerNormTiles
+from vitattn_bwd import layer_norm_bwd, reference
+from vitattn_bwd.layer_norm_bwd import LayerNormTiles
 
 
 def _inputs(B, S, E, seed=0):
@@ -32,7 +32,7 @@ def _want(grad_output, parts, x, x_mean, x_var, ln_weight, unscale, ln_grad, eps
 def test_math_equals_reference(ln_grad):
     grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(2, 5, 12)
     grad_x_norm = sum(parts).view(2, 5, 12).double()
-    got = layer_norm.layer_norm_backward(grad_output.double(), grad_x_norm, x.double(),
+    got = layer_norm_bwd.layer_norm_backward(grad_output.double(), grad_x_norm, x.double(),
                                          x_mean.double(), x_var.double(),
                                          ln_weight.double(), 1e-5, ln_grad)
     want = reference.layer_norm_backward(grad_output.double(), grad_x_norm, x.double(),
@@ -53,7 +53,7 @@ def test_math_equals_reference(ln_grad):
 def test_kernel_matches_float64(triton_interpreter, B, S, E, tiles, ln_grad):
     grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(B, S, E)
     unscale = torch.tensor(0.25)
-    grad_x, partial_sums = layer_norm.launch(grad_output, *parts, unscale, x, x_mean, x_var,
+    grad_x, partial_sums = layer_norm_bwd.launch(grad_output, *parts, unscale, x, x_mean, x_var,
                                              ln_weight, 1e-5, ln_grad == "exact", tiles)
     assert partial_sums.shape == (3, -(-B * S // tiles.rows_per_program), E)
     got = (grad_x, *partial_sums.sum(1).unbind(0))
@@ -70,7 +70,7 @@ def test_kernel_with_two_parts(triton_interpreter, ln_grad):
     None, nothing else read."""
     grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(2, 7, 32)
     unscale = torch.tensor(1.0)
-    grad_x, partial_sums = layer_norm.launch(grad_output, *parts[:2], None, None, unscale, x,
+    grad_x, partial_sums = layer_norm_bwd.launch(grad_output, *parts[:2], None, None, unscale, x,
                                              x_mean, x_var, ln_weight, 1e-5,
                                              ln_grad == "exact", LayerNormTiles(2, 2, 4))
     got = (grad_x, *partial_sums.sum(1).unbind(0))
@@ -86,14 +86,14 @@ def test_operator_sums_the_partials(triton_interpreter):
     row of partials holds only its own rows."""
     grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(1, 3, 16)
     unscale = torch.tensor(1.0)
-    got = layer_norm.fused_layer_norm_backward(
+    got = layer_norm_bwd.fused_layer_norm_backward(
         grad_output, *parts, unscale, x, x_mean, x_var, ln_weight, 1e-5, False)
     want = _want(grad_output, parts, x, x_mean, x_var, ln_weight, 1.0, "contract")
     # four tensors, none a view of another's storage (three of them become .grads)
     assert len({t.untyped_storage().data_ptr() for t in got}) == 4
     for g, w in zip(got, want):
         torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
-    _, partial_sums = layer_norm.launch(grad_output, *parts, unscale, x, x_mean, x_var,
+    _, partial_sums = layer_norm_bwd.launch(grad_output, *parts, unscale, x, x_mean, x_var,
                                         ln_weight, 1e-5, False, LayerNormTiles(1, 1, 4))
     assert partial_sums.shape == (3, 3, 16)
     torch.testing.assert_close(partial_sums[2], grad_output[0], rtol=0, atol=0)
@@ -110,9 +110,9 @@ def test_operator_takes_strided_inputs(triton_interpreter):
     padded = torch.zeros(grad_output.numel() + 3)
     grad_output_strided = padded[3:].view_as(grad_output).copy_(grad_output)
     args = (*parts, torch.tensor(1.0))
-    got = layer_norm.fused_layer_norm_backward(grad_output_strided, *args, x_strided,
+    got = layer_norm_bwd.fused_layer_norm_backward(grad_output_strided, *args, x_strided,
                                                x_mean, x_var, ln_weight, 1e-5, True)
-    want = layer_norm.fused_layer_norm_backward(grad_output, *args, x, x_mean, x_var,
+    want = layer_norm_bwd.fused_layer_norm_backward(grad_output, *args, x, x_mean, x_var,
                                                 ln_weight, 1e-5, True)
     assert got[0].is_contiguous()
     for g, w in zip(got, want):
@@ -122,7 +122,7 @@ def test_operator_takes_strided_inputs(triton_interpreter):
 def test_operator_with_no_rows(triton_interpreter):
     """B * S = 0: an empty grad_x and zero sums (no program is launched)."""
     grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(0, 5, 16)
-    grad_x, *column_sums = layer_norm.fused_layer_norm_backward(
+    grad_x, *column_sums = layer_norm_bwd.fused_layer_norm_backward(
         grad_output, *parts, torch.tensor(1.0), x, x_mean, x_var, ln_weight, 1e-5, True)
     assert grad_x.shape == (0, 5, 16)
     assert all(s.shape == (16,) and (s == 0).all() for s in column_sums)
@@ -135,7 +135,7 @@ def test_kernel_of_a_half_precision_block(triton_interpreter, dtype):
     once), the sums float32."""
     grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(2, 7, 32)
     grad_output, x, ln_weight = (t.to(dtype) for t in (grad_output, x, ln_weight))
-    grad_x, partial_sums = layer_norm.launch(grad_output, *parts[:2], None, None,
+    grad_x, partial_sums = layer_norm_bwd.launch(grad_output, *parts[:2], None, None,
                                              torch.tensor(1.0), x, x_mean, x_var,
                                              ln_weight, 1e-5, True, LayerNormTiles(2, 2, 4))
     assert grad_x.dtype == dtype and partial_sums.dtype == torch.float32
@@ -151,8 +151,8 @@ def test_kernel_of_a_half_precision_block(triton_interpreter, dtype):
 def test_launch_refuses_other_dtypes():
     grad_output, parts, x, x_mean, x_var, ln_weight = _inputs(1, 3, 16)
     with pytest.raises(TypeError, match="x must be float32, bfloat16 or float16"):
-        layer_norm.launch(grad_output, *parts, torch.tensor(1.0), x.double(), x_mean,
+        layer_norm_bwd.launch(grad_output, *parts, torch.tensor(1.0), x.double(), x_mean,
                           x_var, ln_weight, 1e-5, True)
     with pytest.raises(TypeError, match="grad_output must have x's dtype"):
-        layer_norm.launch(grad_output.bfloat16(), *parts, torch.tensor(1.0), x, x_mean,
+        layer_norm_bwd.launch(grad_output.bfloat16(), *parts, torch.tensor(1.0), x, x_mean,
                           x_var, ln_weight, 1e-5, True)
