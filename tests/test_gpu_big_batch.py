@@ -15,7 +15,7 @@ import torch
 
 from vitattn_bwd import VisionAttentionBlock, reference
 
-from .helpers import relative_error
+from .helpers import float32_grade_bound, relative_error
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
@@ -95,3 +95,48 @@ def test_backward_past_2_31_elements():
     for name, got, want, ref in zip(names, param_grads, truth, stock):
         error = relative_error(got, want)
         assert error < 10 * relative_error(ref, want) + 1e-7, (name, error)
+
+
+# ---- batch * heads past 65,535 (CUDA's cap on a grid's second dimension) -------------
+# The attention kernels put batch * heads on the grid's first dimension; 4,100 x 16 heads
+# is 65,600. 100 tokens give every head two or more blocks of rows, small tensors.
+WIDE_BATCH, WIDE_SEQ = 4100, 100
+WIDE_SAMPLES = [0, 4095, 4096, WIDE_BATCH - 1]     # either side of the former limit
+
+
+def test_contract_past_65535_batch_heads_within_tolerance(monkeypatch):
+    from vitattn_bwd import contract
+    from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs, within_tolerance
+
+    from .helpers import reference_grads
+    monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    inputs = make_inputs(WIDE_BATCH, seq_len=WIDE_SEQ, device="cuda", generator=generator)
+    got = contract.run(*inputs.values())
+    refs = reference_grads(inputs, HEADS, "contract", device="cuda")
+    for name, out, ref in zip(OUTPUT_NAMES, got, refs):
+        ok, matched = within_tolerance(out, ref)
+        assert ok, (name, matched)
+
+
+def test_block_past_65535_batch_heads_no_grad_and_step(monkeypatch):
+    """VisionAttentionBlock at batch 4,100 x 16 heads: the no_grad forward on samples
+    either side of the former limit, and one step's outputs, within 10x of the stock
+    float32 block's own error against float64 (TF32 off)."""
+    from .helpers import block_step, block_step_float64
+    monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
+    block = VisionAttentionBlock(EMBED, HEADS, precision="high").cuda()
+    x = torch.randn(WIDE_BATCH, WIDE_SEQ, EMBED, device="cuda")
+    with torch.no_grad():
+        y = block(x)
+    for sample in WIDE_SAMPLES:
+        rows = slice(sample, sample + 1)
+        want = _stock_forward(block, x[rows], torch.float64)
+        stock = _stock_forward(block, x[rows], torch.float32)
+        assert relative_error(y[rows], want) < 10 * relative_error(stock, want) + 1e-7, sample
+    grad_y = torch.randn_like(x)
+    got = block_step(block, x, grad_y)
+    want = block_step_float64(block, x, grad_y)
+    names = ["y", "x"] + [name for name, _ in block.named_parameters()]
+    for name, out, ref in zip(names, got, want):
+        assert relative_error(out, ref) < float32_grade_bound(name), name

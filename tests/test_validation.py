@@ -9,7 +9,7 @@ import torch
 import vitattn_bwd
 from vitattn_bwd import VisionAttentionBlock, contract
 from vitattn_bwd.module import VisionAttentionFunction, vision_attention
-from vitattn_bwd.validation import (check_batch_heads, check_config, check_float,
+from vitattn_bwd.validation import (check_config, check_float,
                                     check_positive_int)
 
 from .helpers import make_case
@@ -119,19 +119,6 @@ def test_scalars_come_back_as_python_values():
     assert check_float("norm_eps", 0, minimum=0) == 0.0
     assert check_config(np.int32(32), np.int64(4), np.float64(1e-6)) == (32, 4, 1e-6)
     assert [type(v) for v in check_config(np.int32(32), np.int64(4), 0)] == [int, int, float]
-
-
-def test_batch_times_heads_past_the_cuda_grid_is_refused_by_name_on_cuda_only():
-    """The attention kernels put batch * heads on CUDA's grid y axis (at most 65,535): on
-    CUDA a larger product is refused at the call, naming x and the limit; on the CPU, where
-    no such kernel runs, it is not."""
-    check_batch_heads(4095, 16, "cuda")                  # 65,520: the largest at 16 heads
-    check_batch_heads(65535, 1, "cuda")
-    for batch, heads in ((4097, 16), (65536, 1), (2, 40000)):
-        with pytest.raises(ValueError, match=r"x: batch .* over the attention kernels' "
-                                             r"limit of 65535"):
-            check_batch_heads(batch, heads, "cuda")
-    check_batch_heads(10 ** 6, 16, "cpu")
 
 
 def test_sparse_and_mkldnn_tensors_are_refused_by_name_at_every_entry_point():

@@ -95,7 +95,7 @@ def launch_attention_fwd_presplit(q_halves, k_halves, v_halves, scale, tiles=Non
     tiles = tiles or FWD_TILES[head_tile(D)]
     attn_output = buffers.output_buffer(q_hi, B, S, H * D, dtype=torch.float32)
     lse = buffers.output_buffer(q_hi, B, H, S, dtype=torch.float32)
-    grid = (-(-S // tiles.block_m), B * H)
+    grid = (-(-S // tiles.block_m) * B * H,)              # kernels.program_block
     attention_fwd_kernel[grid](
         q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output, lse, *q_hi.stride()[:3],
         *k_hi.stride()[:3], *v_hi.stride()[:3], scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,

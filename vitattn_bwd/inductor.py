@@ -149,12 +149,12 @@ def _device_source(module=None):
 
 @SymbolicGridFn
 def _rows_grid(batch, num_heads, seq_len, meta, *, cdiv):
-    return (cdiv(seq_len, meta["BLOCK_M"]), batch * num_heads, 1)
+    return (cdiv(seq_len, meta["BLOCK_M"]) * batch * num_heads, 1, 1)   # program_block
 
 
 @SymbolicGridFn
 def _cols_grid(batch, num_heads, seq_len, meta, *, cdiv):
-    return (cdiv(seq_len, meta["BLOCK_N"]), batch * num_heads, 1)
+    return (cdiv(seq_len, meta["BLOCK_N"]) * batch * num_heads, 1, 1)
 
 
 @functools.cache

@@ -78,7 +78,7 @@ class VisionAttentionFunction(torch.autograd.Function):
                 num_heads, eps, precision="high", half_dtype=None, block_checked=False):
         params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
         if block_checked:
-            check_fused_dtypes(x, params, num_heads, precision, half_dtype)
+            check_fused_dtypes(x, params, precision, half_dtype)
         else:
             num_heads, eps = check_fused_inputs(x, params, num_heads, eps, precision,
                                                 half_dtype)
@@ -174,7 +174,7 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
     with autocast_off(device.type):
         if decision.opaque_ops:
             # inside torch.compile: the torch.library operators, opaque to dynamo
-            check_fused_dtypes(args[0], args[1:], num_heads, *fused[9:])
+            check_fused_dtypes(args[0], args[1:], *fused[9:])
             y = block_ops.vision_attention(*fused)
         else:
             y = VisionAttentionFunction.apply(*fused, True)   # block inputs checked above

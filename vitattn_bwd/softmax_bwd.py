@@ -184,7 +184,7 @@ def launch_rows(probs, grad_attn, q, k, v, attn_output, scale, block_m=None, blo
     grad_q_halves = buffers.output_buffer(k, B, S, 2 * H * D, dtype=torch.bfloat16)
     delta = buffers.output_buffer(k, B, H, S)
     grad_q_sums = buffers.output_buffer(k, B, sum_groups(S), H * D)
-    grid = (-(-S // tiles.block_m), B * H)
+    grid = (-(-S // tiles.block_m) * B * H,)              # kernels.program_block
     attn_output = probs if attn_output is None else attn_output.contiguous()  # unread if P
     softmax_bwd_rows_kernel[grid](
         probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), attn_output, grad_q16,
@@ -202,7 +202,7 @@ def launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m=None, block_n=N
     grad_kv16 = buffers.output_buffer(q, B, S, 2 * H * D, dtype=torch.float16)
     grad_kv_halves = buffers.output_buffer(q, B, S, 4 * H * D, dtype=torch.bfloat16)
     grad_kv_sums = buffers.output_buffer(q, B, sum_groups(S), 2 * H * D)
-    grid = (-(-S // tiles.block_n), B * H)
+    grid = (-(-S // tiles.block_n) * B * H,)
     softmax_bwd_cols_kernel[grid](
         probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), delta.contiguous(),
         grad_kv16, grad_kv_halves, grad_kv_sums, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,

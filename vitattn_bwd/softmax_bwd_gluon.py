@@ -59,10 +59,10 @@ COLS_TILES = (TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2))
 # with P given), the cols pass, which holds two, takes 16 queries per tile (64 x 64
 # spilled 412 bytes, 32 x 64 24-48 in four of its eight variants). Compiled for sm_90
 # at head dim 72 (scripts/kernel_resources.py --head-dim 72): three waits per tile as
-# at 64, at most 128 KB of shared memory, no spills but 48 bytes in the cols pass of
+# at 64, at most 128 KB of shared memory, no spills but 52 bytes in the cols pass of
 # bf16x3 with P given (the contract's mode, whose head dim is 64). At head dim 128
-# (no masks) the register allocation differs: the float32 cols pass spills 124 bytes
-# with P given, 112 with P recomputed (bf16, fp16 and fp16-halves variants none); the
+# (no masks) the register allocation differs: the float32 cols pass spills 92 bytes
+# with P given, 116 with P recomputed (bf16, fp16 and fp16-halves variants none); the
 # Triton templates' cols tiles it is timed against spill 100-504 bytes there. On the
 # H200 at head dims 72 and 80 these tiles ran 3.08 and 0.59 ms (float32 "high", P
 # given, batch 32) against the Triton kernels' 8.86 and 2.39, and a SigLIP-shaped
@@ -210,7 +210,7 @@ def _launch(kernel, rows_per_program, probs, halves, pass_args, scale, tiles, pr
     grad_attn_hi, qkv_halves = halves[0], halves[2:]
     scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
     batch, num_heads, seq_len, _ = qkv_halves[0].shape
-    grid = (-(-seq_len // rows_per_program), batch * num_heads)
+    grid = (-(-seq_len // rows_per_program) * batch * num_heads,)  # program_coordinates
     launcher.launch(kernel, grid, probs, *halves, scales, *pass_args, scale,
                     **_constexprs(probs, qkv_halves, tiles, products, prefetch))
 

@@ -210,20 +210,6 @@ def check_like_x(tensors, x, num_heads, same_dtype=True):
 
 # --- the entry points ------------------------------------------------------------------
 
-# The attention kernels launch one row of programs per (batch, head) on the grid's y
-# axis (softmax_bwd, softmax_bwd_gluon, attention_fwd, inductor's templates), which CUDA caps.
-MAX_BATCH_HEADS = 65535
-
-
-def check_batch_heads(batch, num_heads, device_type):
-    """On CUDA, batch * num_heads at most MAX_BATCH_HEADS (x's batch: at most 4,095 at
-    16 heads); past it the kernels' launch would fail with CUDA's own error."""
-    if device_type == "cuda" and batch * num_heads > MAX_BATCH_HEADS:
-        raise ValueError(f"x: batch {batch} x num_heads {num_heads} is over the attention "
-                         f"kernels' limit of {MAX_BATCH_HEADS} (batch * heads on CUDA's "
-                         "grid); split the batch")
-
-
 def check_backward_inputs(tensors, scale, norm_eps, num_heads, ln_grad, precision,
                           check_finite=False):
     """attention_block_backward's arguments (`tensors`: its 13, by name); returns the
@@ -245,7 +231,6 @@ def check_backward_inputs(tensors, scale, norm_eps, num_heads, ln_grad, precisio
     if min(B, S, E) < 1:
         raise ValueError(f"x must have batch, sequence length and embed dim >= 1, got "
                          f"{tuple(x.shape)}")
-    check_batch_heads(B, num_heads, x.device.type)
     check_like_x(tensors, x, num_heads)
     if check_finite:
         for name, t in tensors.items():
@@ -289,15 +274,14 @@ def check_fused_inputs(x, params, num_heads, eps, precision, half_dtype):
     inputs (check_block_inputs), then check_fused_dtypes; returns num_heads and eps as int
     and float."""
     num_heads, eps = check_block_inputs(x, params, num_heads, eps)
-    check_fused_dtypes(x, params, num_heads, precision, half_dtype)
+    check_fused_dtypes(x, params, precision, half_dtype)
     return num_heads, eps
 
 
-def check_fused_dtypes(x, params, num_heads, precision, half_dtype):
-    """The fused path's own conditions on inputs that passed check_block_inputs: batch x
-    heads within the kernels' grid, a fused precision, and the block's inputs all in one
-    dtype of supported_dtypes, or of half_dtype on the one-product path."""
-    check_batch_heads(x.shape[0], num_heads, x.device.type)
+def check_fused_dtypes(x, params, precision, half_dtype):
+    """The fused path's own conditions on inputs that passed check_block_inputs: a fused
+    precision, and the block's inputs all in one dtype of supported_dtypes, or of
+    half_dtype on the one-product path."""
     check_precision(precision, FUSED_PRECISIONS)
     if half_dtype is not None and (half_dtype not in HALF_DTYPES
                                    or x.dtype not in (torch.float32, half_dtype)):

@@ -19,7 +19,8 @@ tested under TRITON_INTERPRET=1) and an Inductor template can share it.
 import triton
 import triton.language as tl
 
-from .softmax_bwd import dot_bf16x3, head_columns, head_tile_mask, load_pair, padded_head_dim
+from .softmax_bwd import (dot_bf16x3, head_columns, head_tile_mask, load_pair,
+                          padded_head_dim, program_block)
 
 LOG2_E = tl.constexpr(1.4426950408889634)       # exp(x) == exp2(x * LOG2_E)
 LN_2 = tl.constexpr(0.6931471805599453)         # log(x) == log2(x) * LN_2
@@ -86,7 +87,7 @@ def attention_fwd_tile(Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, stride_qb, stride_qh,
     return attn_output, lse
 
 
-# ---- raw kernel: one program per (query block, batch * head) -------------------------
+# ---- raw kernel: one program per query block of each (batch, head) ------------------
 
 @triton.jit
 def attention_fwd_kernel(Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUTPUT, LSE,
@@ -95,9 +96,7 @@ def attention_fwd_kernel(Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUTPUT, LSE,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """ATTN_OUTPUT [B,S,H*D] (heads merged), LSE [B,H,S], both contiguous float32."""
-    batch = tl.program_id(1) // NUM_HEADS
-    head = tl.program_id(1) % NUM_HEADS
-    m_start = tl.program_id(0) * BLOCK_M
+    batch, head, m_start = program_block(SEQ_LEN, NUM_HEADS, BLOCK_M)
     attn_output, lse = attention_fwd_tile(
         Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, stride_qb, stride_qh, stride_qs, stride_kb,
         stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, batch, head, m_start, scale,
@@ -109,4 +108,4 @@ def attention_fwd_kernel(Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUTPUT, LSE,
                                              SEQ_LEN * NUM_HEADS * HEAD_DIM, HEAD_DIM,
                                              NUM_HEADS * HEAD_DIM, HEAD_DIM),
              attn_output, mask=head_tile_mask(row_ok, HEAD_DIM))
-    tl.store(LSE + tl.program_id(1).to(tl.int64) * SEQ_LEN + offs_m, lse, mask=row_ok)
+    tl.store(LSE + (batch * NUM_HEADS + head).to(tl.int64) * SEQ_LEN + offs_m, lse, mask=row_ok)

@@ -372,7 +372,7 @@ def store_column_sums(SUMS, grad, batch, row_start, cols, SEQ_LEN: tl.constexpr,
     for part in tl.static_range(BLOCK // SUM_ROWS):
         group = row_start // SUM_ROWS + part
         if group < GROUPS:          # a branch: triton 3.9's interpreter takes no scalar mask
-            tl.store(SUMS + (batch * GROUPS + group) * SUMS_WIDTH + cols,
+            tl.store(SUMS + (batch * GROUPS + group).to(tl.int64) * SUMS_WIDTH + cols,
                      sums if part == 0 else tl.zeros_like(sums), mask=cols < SUMS_WIDTH)
 
 
@@ -381,19 +381,27 @@ def store_column_sums(SUMS, grad, batch, row_start, cols, SEQ_LEN: tl.constexpr,
 # raw kernel stores it with tl.store and the template (inductor.py) with store_output.
 
 @triton.jit
+def program_block(SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK: tl.constexpr):
+    """(batch, head, first row of its block) of this program on a 1-D grid of
+    cdiv(SEQ_LEN, BLOCK) * batch * NUM_HEADS programs, a head's blocks adjacent: the
+    grid's first dimension takes any batch * heads (CUDA caps the others at 65,535)."""
+    blocks: tl.constexpr = (SEQ_LEN + BLOCK - 1) // BLOCK
+    batch_head = tl.program_id(0) // blocks
+    return batch_head // NUM_HEADS, batch_head % NUM_HEADS, (tl.program_id(0) % blocks) * BLOCK
+
+
+@triton.jit
 def softmax_bwd_rows_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
                              V_HI, V_LO, ATTN_OUT, DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS,
                              scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
                              SUM_ROWS: tl.constexpr):
-    """The rows pass of program (query block, batch * NUM_HEADS + head): stores delta,
+    """The rows pass of one query block of one head (program_block): stores delta,
     grad_q's bf16 halves and its partial column sums; returns (batch, rows [BM,1],
     columns [1,HEAD_TILE] in grad_q16 [B,S,E] (E past the row for the padding columns),
     grad_q [BM,HEAD_TILE] in fp16)."""
-    batch = tl.program_id(1) // NUM_HEADS
-    head = tl.program_id(1) % NUM_HEADS
-    m_start = tl.program_id(0) * BLOCK_M
+    batch, head, m_start = program_block(SEQ_LEN, NUM_HEADS, BLOCK_M)
     grad_q, delta = softmax_bwd_rows_tile(PROBS, (GRAD_ATTN_HI, GRAD_ATTN_LO), (Q_HI, Q_LO),
                                           (K_HI, K_LO), (V_HI, V_LO), ATTN_OUT, batch,
                                           head, m_start, scale, SEQ_LEN, NUM_HEADS,
@@ -415,13 +423,11 @@ def softmax_bwd_cols_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
                              SUM_ROWS: tl.constexpr):
-    """The cols pass of program (key block, batch * NUM_HEADS + head): stores grad_k's
+    """The cols pass of one key block of one head (program_block): stores grad_k's
     and grad_v's bf16 halves and their partial column sums; returns (batch, rows [BN,1],
     columns [1,2*HEAD_TILE] in grad_kv16 [B,S,2E] (2E for the padding columns),
     [grad_k | grad_v] [BN,2*HEAD_TILE] in fp16)."""
-    batch = tl.program_id(1) // NUM_HEADS
-    head = tl.program_id(1) % NUM_HEADS
-    n_start = tl.program_id(0) * BLOCK_N
+    batch, head, n_start = program_block(SEQ_LEN, NUM_HEADS, BLOCK_N)
     grad_k, grad_v = softmax_bwd_cols_tile(PROBS, (GRAD_ATTN_HI, GRAD_ATTN_LO), (Q_HI, Q_LO),
                                            (K_HI, K_LO), (V_HI, V_LO), DELTA, batch, head,
                                            n_start, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM,
@@ -437,7 +443,7 @@ def softmax_bwd_cols_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
     return batch, rows, cols, grad_kv.to(tl.float16)
 
 
-# ---- raw kernels: one program per (row or column block, batch * head) ----------------
+# ---- raw kernels: one program per row or column block of each (batch, head) ---------
 
 @triton.jit
 def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
