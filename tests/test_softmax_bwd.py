@@ -248,7 +248,8 @@ def test_log_sum_exp_without_the_forward_output_is_refused():
 
 def test_probs_and_lse_exactly_one_is_given():
     """Both P and its log-sum-exp, or neither, or either of the wrong rank: a ValueError
-    naming them, from the operators, their fake implementations and the launchers."""
+    naming them, from the operators, their fake implementations, the launchers and the
+    compiled graph's entry point."""
     P, grad_attn, q, k, v, scale = _core_inputs(1, 2, 9, 8, seed=6)
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
     delta = torch.zeros(1, 2, 9)
@@ -272,6 +273,12 @@ def test_probs_and_lse_exactly_one_is_given():
         with pytest.raises(ValueError, match="got both"):
             softmax_bwd.softmax_bwd_rows(*fake[1:5], fake[6], scale, probs=fake[0],
                                          lse=fake[5])
+    # and the graph's entry point, before any compile
+    from vitattn_bwd import graph
+    for given, message in ((dict(probs=P, lse=lse), "got both"), ({}, "got neither")):
+        with pytest.raises(ValueError, match=f"compiled_backward: .*{message}"):
+            graph.compiled_backward(dict(x=grad_attn, **given), scale=scale, norm_eps=1e-5,
+                                    ln_grad="exact")
 
 
 def test_rows_kernel_takes_delta_from_the_forward_output(triton_interpreter):
