@@ -185,7 +185,13 @@ def gluon_inputs(batch, recompute, seed=0):
     return probs, grad_attn, q, k, v, None, SCALE
 
 
-def gluon_outputs(probs, halves, attn_output, scale, rows_tiles, cols_tiles,
+def given(p_or_lse, attn_output):
+    """probs= or lse= for the launchers: the log-sum-exp where the forward's output goes
+    with it (module mode), else P."""
+    return dict(probs=p_or_lse) if attn_output is None else dict(lse=p_or_lse)
+
+
+def gluon_outputs(p_or_lse, halves, attn_output, scale, rows_tiles, cols_tiles,
                   rows_prefetch=softmax_bwd_gluon.ROWS_PREFETCH,
                   cols_prefetch=softmax_bwd_gluon.COLS_PREFETCH):
     """(rows, cols) launch closures of the three-product Gluon kernels and their
@@ -202,25 +208,28 @@ def gluon_outputs(probs, halves, attn_output, scale, rows_tiles, cols_tiles,
     groups = softmax_bwd.sum_groups(S)
     grad_q_sums = torch.full((batch, groups, E), float("nan"), device="cuda")
     grad_kv_sums = torch.full((batch, groups, 2 * E), float("nan"), device="cuda")
-    placeholder = probs if attn_output is None else attn_output
+    placeholder = p_or_lse if attn_output is None else attn_output
+    p_or_lse_given = given(p_or_lse, attn_output)
 
     def rows():
-        softmax_bwd_gluon.launch_rows(probs, *halves, placeholder, delta, grad_q_halves,
-                               grad_q_sums, grad_q16, scale, rows_tiles, prefetch=rows_prefetch)
+        softmax_bwd_gluon.launch_rows(*halves, placeholder, delta, grad_q_halves,
+                                      grad_q_sums, grad_q16, scale, rows_tiles,
+                                      prefetch=rows_prefetch, **p_or_lse_given)
 
     def cols():
-        softmax_bwd_gluon.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums,
-                               grad_kv16, scale, cols_tiles, prefetch=cols_prefetch)
+        softmax_bwd_gluon.launch_cols(*halves, delta, grad_kv_halves, grad_kv_sums,
+                                      grad_kv16, scale, cols_tiles, prefetch=cols_prefetch,
+                                      **p_or_lse_given)
     return (rows, cols), (grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16,
                           grad_kv_halves, grad_kv_sums)
 
 
-def triton_outputs(probs, grad_attn, q, k, v, attn_output, scale):
+def triton_outputs(p_or_lse, grad_attn, q, k, v, attn_output, scale):
     grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.launch_rows(
-        probs, grad_attn, q, k, v, attn_output, scale, TRITON_TILES["rows"].block_m,
-        TRITON_TILES["rows"].block_n)
+        grad_attn, q, k, v, attn_output, scale, **given(p_or_lse, attn_output),
+        block_m=TRITON_TILES["rows"].block_m, block_n=TRITON_TILES["rows"].block_n)
     grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.launch_cols(
-        probs, grad_attn, q, k, v, delta, scale)
+        grad_attn, q, k, v, delta, scale, **given(p_or_lse, attn_output))
     return grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16, grad_kv_halves, grad_kv_sums
 
 
@@ -248,7 +257,8 @@ def gluon_float64_check():
         rows()
         cols()
         ref = softmax_bwd.attention_backward_math(
-            *(t.double() for t in (probs, grad_attn, q, k, v)), scale,
+            *(t.double() for t in (grad_attn, q, k, v)), scale,
+            **given(probs.double(), out),
             attn_output=None if out is None else out.double())
         grad_k, grad_v = softmax_bwd.float32_from_halves(got[5]).chunk(2, dim=-1)
         results["recompute" if recompute else "P given"] = [
@@ -268,10 +278,11 @@ def run_core_gluon(args, record):
         ref = triton_outputs(probs, grad_attn, q, k, v, out, scale)
         triton_ms = {
             "rows": bench_ms(lambda: softmax_bwd.launch_rows(
-                probs, grad_attn, q, k, v, out, scale, TRITON_TILES["rows"].block_m,
-                TRITON_TILES["rows"].block_n)),
+                grad_attn, q, k, v, out, scale, **given(probs, out),  # noqa: B023
+                block_m=TRITON_TILES["rows"].block_m,
+                block_n=TRITON_TILES["rows"].block_n)),
             "cols": bench_ms(lambda: softmax_bwd.launch_cols(
-                probs, grad_attn, q, k, v, ref[2], scale))}
+                grad_attn, q, k, v, ref[2], scale, **given(probs, out)))}  # noqa: B023
         for name in ("rows", "cols"):
             table.append((mode, "triton", name, tuple(TRITON_TILES[name]), "-",
                           triton_ms[name], {}))
@@ -344,12 +355,13 @@ def half_passes(q, k, v, grad_attn, attn_output, lse, rows_tiles, cols_tiles):
     operands = (grad_attn, grad_attn, q, q, k, k, v, v)
 
     def rows():
-        softmax_bwd_gluon.launch_rows(lse, *operands, attn_output, delta, unused, grad_q_sums,
-                               grad_q, SCALE, rows_tiles, products=1, prefetch=0)
+        softmax_bwd_gluon.launch_rows(*operands, attn_output, delta, unused, grad_q_sums,
+                                      grad_q, SCALE, rows_tiles, products=1, prefetch=0,
+                                      lse=lse)
 
     def cols():
-        softmax_bwd_gluon.launch_cols(lse, *operands, delta, unused, grad_kv_sums, grad_kv, SCALE,
-                               cols_tiles, products=1, prefetch=0)
+        softmax_bwd_gluon.launch_cols(*operands, delta, unused, grad_kv_sums, grad_kv, SCALE,
+                                      cols_tiles, products=1, prefetch=0, lse=lse)
     return (rows, cols), (grad_q, grad_kv, delta, grad_q_sums, grad_kv_sums)
 
 
@@ -376,8 +388,7 @@ def cudnn_forward(q, k, v, scale):
 def half_float64_check(dtype):
     q, k, v, grad_attn, out, lse = half_inputs(2, dtype, seed=1)
     ref = softmax_bwd.attention_backward_math(
-        *(t.double() for t in (softmax_bwd.probabilities(
-            lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
+        *(t.double() for t in (grad_attn, q, k, v)), SCALE, lse=lse.double())
     lse_check = rel(lse, torch.logsumexp((q.double() @ k.double().transpose(-1, -2)) * SCALE,
                                          -1))
     tiles = softmax_bwd_gluon.ROWS_TILES[0], softmax_bwd_gluon.COLS_TILES[0]
@@ -463,7 +474,7 @@ def head_dim_inputs(batch, seq_len, num_heads, head_dim, seed):
     return q, k, v, grad_attn, probs, torch.logsumexp(logits, -1), merge_heads(probs @ v)
 
 
-def gluon_passes(probs, operands, attn_output, scale, head_dim, products):
+def gluon_passes(p_or_lse, operands, attn_output, scale, head_dim, products):
     """(rows, cols, grads) closures of the Gluon kernels at any head dim: the launches,
     and their NaN-poisoned outputs (grad_q, grad_kv, delta, ...) read back in float32.
     operands: the eight (grad_attn, q, k, v) hi / lo tensors; products 3 (bf16 halves)
@@ -482,17 +493,20 @@ def gluon_passes(probs, operands, attn_output, scale, head_dim, products):
     groups = softmax_bwd.sum_groups(seq_len)
     grad_q_sums = torch.full((batch, groups, width), **nan)
     grad_kv_sums = torch.full((batch, groups, 2 * width), **nan)
-    placeholder = probs if attn_output is None else attn_output
+    placeholder = p_or_lse if attn_output is None else attn_output
     rows_tiles, cols_tiles = softmax_bwd_gluon.rows_tiles(head_dim)[0], softmax_bwd_gluon.cols_tiles(head_dim)[0]
-    prefetch = {} if probs.dim() == 4 else dict(prefetch=0)
+    p_or_lse_given = given(p_or_lse, attn_output)
+    prefetch = {} if attn_output is None else dict(prefetch=0)
 
     def rows():
-        softmax_bwd_gluon.launch_rows(probs, *operands, placeholder, delta, grad_q_halves,
-                               grad_q_sums, grad_q16, scale, rows_tiles, products, **prefetch)
+        softmax_bwd_gluon.launch_rows(*operands, placeholder, delta, grad_q_halves,
+                                      grad_q_sums, grad_q16, scale, rows_tiles, products,
+                                      **prefetch, **p_or_lse_given)
 
     def cols():
-        softmax_bwd_gluon.launch_cols(probs, *operands, delta, grad_kv_halves, grad_kv_sums,
-                               grad_kv16, scale, cols_tiles, products, **prefetch)
+        softmax_bwd_gluon.launch_cols(*operands, delta, grad_kv_halves, grad_kv_sums,
+                                      grad_kv16, scale, cols_tiles, products, **prefetch,
+                                      **p_or_lse_given)
 
     def grads():
         if products == 3:
@@ -515,7 +529,7 @@ def head_dims_float64_check(seq_len, num_heads, head_dim):
                                                                   head_dim, seed=1)
     scale = 1 / math.sqrt(head_dim)
     want = softmax_bwd.attention_backward_math(
-        *(t.double() for t in (probs, grad_attn, q, k, v)), scale)
+        *(t.double() for t in (grad_attn, q, k, v)), scale, probs=probs.double())
     result = {}
     for mode, p_or_lse, out in (("P given", probs, None), ("recompute", lse, attn_output)):
         rows, cols, grads = gluon_passes(p_or_lse, halves_of(grad_attn, q, k, v), out,
@@ -526,8 +540,8 @@ def head_dims_float64_check(seq_len, num_heads, head_dim):
         unwritten = sum(int(t.float().isnan().sum()) for t in outputs)
         result[f"f32 gluon {mode}"] = errors_of(outputs[0], outputs[1], want) + (
             [f"{unwritten} NaN"] if unwritten else [])
-        got = softmax_bwd.attention_backward(p_or_lse, grad_attn, q, k, v, scale,
-                                                attn_output=out)
+        got = softmax_bwd.attention_backward(grad_attn, q, k, v, scale,
+                                             **given(p_or_lse, out), attn_output=out)
         result[f"f32 triton {mode}"] = [rel(g, w) for g, w in zip(got, want)]
     # one product in bf16, P recomputed: against the float64 math on the bf16 values
     # (their log-sum-exp and output from float64 too)
@@ -535,7 +549,7 @@ def head_dims_float64_check(seq_len, num_heads, head_dim):
     logits16 = (q16.double() @ k16.double().transpose(-1, -2)) * scale
     probs16 = torch.softmax(logits16, -1)
     want16 = softmax_bwd.attention_backward_math(
-        probs16, *(t.double() for t in (grad16, q16, k16, v16)), scale)
+        *(t.double() for t in (grad16, q16, k16, v16)), scale, probs=probs16)
     rows, cols, grads = gluon_passes(
         torch.logsumexp(logits16, -1).float(),
         [t for t in (grad16, q16, k16, v16) for _ in (0, 1)],
@@ -566,12 +580,14 @@ def head_dims_timings(batch, seq_len, num_heads, head_dim):
         rows, cols, _ = gluon_passes(p_or_lse, operands, out, scale, head_dim, products=3)
         rows()
         table.append((f"f32 high gluon {mode}", bench_ms(rows) + bench_ms(cols)))
-        _, _, delta, _ = softmax_bwd.launch_rows(p_or_lse, grad_attn, q, k, v, out, scale)
+        p_or_lse_given = given(p_or_lse, out)
+        _, _, delta, _ = softmax_bwd.launch_rows(grad_attn, q, k, v, out, scale,
+                                                 **p_or_lse_given)
         table.append((f"f32 high triton {mode}", bench_ms(
             lambda: softmax_bwd.launch_rows(  # noqa: B023
-                p_or_lse, grad_attn, q, k, v, out, scale))  # noqa: B023
+                grad_attn, q, k, v, out, scale, **p_or_lse_given))  # noqa: B023
             + bench_ms(lambda: softmax_bwd.launch_cols(  # noqa: B023
-                p_or_lse, grad_attn, q, k, v, delta, scale))))  # noqa: B023
+                grad_attn, q, k, v, delta, scale, **p_or_lse_given))))  # noqa: B023
     backward, _ = torch_backward(SDPBackend.EFFICIENT_ATTENTION, q, k, v, grad_attn, scale)
     table.append(("f32 sdpa efficient (autograd)", bench_ms(backward)))
     del probs, operands
@@ -793,8 +809,7 @@ def run_core_ws(args, record):
             report[f"batch {b}: forwards"] = ws_forwards(q, k, v, table, flops)
             print(json.dumps(report[f"batch {b}: forwards"]), flush=True)
         ref = softmax_bwd.attention_backward_math(
-            *(t.double() for t in (softmax_bwd.probabilities(
-                lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
+            *(t.double() for t in (grad_attn, q, k, v)), SCALE, lse=lse.double())
         checks, outputs = {}, {}
         contiguous = [t.contiguous() for t in (q, k, v)]
         for tiles in attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES:

@@ -114,12 +114,12 @@ def _shift_lse_out(values):        # the forward's (attn_output, lse): lse + 0.0
 def _shift_probs(fn):
     """The probabilities the core reads scaled by exp(-0.01): its lse argument + 0.01
     (module mode), or P * exp(-0.01) (P given)."""
-    def wrapper(probs, *args, **kwargs):
-        if probs.dim() == 3:
-            probs = probs + LSE_SHIFT
+    def wrapper(*args, probs=None, lse=None, **kwargs):
+        if lse is not None:
+            lse = lse + LSE_SHIFT
         else:
             probs = probs * math.exp(-LSE_SHIFT)
-        return fn(probs, *args, **kwargs)
+        return fn(*args, probs=probs, lse=lse, **kwargs)
     return wrapper
 
 

@@ -163,10 +163,12 @@ def place(t, layout, offset=1):
 
 
 # ---------------------------------------------------------------------------------------
-# The attention core: attention_backward(probs, grad_attn, q, k, v, scale, block_m, block_n)
+# The attention core: attention_backward(grad_attn, q, k, v, scale, probs= or lse=,
+# attn_output=, block_m=, block_n=)
 # ---------------------------------------------------------------------------------------
 
-CORE_TENSORS = ("attn_weights", "grad_attn", "q", "k", "v")
+# the first entry's layout is lse's where the core gets lse instead of P
+CORE_TENSORS = ("probs", "grad_attn", "q", "k", "v")
 # Where P comes from. "random": softmax(randn); "qk": softmax(q k^T / sqrt(D)) (P given,
 # the contract's mode); "lse": the core gets the log-sum-exp of scale q k^T [B,H,S]
 # instead of P and recomputes P = exp(scale q k^T - lse) (module mode,
@@ -214,9 +216,9 @@ def core_cases(draw, *, max_seq, max_heads, max_batch, max_batch_heads=None,
 
 def core_inputs(case, device):
     """(logical, placed): the inputs as contiguous float32 tensors, and the same values in
-    the case's layouts (what the kernel gets). attn_weights is P [B,H,S,S], or for
-    p_source "lse" the float32 log-sum-exp [B,H,S] of the float64 scale q k^T, with the
-    attention output O [B,S,E] that goes with it (as grad_attn is laid out)."""
+    the case's layouts (what the kernel gets). probs is P [B,H,S,S], or for p_source
+    "lse" instead lse, the float32 log-sum-exp [B,H,S] of the float64 scale q k^T, with
+    the attention output O [B,S,E] that goes with it (as grad_attn is laid out)."""
     g = torch.Generator(device=device).manual_seed(case.seed)
     B, H, S, D = case.batch, case.heads, case.seq_len, case.head_dim
 
@@ -228,16 +230,17 @@ def core_inputs(case, device):
     extra = {}
     if case.p_source == "lse":
         logits = case.scale * (q.double() @ k.double().transpose(-1, -2))
-        attn_weights = torch.logsumexp(logits, dim=-1).float()
+        extra["lse"] = torch.logsumexp(logits, dim=-1).float()
         extra["attn_output"] = reference.merge_heads(                  # O [B,S,E]
             torch.softmax(logits, dim=-1) @ v.double()).float()
     elif case.p_source == "qk":
         logits = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(D)
-        attn_weights = torch.softmax(logits, dim=-1).float()
+        extra["probs"] = torch.softmax(logits, dim=-1).float()
     else:
-        attn_weights = torch.softmax(randn(B, H, S, S), dim=-1)
-    logical = dict(attn_weights=attn_weights, grad_attn=grad_attn, q=q, k=k, v=v, **extra)
-    layouts = dict(zip(CORE_TENSORS, case.layouts), attn_output=case.layouts[1])
+        extra["probs"] = torch.softmax(randn(B, H, S, S), dim=-1)
+    logical = dict(grad_attn=grad_attn, q=q, k=k, v=v, **extra)
+    layouts = dict(zip(CORE_TENSORS, case.layouts), lse=case.layouts[0],
+                   attn_output=case.layouts[1])
     placed = {name: place(t, layouts[name], case.offset) for name, t in logical.items()}
     return logical, placed
 
@@ -245,18 +248,17 @@ def core_inputs(case, device):
 def core_probabilities(logical, scale):
     """float64 P [B,H,S,S] the gradients are taken for: P as given, or where the core
     gets a log-sum-exp, the exact softmax(scale q k^T) of the float32 q and k."""
-    probs = logical["attn_weights"]
-    if probs.dim() == 4:
-        return probs.double()
+    if "probs" in logical:
+        return logical["probs"].double()
     q, k = logical["q"].double(), logical["k"].double()
     return torch.softmax(scale * (q @ k.transpose(-1, -2)), dim=-1)
 
 
-def core_reference(attn_weights, grad_attn, q, k, v, scale):
+def core_reference(probs, grad_attn, q, k, v, scale):
     """float64 textbook softmax backward: grad_q, grad_k, grad_v [B,S,E]."""
-    H = attn_weights.shape[1]
+    H = probs.shape[1]
     grads = reference.softmax_attention_backward(
-        attn_weights.double(), reference.split_heads(grad_attn.double(), H), q.double(),
+        probs.double(), reference.split_heads(grad_attn.double(), H), q.double(),
         k.double(), v.double(), scale)
     return [reference.merge_heads(g) for g in grads]
 
@@ -312,7 +314,8 @@ def check_core(case, device, bounds, attention_backward):
     layouts against float64, inputs untouched, outputs float32 [B,S,E] and finite."""
     logical, placed = core_inputs(case, device)
     before = {name: t.clone() for name, t in placed.items()}
-    got = attention_backward(*(placed[n] for n in CORE_TENSORS), case.scale,
+    got = attention_backward(*(placed[n] for n in CORE_TENSORS[1:]), case.scale,
+                             probs=placed.get("probs"), lse=placed.get("lse"),
                              attn_output=placed.get("attn_output"), block_m=case.block_m,
                              block_n=case.block_n)
     probs = core_probabilities(logical, case.scale)

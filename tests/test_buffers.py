@@ -43,10 +43,10 @@ def _launch_all():
     scale = 1 / math.sqrt(D)
     attn_output, lse = attention_fwd.launch_attention_fwd(q, k, v, scale)
     outputs = [attn_output, lse]
-    for probs, output in ((P, None), (lse, attn_output)):
-        rows = softmax_bwd.launch_rows(probs, grad_attn, q, k, v, output, scale)
-        outputs += [*rows, *softmax_bwd.launch_cols(probs, grad_attn, q, k, v, rows[2],
-                                                       scale)]
+    for given, output in ((dict(probs=P), None), (dict(lse=lse), attn_output)):
+        rows = softmax_bwd.launch_rows(grad_attn, q, k, v, output, scale, **given)
+        outputs += [*rows, *softmax_bwd.launch_cols(grad_attn, q, k, v, rows[2], scale,
+                                                    **given)]
     a, b = split_gemm.fp16_halves(torch.randn(37, 70, generator=g)), \
         split_gemm.fp16_halves(torch.randn(70, 45, generator=g))
     outputs.append(split_gemm.launch(a.hi, a.lo, b.hi, b.lo, split_gemm.unscale_of(a, b)))

@@ -84,7 +84,7 @@ def test_eager_triton_kernels(seq_len, head_dim):
                          device="cuda")
     P, q, k, v = (inputs[n] for n in ("attn_weights", "q", "k", "v"))
     grad_attn = torch.randn(B, seq_len, H * head_dim, device="cuda")
-    got = softmax_bwd.attention_backward(P, grad_attn, q, k, v, 0.125)
+    got = softmax_bwd.attention_backward(grad_attn, q, k, v, 0.125, probs=P)
     want = reference.softmax_attention_backward(
         P.double(), reference.split_heads(grad_attn.double(), H), q.double(), k.double(),
         v.double(), 0.125)

@@ -55,8 +55,7 @@ def _flash_backward(q, k, v, grad_attn):
 def test_gradients_against_float64(tiles, seq_len, dtype):
     q, k, v, grad_attn, attn_output, lse = _inputs(2, 3, seq_len, dtype, seed=seq_len)
     ref = softmax_bwd.attention_backward_math(
-        *(t.double() for t in (softmax_bwd.probabilities(
-            lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
+        *(t.double() for t in (grad_attn, q, k, v)), SCALE, lse=lse.double())
     grad_qkv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE, tiles)
     got = grad_qkv.chunk(3, dim=-1)                                  # dQ | dK | dV
     flash = _flash_backward(q, k, v, grad_attn)
@@ -127,9 +126,7 @@ def test_persistent_programs_walk_many_items_to_the_same_bits(programs, rotated)
     assert torch.equal(walked, other)
     q1, k1, v1 = (t[:1] for t in (q, k, v))                 # float64 at batch 1 (memory)
     ref = softmax_bwd.attention_backward_math(
-        *(t.double() for t in (softmax_bwd.probabilities(
-            lse[:1].double(), q1.double(), k1.double(), SCALE), grad_attn[:1], q1, k1, v1)),
-        SCALE)
+        *(t.double() for t in (grad_attn[:1], q1, k1, v1)), SCALE, lse=lse[:1].double())
     flash = _flash_backward(q1, k1, v1, grad_attn[:1])
     got = walked[:1].chunk(3, dim=-1)
     for name, g, f, r in zip(("dQ", "dK", "dV"), got, flash, ref):
@@ -147,8 +144,7 @@ def test_the_longest_sequence_the_rotated_walk_takes():
     q, k, v, grad_attn, attn_output, lse = _inputs(1, 1, seq_len, torch.bfloat16, seed=3)
     grad_qkv = attention_bwd_ws.launch(q, k, v, grad_attn, attn_output, lse, SCALE)
     ref = softmax_bwd.attention_backward_math(
-        *(t.double() for t in (softmax_bwd.probabilities(
-            lse.double(), q.double(), k.double(), SCALE), grad_attn, q, k, v)), SCALE)
+        *(t.double() for t in (grad_attn, q, k, v)), SCALE, lse=lse.double())
     flash = _flash_backward(q, k, v, grad_attn)
     for name, g, f, r in zip(("dQ", "dK", "dV"), grad_qkv.chunk(3, dim=-1), flash, ref):
         assert _rel(g, r) <= 2 * _rel(f, r) + 1e-4, (name, _rel(g, r), _rel(f, r))
@@ -171,9 +167,8 @@ def test_more_heads_than_one_grid_dimension_holds():
                                     lse[last].contiguous(), SCALE, tiles)
     assert torch.equal(grad_qkv[last], alone)
     ref = softmax_bwd.attention_backward_math(
-        *(t.double() for t in (softmax_bwd.probabilities(
-            lse[last].double(), q2.double(), k2.double(), SCALE), grad_attn[last], q2, k2,
-            v2)), SCALE)
+        *(t.double() for t in (grad_attn[last], q2, k2, v2)), SCALE,
+        lse=lse[last].double())
     flash = _flash_backward(q2, k2, v2, grad_attn[last])
     for name, g, f, r in zip(("dQ", "dK", "dV"), grad_qkv[last].chunk(3, dim=-1), flash,
                              ref):

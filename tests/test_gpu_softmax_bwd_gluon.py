@@ -26,7 +26,14 @@ def _hopper():
         pytest.skip("the Gluon kernels need a Hopper GPU and a Triton with Gluon")
 
 
+def _given(p_or_lse, attn_output):
+    """probs= or lse= for a case's first tensor: its log-sum-exp where the case has the
+    forward's output (module mode), else P."""
+    return dict(probs=p_or_lse) if attn_output is None else dict(lse=p_or_lse)
+
+
 def _case(B, H, S, recompute, seed=0, head_dim=D):
+    """(P or its log-sum-exp, grad_attn, q, k, v, attn_output (None with P), scale)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (torch.randn(B, H, S, head_dim, device="cuda", generator=g) for _ in range(3))
     grad_attn = torch.randn(B, S, H * head_dim, device="cuda", generator=g)
@@ -43,7 +50,7 @@ def _halves(grad_attn, q, k, v):
     return [part for t in (grad_attn, q, k, v) for part in split_bf16_rounded(t)]
 
 
-def _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles):
+def _run(p_or_lse, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles):
     """Both passes into NaN-poisoned buffers: (grad_q16, grad_q_halves, delta,
     grad_q_sums, grad_kv16, grad_kv_halves, grad_kv_sums)."""
     B, H, S, head_dim = q.shape
@@ -58,19 +65,22 @@ def _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles):
     grad_q_sums = torch.full((B, groups, E), **nan)
     grad_kv_sums = torch.full((B, groups, 2 * E), **nan)
     halves = _halves(grad_attn, q, k, v)
-    softmax_bwd_gluon.launch_rows(probs, *halves, probs if attn_output is None else attn_output,
-                           delta, grad_q_halves, grad_q_sums, grad_q16, scale, rows_tiles)
-    softmax_bwd_gluon.launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums, grad_kv16,
-                           scale, cols_tiles)
+    given = _given(p_or_lse, attn_output)
+    softmax_bwd_gluon.launch_rows(*halves, p_or_lse if attn_output is None else attn_output,
+                                  delta, grad_q_halves, grad_q_sums, grad_q16, scale,
+                                  rows_tiles, **given)
+    softmax_bwd_gluon.launch_cols(*halves, delta, grad_kv_halves, grad_kv_sums, grad_kv16,
+                                  scale, cols_tiles, **given)
     return (grad_q16, grad_q_halves, delta, grad_q_sums, grad_kv16, grad_kv_halves,
             grad_kv_sums)
 
 
-def _terms(probs, grad_attn, q, k, v, attn_output, scale):
+def _terms(p_or_lse, grad_attn, q, k, v, attn_output, scale):
     """(P * dP) k and (P * dP)^T q, times scale, and dV, in float64 [B,S,E]: the terms
     dQ and dK are differences of (dQ = that minus delta * P k, ...)."""
-    probs, grad_attn, q, k, v = (t.double() for t in (probs, grad_attn, q, k, v))
-    p = softmax_bwd.probabilities(probs, q, k, scale)                    # [B,H,S,S]
+    p_or_lse, grad_attn, q, k, v = (t.double() for t in (p_or_lse, grad_attn, q, k, v))
+    p = softmax_bwd.probabilities(q, k, scale,
+                                  **_given(p_or_lse, attn_output))      # [B,H,S,S]
     grad_attn = split_heads(grad_attn, q.shape[1])                          # [B,H,S,D]
     p_grad_p = p * (grad_attn @ v.transpose(-1, -2))
     return (merge_heads(p_grad_p @ k * scale), merge_heads(p_grad_p.transpose(-1, -2) @ q
@@ -78,9 +88,10 @@ def _terms(probs, grad_attn, q, k, v, attn_output, scale):
             merge_heads(p.transpose(-1, -2) @ grad_attn))
 
 
-def _float64(probs, grad_attn, q, k, v, attn_output, scale):
+def _float64(p_or_lse, grad_attn, q, k, v, attn_output, scale):
     return softmax_bwd.attention_backward_math(
-        *(t.double() for t in (probs, grad_attn, q, k, v)), scale,
+        *(t.double() for t in (grad_attn, q, k, v)), scale,
+        **_given(p_or_lse.double(), attn_output),
         attn_output=None if attn_output is None else attn_output.double())
 
 
@@ -136,7 +147,8 @@ def _assert_matches_float64(case, outputs):
             assert error < 5e-5 * scale * math.sqrt(S), error
 
 
-def _run_fp16_halves(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles):
+def _run_fp16_halves(p_or_lse, grad_attn, q, k, v, attn_output, scale, rows_tiles,
+                     cols_tiles):
     """Both passes on scaled fp16 halves (precision "highest") into NaN-poisoned
     buffers: (grad_q [B,S,E], delta, grad_q_sums, grad_kv [B,S,2E], grad_kv_sums), the
     gradients float32."""
@@ -151,11 +163,12 @@ def _run_fp16_halves(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, 
     grad_kv = torch.full((B, S, 2 * E), **nan)
     groups = softmax_bwd.sum_groups(S)
     grad_q_sums, grad_kv_sums = (torch.full((B, groups, w), **nan) for w in (E, 2 * E))
-    softmax_bwd_gluon.launch_rows(probs, *halves, probs if attn_output is None else attn_output,
-                           delta, no_halves, grad_q_sums, grad_q, scale, rows_tiles,
-                           operand_scales=operand_scales)
-    softmax_bwd_gluon.launch_cols(probs, *halves, delta, no_halves, grad_kv_sums, grad_kv, scale,
-                           cols_tiles, operand_scales=operand_scales)
+    given = _given(p_or_lse, attn_output)
+    softmax_bwd_gluon.launch_rows(*halves, p_or_lse if attn_output is None else attn_output,
+                                  delta, no_halves, grad_q_sums, grad_q, scale, rows_tiles,
+                                  operand_scales=operand_scales, **given)
+    softmax_bwd_gluon.launch_cols(*halves, delta, no_halves, grad_kv_sums, grad_kv, scale,
+                                  cols_tiles, operand_scales=operand_scales, **given)
     return grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums
 
 
@@ -170,9 +183,9 @@ def test_fp16_halves_kernels_are_float32_grade(recompute, tiles, B, H, S):
     cores' float32 accumulation, which truncates: 2.2e-6 measured at S = 577 and below
     1e-6 at S <= 100 on the H200, against ~1e-5 for bf16x3 (docs/performance.md,
     session 13)."""
-    probs, grad_attn, q, k, v, attn_output, scale = _case(B, H, S, recompute, seed=5)
+    p_or_lse, grad_attn, q, k, v, attn_output, scale = _case(B, H, S, recompute, seed=5)
     # q k^T (so P, the log-sum-exp and the output) unchanged
-    case = (probs, grad_attn * 1e-7, q * 1e3, k * 1e-3, v, attn_output, scale)
+    case = (p_or_lse, grad_attn * 1e-7, q * 1e3, k * 1e-3, v, attn_output, scale)
     outputs = _run_fp16_halves(*case, *tiles)
     for out in outputs:
         assert not out.isnan().any()                       # every element written
@@ -187,8 +200,8 @@ def test_fp16_halves_kernels_are_float32_grade(recompute, tiles, B, H, S):
         for got_sum, w, scale_ in zip(sums.double().sum(1).chunk(len(wants), dim=-1),
                                       wants, terms):
             assert (got_sum - w.sum(1)).norm().item() < 4e-6 * scale_ * math.sqrt(S)
-    probs, grad_attn, q, k, v = (t.double() for t in case[:5])
-    p = softmax_bwd.probabilities(probs, q, k, scale)
+    p_or_lse, grad_attn, q, k, v = (t.double() for t in case[:5])
+    p = softmax_bwd.probabilities(q, k, scale, **_given(p_or_lse, attn_output))
     grad_p = split_heads(grad_attn, H) @ v.transpose(-1, -2)
     want_delta = (p * grad_p).sum(-1)
     assert ((delta.double() - want_delta).norm() / want_delta.norm()).item() < 4e-6
@@ -206,11 +219,11 @@ def test_fp16_halves_kernels_with_zero_or_tiny_operands(recompute, magnitudes):
     stay float32 normals; at 1e-30 each the true dK and dQ (~1e-61) are below float32's
     range, and the kernels' zeros are right."""
     B, H, S = 2, 4, 100
-    probs, grad_attn, q, k, v, attn_output, scale = _case(B, H, S, recompute, seed=6)
+    p_or_lse, grad_attn, q, k, v, attn_output, scale = _case(B, H, S, recompute, seed=6)
     do_m, q_m, v_m = magnitudes
     if recompute:          # the forward's output of the scaled v
         attn_output = attn_output * v_m
-    case = (probs, grad_attn * do_m, q * q_m, k, v * v_m, attn_output, scale)
+    case = (p_or_lse, grad_attn * do_m, q * q_m, k, v * v_m, attn_output, scale)
     if q_m == 0 and recompute:
         pytest.skip("q of zeros changes the log-sum-exp; P given covers it")
     grad_q, delta, _, grad_kv, _ = _run_fp16_halves(*case, softmax_bwd_gluon.ROWS_TILES[0],
@@ -255,15 +268,17 @@ def test_the_launch_cache_runs_what_the_jit_path_runs(monkeypatch, recompute):
 def test_operators_of_the_compiled_graph(recompute):
     """gluon_softmax_bwd_rows / _cols, which the graph calls when max-autotune picks a
     Gluon kernel: the same outputs as the launchers into given buffers."""
-    probs, grad_attn, q, k, v, attn_output, scale = _case(2, 4, 577, recompute, seed=2)
+    case = _case(2, 4, 577, recompute, seed=2)
+    p_or_lse, grad_attn, q, k, v, attn_output, scale = case
     halves = _halves(grad_attn, q, k, v)
     rows_tiles, cols_tiles = softmax_bwd_gluon.ROWS_TILES[0], softmax_bwd_gluon.COLS_TILES[0]
-    placeholder = probs if attn_output is None else attn_output
-    rows = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows(probs, *halves, placeholder, scale,
-                                                        *rows_tiles, 3)      # bf16x3
-    cols = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols(probs, *halves, rows[2], scale,
+    placeholder = p_or_lse if attn_output is None else attn_output
+    probs, lse = (None, p_or_lse) if recompute else (p_or_lse, None)
+    rows = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows(probs, lse, *halves, placeholder,
+                                                        scale, *rows_tiles, 3)  # bf16x3
+    cols = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols(probs, lse, *halves, rows[2], scale,
                                                         *cols_tiles, 3)
-    expected = _run(probs, grad_attn, q, k, v, attn_output, scale, rows_tiles, cols_tiles)
+    expected = _run(*case, rows_tiles, cols_tiles)
     got = (*rows, *cols)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
@@ -282,10 +297,12 @@ def _run_one_product(lse, grad_attn, q, k, v, attn_output, scale):
     grad_kv_sums = torch.full((B, groups, 2 * E), **nan)
     operands = (grad_attn, grad_attn, q, q, k, k, v, v)          # lo is never read
     unused = torch.empty(0, device="cuda", dtype=torch.bfloat16)  # no halves
-    softmax_bwd_gluon.launch_rows(lse, *operands, attn_output, delta, unused, grad_q_sums, grad_q,
-                           scale, softmax_bwd_gluon.rows_tiles(head_dim)[0], products=1)
-    softmax_bwd_gluon.launch_cols(lse, *operands, delta, unused, grad_kv_sums, grad_kv, scale,
-                           softmax_bwd_gluon.cols_tiles(head_dim)[0], products=1)
+    softmax_bwd_gluon.launch_rows(*operands, attn_output, delta, unused, grad_q_sums, grad_q,
+                                  scale, softmax_bwd_gluon.rows_tiles(head_dim)[0],
+                                  products=1, lse=lse)
+    softmax_bwd_gluon.launch_cols(*operands, delta, unused, grad_kv_sums, grad_kv, scale,
+                                  softmax_bwd_gluon.cols_tiles(head_dim)[0], products=1,
+                                  lse=lse)
     return grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums
 
 
@@ -314,10 +331,10 @@ def test_one_product_kernels_read_the_qkv_projection_where_it_lies(dtype, B, H, 
         assert torch.equal(got, want)
     grad_q, _, _, grad_kv, _ = from_views
     want = softmax_bwd.attention_backward_math(
-        *(t.double() for t in (lse, grad_attn, q, k, v)), scale,
+        *(t.double() for t in (grad_attn, q, k, v)), scale, lse=lse.double(),
         attn_output=attn_output.double())
     scales = [max(w.norm().item(), t.norm().item())
-              for w, t in zip(want, _terms(lse, grad_attn, q, k, v, None, scale))]
+              for w, t in zip(want, _terms(lse, grad_attn, q, k, v, attn_output, scale))]
     errors = [(got.double() - w).norm().item() / s for got, w, s in
               zip((grad_q, *grad_kv.chunk(2, dim=-1)), want, scales)]
     assert max(errors) < 2e-2, errors             # bf16 one product: ~2.4e-3 measured

@@ -77,10 +77,10 @@ def _launches():
                                 tiles=attention_bwd_ws.WsTiles(128, 128, 2, 168))
         parts = [torch.zeros(batch, heads, seq_len, head_dim, dtype=torch.bfloat16)] * 8
         other = torch.zeros(1)
-        softmax_bwd_gluon.launch_rows(lse, *parts, other, other, torch.zeros(0), other, other,
-                               0.125, TileConfig(64, 32, 4, 2), products=1)
-        softmax_bwd_gluon.launch_cols(lse, *parts, other, torch.zeros(0), other, other, 0.125,
-                               TileConfig(32, 64, 4, 3), products=1)
+        softmax_bwd_gluon.launch_rows(*parts, other, other, torch.zeros(0), other, other,
+                                      0.125, TileConfig(64, 32, 4, 2), products=1, lse=lse)
+        softmax_bwd_gluon.launch_cols(*parts, other, torch.zeros(0), other, other, 0.125,
+                                      TileConfig(32, 64, 4, 3), products=1, lse=lse)
     finally:
         launcher.launch = original
     return recorded

@@ -149,6 +149,7 @@ def test_split_products_keep_non_finite_gradients_where_the_math_has_them(
     inputs = make_case(2, 17, 4, 16, seed=3)
     inputs["grad_output"][1, 3, 5] = bad
     tensors = {name: t for name, t in inputs.items() if torch.is_tensor(t)}
+    tensors["probs"] = tensors.pop("attn_weights")           # P, as the graph names it
     outputs = graph.block_backward(**{n: t for n, t in tensors.items() if n != "x_norm"},
                                    x_norm=tensors["x_norm"], scale=inputs["scale"],
                                    norm_eps=inputs["norm_eps"], ln_grad="contract",
@@ -177,6 +178,7 @@ def test_split_products_keep_the_qkv_weight_gradient_at_small_loss_scales(
     inputs = make_case(2, 17, 4, 16, seed=3)
     inputs["grad_output"] = inputs["grad_output"] * loss_scale
     tensors = {name: t for name, t in inputs.items() if torch.is_tensor(t)}
+    tensors["probs"] = tensors.pop("attn_weights")           # P, as the graph names it
     outputs = graph.block_backward(**{n: t for n, t in tensors.items() if n != "x_norm"},
                                    x_norm=tensors["x_norm"], scale=inputs["scale"],
                                    norm_eps=inputs["norm_eps"], ln_grad="contract",
@@ -199,6 +201,7 @@ def test_highest_products_are_float32s_on_the_cpu(monkeypatch):
     from vitattn_bwd.workloads import OUTPUT_NAMES
     inputs = make_case(2, 17, 4, 16, seed=4)
     tensors = {name: t for name, t in inputs.items() if torch.is_tensor(t)}
+    tensors["probs"] = tensors.pop("attn_weights")           # P, as the graph names it
     want = reference_grads(inputs, 4, "contract")
     errors = {}
     for precision in ("high", "highest", None):
@@ -311,18 +314,19 @@ def test_operators_with_operand_scales_return_float32_gradients_and_check_them(
     probs = torch.softmax(torch.randn(B, H, S, S, generator=g), -1)
     scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)
     grad_q, grad_q_halves, delta, _ = softmax_bwd.softmax_bwd_rows(
-        probs, grad_attn, q, k, v, None, 0.25, scales)
+        grad_attn, q, k, v, None, 0.25, probs, None, scales)
     grad_kv, grad_kv_halves, _ = softmax_bwd.softmax_bwd_cols(
-        probs, grad_attn, q, k, v, delta, 0.25, scales)
+        grad_attn, q, k, v, delta, 0.25, probs, None, scales)
     assert grad_q.dtype == grad_kv.dtype == torch.float32
     assert grad_q_halves.shape[-1] == grad_kv_halves.shape[-1] == 0
     want = softmax_bwd.attention_backward_math(
-        *(t.double() for t in (probs, grad_attn, q, k, v)), 0.25)
+        *(t.double() for t in (grad_attn, q, k, v)), 0.25, probs=probs.double())
     torch.testing.assert_close(grad_q.double(), want[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad_kv.double(), torch.cat(want[1:], -1), rtol=1e-6,
                                atol=1e-7)
     with pytest.raises(ValueError, match="operand_scales"):
-        softmax_bwd.softmax_bwd_rows(probs, grad_attn, q, k, v, None, 0.25, scales[:4])
+        softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, None, 0.25, probs, None,
+                                     scales[:4])
     with pytest.raises(ValueError, match="operand_scales"):
-        softmax_bwd.softmax_bwd_cols(probs, grad_attn, q.half(), k.half(), v.half(),
-                                        delta, 0.25, scales)
+        softmax_bwd.softmax_bwd_cols(grad_attn, q.half(), k.half(), v.half(), delta, 0.25,
+                                     probs, None, scales)

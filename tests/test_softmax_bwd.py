@@ -30,7 +30,7 @@ def _textbook(P, grad_attn, q, k, v, scale):
 @pytest.mark.parametrize("B,H,S,D", [(2, 3, 17, 8), (1, 1, 1, 4), (2, 2, 64, 16)])
 def test_plain_math_equals_textbook_backward(B, H, S, D):
     P, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, dtype=torch.float64)
-    got = softmax_bwd.attention_backward_math(P, grad_attn, q, k, v, scale)
+    got = softmax_bwd.attention_backward_math(grad_attn, q, k, v, scale, probs=P)
     for g, want in zip(got, _textbook(P, grad_attn, q, k, v, scale)):
         torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
 
@@ -41,9 +41,9 @@ def test_operators_write_fp16_copies_and_bf16_halves():
     gradients, and [hi | lo] bf16 halves whose sum keeps ~16 mantissa bits."""
     P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 4)
     grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        P, grad_attn, q, k, v, None, scale)
+        grad_attn, q, k, v, None, scale, probs=P)
     grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        P, grad_attn, q, k, v, delta, scale)
+        grad_attn, q, k, v, delta, scale, probs=P)
     assert (grad_q16.dtype, grad_q_halves.dtype, grad_kv16.dtype) == (
         torch.float16, torch.bfloat16, torch.float16)
     assert grad_q_halves.shape == (2, 17, 24) and grad_kv_halves.shape == (2, 17, 48)
@@ -73,34 +73,36 @@ def test_operators_of_half_precision_operands(dtype):
     lse, attn_output = _log_sum_exp_and_output(q.double(), k.double(), v.double(), scale)
     attn_output = attn_output.to(dtype)
     grad_q, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        lse.float(), grad_attn, q, k, v, attn_output, scale)
+        grad_attn, q, k, v, attn_output, scale, lse=lse.float())
     grad_kv, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        lse.float(), grad_attn, q, k, v, delta, scale)
+        grad_attn, q, k, v, delta, scale, lse=lse.float())
     assert grad_q.dtype == grad_kv.dtype == dtype
     assert grad_q_halves.shape == (2, 17, 0) and grad_kv_halves.shape == (2, 17, 0)
     assert delta.dtype == grad_q_sums.dtype == grad_kv_sums.dtype == torch.float32
     # (the rows pass takes delta from attn_output, the cols pass's math from P and dP)
-    operands = (lse.float().double(), grad_attn.double(), q.double(), k.double(), v.double())
-    want_q = softmax_bwd.attention_backward_math(*operands, scale, attn_output.double())[0]
-    _, want_k, want_v = softmax_bwd.attention_backward_math(*operands, scale)
+    operands = (grad_attn.double(), q.double(), k.double(), v.double())
+    lse64 = lse.float().double()
+    want_q = softmax_bwd.attention_backward_math(*operands, scale, lse=lse64,
+                                                 attn_output=attn_output.double())[0]
+    _, want_k, want_v = softmax_bwd.attention_backward_math(*operands, scale, lse=lse64)
     for got, want in ((grad_q, want_q), (grad_kv, torch.cat([want_k, want_v], dim=-1))):
         torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
     torch.library.opcheck(softmax_bwd.softmax_bwd_rows,
-                          (lse.float(), grad_attn, q, k, v, attn_output, scale))
+                          (grad_attn, q, k, v, attn_output, scale, None, lse.float()))
     torch.library.opcheck(softmax_bwd.softmax_bwd_cols,
-                          (lse.float(), grad_attn, q, k, v, delta, scale))
+                          (grad_attn, q, k, v, delta, scale, None, lse.float()))
 
 
 def test_operators_pass_opcheck():
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, 9, 8)
-    _, _, delta, _ = softmax_bwd.softmax_bwd_rows(P, grad_attn, q, k, v, None, scale)
+    _, _, delta, _ = softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, None, scale, probs=P)
     torch.library.opcheck(softmax_bwd.softmax_bwd_rows,
-                          (P, grad_attn, q, k, v, None, scale))
+                          (grad_attn, q, k, v, None, scale, P))
     torch.library.opcheck(softmax_bwd.softmax_bwd_cols,
-                          (P, grad_attn, q, k, v, delta, scale))
+                          (grad_attn, q, k, v, delta, scale, P))
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
     torch.library.opcheck(softmax_bwd.softmax_bwd_rows,
-                          (lse, grad_attn, q, k, v, attn_output, scale))
+                          (grad_attn, q, k, v, attn_output, scale, None, lse))
 
 
 # odd lengths, a single row, a length that is a multiple of the blocks, and block shapes
@@ -110,8 +112,8 @@ def test_operators_pass_opcheck():
 def test_triton_kernels_under_interpreter(triton_interpreter, S, D, block_m, block_n):
     B, H = 2, 2
     P, grad_attn, q, k, v, scale = _core_inputs(B, H, S, D, seed=S)
-    got = softmax_bwd.attention_backward(P, grad_attn, q, k, v, scale,
-                                            block_m=block_m, block_n=block_n)
+    got = softmax_bwd.attention_backward(grad_attn, q, k, v, scale, probs=P,
+                                         block_m=block_m, block_n=block_n)
     want = _textbook(P, grad_attn, q, k, v, scale)
     # bf16x3: ~1e-5 on the GPU; the interpreter truncates where the GPU rounds. Errors
     # are measured against the larger of the output's and dV's norms: at S = 1, dQ = dK = 0
@@ -135,11 +137,11 @@ def test_kernels_at_head_dims_that_are_not_powers_of_two(triton_interpreter, D,
     float64, so no padding column is written over a neighbour's."""
     B, H, S = 1, 3, 21
     P, lse, attn_output, grad_attn, q, k, v, scale = _softmax_inputs(B, H, S, D, seed=D)
-    probs, output = (lse, attn_output) if recompute_p else (P, None)
+    given, output = (dict(lse=lse), attn_output) if recompute_p else (dict(probs=P), None)
     grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.launch_rows(
-        probs, grad_attn, q, k, v, output, scale, 16, 32)
+        grad_attn, q, k, v, output, scale, **given, block_m=16, block_n=32)
     grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.launch_cols(
-        probs, grad_attn, q, k, v, delta, scale, 32, 16)
+        grad_attn, q, k, v, delta, scale, **given, block_m=32, block_n=16)
     want_q, want_k, want_v = _textbook(P, grad_attn, q, k, v, scale)
     want_kv = torch.cat([want_k, want_v], dim=-1)                         # [B,S,2E]
     for copy16, halves, sums, want in ((grad_q16, grad_q_halves, grad_q_sums, want_q),
@@ -157,10 +159,10 @@ def test_kernels_at_head_dims_that_are_not_powers_of_two(triton_interpreter, D,
 def test_kernels_fp16_copies_match_their_halves(triton_interpreter):
     """The kernels' two output formats describe the same gradient."""
     P, grad_attn, q, k, v, scale = _core_inputs(1, 2, 21, 16, seed=5)
-    grad_q16, grad_q_halves, delta, _ = softmax_bwd.launch_rows(P, grad_attn, q, k, v,
-                                                                   None, scale)
-    grad_kv16, grad_kv_halves, _ = softmax_bwd.launch_cols(P, grad_attn, q, k, v, delta,
-                                                              scale)
+    grad_q16, grad_q_halves, delta, _ = softmax_bwd.launch_rows(grad_attn, q, k, v, None,
+                                                                scale, probs=P)
+    grad_kv16, grad_kv_halves, _ = softmax_bwd.launch_cols(grad_attn, q, k, v, delta,
+                                                           scale, probs=P)
     for copy16, halves in ((grad_q16, grad_q_halves), (grad_kv16, grad_kv_halves)):
         value = softmax_bwd.float32_from_halves(halves)
         assert ((copy16.float() - value).abs() <= 2 ** -10 * value.abs() + 1e-6).all()
@@ -175,9 +177,9 @@ def test_kernels_partial_sums_add_up_to_the_bias_gradient(triton_interpreter, bl
     S = 37                                                 # 3 groups, the last partial
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, S, 16, seed=8)
     _, grad_q_halves, delta, grad_q_sums = softmax_bwd.launch_rows(
-        P, grad_attn, q, k, v, None, scale, block, block)
+        grad_attn, q, k, v, None, scale, probs=P, block_m=block, block_n=block)
     _, grad_kv_halves, grad_kv_sums = softmax_bwd.launch_cols(
-        P, grad_attn, q, k, v, delta, scale, block, block)
+        grad_attn, q, k, v, delta, scale, probs=P, block_m=block, block_n=block)
     for sums, halves in ((grad_q_sums, grad_q_halves), (grad_kv_sums, grad_kv_halves)):
         grad = softmax_bwd.float32_from_halves(halves).double()          # [B,S,N]
         assert sums.shape == (2, 3, grad.shape[-1])
@@ -212,10 +214,10 @@ def test_math_recomputes_p_from_its_log_sum_exp():
     _, grad_attn, q, k, v, scale = _core_inputs(2, 2, 13, 8, dtype=torch.float64, seed=3)
     logits = (q @ k.transpose(-1, -2)) * scale
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
-    given = softmax_bwd.attention_backward_math(torch.softmax(logits, -1), grad_attn,
-                                                   q, k, v, scale)
-    recomputed = softmax_bwd.attention_backward_math(lse, grad_attn, q, k, v, scale,
-                                                        attn_output)
+    given = softmax_bwd.attention_backward_math(grad_attn, q, k, v, scale,
+                                                probs=torch.softmax(logits, -1))
+    recomputed = softmax_bwd.attention_backward_math(grad_attn, q, k, v, scale, lse=lse,
+                                                     attn_output=attn_output)
     for a, b in zip(given, recomputed):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
@@ -227,21 +229,56 @@ def test_module_mode_delta_comes_from_the_forward_output():
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
     heads = reference.split_heads
     want = (heads(grad_attn, 2) * heads(attn_output, 2)).sum(-1)          # [B,H,S]
-    _, _, delta, _ = softmax_bwd.softmax_bwd_rows(lse, grad_attn, q, k, v, attn_output,
-                                                     scale)
+    _, _, delta, _ = softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, attn_output, scale,
+                                                  lse=lse)
     torch.testing.assert_close(delta, want.float(), rtol=1e-6, atol=1e-6)
-    _, _, shifted, _ = softmax_bwd.softmax_bwd_rows(lse, grad_attn, q, k, v,
-                                                       attn_output * 1.01, scale)
+    _, _, shifted, _ = softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, attn_output * 1.01,
+                                                    scale, lse=lse)
     torch.testing.assert_close(shifted, (want * 1.01).float(), rtol=1e-6, atol=1e-6)
 
 
 def test_log_sum_exp_without_the_forward_output_is_refused():
-    """probs as a log-sum-exp needs attn_output: a clear error, not delta from garbage."""
+    """lse needs attn_output: a clear error, not delta from garbage."""
     _, grad_attn, q, k, v, scale = _core_inputs(1, 2, 9, 8, seed=6)
     lse, _ = _log_sum_exp_and_output(q, k, v, scale)
     for rows in (softmax_bwd.softmax_bwd_rows, softmax_bwd.launch_rows):
         with pytest.raises(ValueError, match="attn_output"):
-            rows(lse, grad_attn, q, k, v, None, scale)
+            rows(grad_attn, q, k, v, None, scale, lse=lse)
+
+
+def test_probs_and_lse_exactly_one_is_given():
+    """Both P and its log-sum-exp, or neither, or either of the wrong rank: a ValueError
+    naming them, from the operators, their fake implementations, the launchers and the
+    compiled graph's entry point."""
+    P, grad_attn, q, k, v, scale = _core_inputs(1, 2, 9, 8, seed=6)
+    lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
+    delta = torch.zeros(1, 2, 9)
+    calls = [lambda **given: softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, attn_output,
+                                                          scale, **given),
+             lambda **given: softmax_bwd.launch_rows(grad_attn, q, k, v, attn_output, scale,
+                                                     **given),
+             lambda **given: softmax_bwd.softmax_bwd_cols(grad_attn, q, k, v, delta, scale,
+                                                          **given),
+             lambda **given: softmax_bwd.launch_cols(grad_attn, q, k, v, delta, scale,
+                                                     **given)]
+    for call in calls:
+        for given, message in ((dict(probs=P, lse=lse), "exactly one of probs .* got both"),
+                               ({}, "exactly one of probs .* got neither"),
+                               (dict(probs=lse), "probs must be 4-D"),
+                               (dict(lse=P), "lse must be 3-D")):
+            with pytest.raises(ValueError, match=message):
+                call(**given)
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in (P, grad_attn, q, k, v, lse, attn_output)]
+        with pytest.raises(ValueError, match="got both"):
+            softmax_bwd.softmax_bwd_rows(*fake[1:5], fake[6], scale, probs=fake[0],
+                                         lse=fake[5])
+    # and the graph's entry point, before any compile
+    from vitattn_bwd import graph
+    for given, message in ((dict(probs=P, lse=lse), "got both"), ({}, "got neither")):
+        with pytest.raises(ValueError, match=f"compiled_backward: .*{message}"):
+            graph.compiled_backward(dict(x=grad_attn, **given), scale=scale, norm_eps=1e-5,
+                                    ln_grad="exact")
 
 
 def test_rows_kernel_takes_delta_from_the_forward_output(triton_interpreter):
@@ -252,8 +289,8 @@ def test_rows_kernel_takes_delta_from_the_forward_output(triton_interpreter):
     heads = reference.split_heads
     want = (heads(grad_attn.double(), 2) * heads(attn_output.double(), 2)).sum(-1)
     for factor in (1.0, 1.01):
-        _, _, delta, _ = softmax_bwd.launch_rows(lse, grad_attn, q, k, v,
-                                                    attn_output * factor, scale, 16, 16)
+        _, _, delta, _ = softmax_bwd.launch_rows(grad_attn, q, k, v, attn_output * factor,
+                                                 scale, lse=lse, block_m=16, block_n=16)
         torch.testing.assert_close(delta.double(), want * factor, rtol=1e-4, atol=1e-5)
 
 
@@ -262,9 +299,9 @@ def test_kernels_recompute_p_under_interpreter(triton_interpreter, S, block_m, b
     """RECOMPUTE_P: the kernels read lse [B,H,S] instead of P, and take delta from the
     attention output, and match the textbook."""
     P, lse, attn_output, grad_attn, q, k, v, scale = _softmax_inputs(2, 2, S, 16, seed=S)
-    got = softmax_bwd.attention_backward(lse, grad_attn, q, k, v, scale,
-                                            attn_output=attn_output, block_m=block_m,
-                                            block_n=block_n)
+    got = softmax_bwd.attention_backward(grad_attn, q, k, v, scale, lse=lse,
+                                         attn_output=attn_output, block_m=block_m,
+                                         block_n=block_n)
     want = _textbook(P, grad_attn, q, k, v, scale)
     for name, g, w in zip(("grad_q", "grad_k", "grad_v"), got, want):
         err = (g.double() - w).norm().item()

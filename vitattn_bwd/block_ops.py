@@ -71,7 +71,7 @@ def vision_attention_fwd(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight
         y, saved, _ = attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias,
                                               out_weight, out_bias, num_heads, eps,
                                               precision, half_dtype)
-    got = (y, saved.x_mean, saved.x_var, saved.qkv, saved.attn_weights, saved.attn_output)
+    got = (y, saved.x_mean, saved.x_var, saved.qkv, saved.lse, saved.attn_output)
     return tuple(_contiguous(t, dtype)
                  for t, (_, dtype) in zip(got, output_specs(x, num_heads, half_dtype)))
 

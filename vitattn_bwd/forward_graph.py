@@ -40,7 +40,7 @@ class SavedForBackward(NamedTuple):
     """What the forward saves for the backward, named as graph.compiled_backward takes
     them: x [B,S,E], its LayerNorm statistics x_mean, x_var [B,S,1], the LayerNorm
     parameters, qkv_weight [3E,E], the QKV projection qkv [B,S,3E], the softmax's row
-    log-sum-exp as attn_weights [B,H,S], the attention output [B,S,E] and out_weight
+    log-sum-exp lse [B,H,S], the attention output [B,S,E] and out_weight
     [E,E]."""
     x: torch.Tensor
     x_mean: torch.Tensor
@@ -49,7 +49,7 @@ class SavedForBackward(NamedTuple):
     ln_bias: torch.Tensor
     qkv_weight: torch.Tensor
     qkv: torch.Tensor
-    attn_weights: torch.Tensor
+    lse: torch.Tensor
     attn_output: torch.Tensor
     out_weight: torch.Tensor
 

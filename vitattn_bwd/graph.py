@@ -36,6 +36,7 @@ from .precision import (HALF_DTYPES, bf16_halves, matmul_fp16_transposed,
                         mm_half, power_of_two_scale, products_halves_by_weight,
                         split_bf16_truncated)
 from .split_gemm import fp16_halves, matmul_fp16x3, transposed
+from .validation import check_probs_or_lse
 
 # Batch sizes >= 2 that share a dynamic-batch graph, each bucket its own torch.compile
 # object: (smallest, largest).
@@ -47,7 +48,7 @@ CUDA_GRAPH_MAX_BATCH = 3
 # per kernel (performance.md, "Host time").
 CPP_WRAPPER_DEVICES = ("cuda",)
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v", "qkv",
-                  "attn_weights", "attn_output")   # those present are marked dynamic
+                  "probs", "lse", "attn_output")   # those present are marked dynamic
 # Rows (B*S) up to which precision "high" keeps the contract's margins with P given: the
 # weight gradients' sums grow with the rows while the tolerance's absolute term stays
 # 1e-2 (batch 420 missed 0.4% of grad_qkv_weight; batch 56 matched 0.99996). Past these
@@ -56,12 +57,13 @@ HIGH_PRECISION_MAX_ROWS = 64 * 577
 
 
 def _high_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                   attn_weights, forward_output, q, k, v, scale):
+                   probs, lse, forward_output, q, k, v, scale):
     """Out projection, attention core and QKV projection from split operands at
     precision "high" (CUDA): returns grad_out_weight, grad_x_norm_parts (four [B*S,E]
     GEMM outputs, whose sum times `unscale` is grad_x_norm), grad_qkv_weight,
-    grad_qkv_bias, unscale. forward_output: the attention output [B,S,E] where it goes
-    with attn_weights (the module's log-sum-exp), else None. The GEMMs' float32
+    grad_qkv_bias, unscale. One of probs (P) and lse (its log-sum-exp) is given, the
+    other None; forward_output: the attention output [B,S,E] where it goes with lse
+    (the module's), else None. The GEMMs' float32
     operands are split by truncation, and the QKV weight gradient is one fp16 product."""
     split = split_bf16_truncated
     B, H, S, D = q.shape
@@ -82,10 +84,10 @@ def _high_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
 
     # the core's gradients in fp16 and as bf16 halves, and their partial sums over rows
     grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        attn_weights, grad_attn, q, k, v, forward_output,
-        scale)                                    # [B,S,E], [B,S,2E], [B,H,S], [B,G,E]
+        grad_attn, q, k, v, forward_output, scale, probs,
+        lse)                                      # [B,S,E], [B,S,2E], [B,H,S], [B,G,E]
     grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        attn_weights, grad_attn, q, k, v, delta, scale)    # [B,S,2E], [B,S,4E], [B,G,2E]
+        grad_attn, q, k, v, delta, scale, probs, lse)   # [B,S,2E], [B,S,4E], [B,G,2E]
     grad_q_halves = grad_q_halves.view(rows, 2 * E)
     grad_kv_halves = grad_kv_halves.view(rows, 4 * E)
 
@@ -102,7 +104,7 @@ def _high_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
 
 
 def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                      attn_weights, forward_output, q, k, v, scale):
+                      probs, lse, forward_output, q, k, v, scale):
     """The same products at precision "highest" (CUDA), float32-faithful: every GEMM
     fp16x3 from scaled fp16 halves with two-level accumulation (split_gemm.py), the
     attention core fp16x3 on the scaled fp16 halves of its operands
@@ -120,10 +122,11 @@ def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     # the core's float32 gradients and their partial sums over rows
     operand_scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)     # [5]
     grad_q, _, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        attn_weights, grad_attn, q, k, v, forward_output, scale,
+        grad_attn, q, k, v, forward_output, scale, probs, lse,
         operand_scales)                                 # [B,S,E], [B,H,S], [B,G,E]
     grad_kv, _, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        attn_weights, grad_attn, q, k, v, delta, scale, operand_scales)  # [B,S,2E], [B,G,2E]
+        grad_attn, q, k, v, delta, scale, probs, lse,
+        operand_scales)                                 # [B,S,2E], [B,G,2E]
     grad_q_halves = fp16_halves(grad_q.view(rows, E))                          # [B*S,E]
     grad_kv_halves = fp16_halves(grad_kv.view(rows, 2 * E))                    # [B*S,2E]
     x_norm_halves = fp16_halves(x_norm_rows)
@@ -138,7 +141,7 @@ def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
 
 
 def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                     attn_weights, forward_output, q, k, v, scale):
+                     probs, lse, forward_output, q, k, v, scale):
     """The products at one product per matmul in the dtype of the module's saved
     half-precision activations (attn_rows, q, k, v: bf16 or fp16; VisionAttentionBlock
     at precision "medium"), with float32 accumulation, as the stock
@@ -155,9 +158,9 @@ def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     grad_attn = mm_half(grad_rows, out_weight.to(dtype)).view(B, S, E)
     # the core's gradients in `dtype`, and their partial sums over rows
     grad_q, _, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        attn_weights, grad_attn, q, k, v, forward_output, scale)  # [B,S,E], [B,H,S], [B,G,E]
+        grad_attn, q, k, v, forward_output, scale, probs, lse)  # [B,S,E], [B,H,S], [B,G,E]
     grad_kv, _, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        attn_weights, grad_attn, q, k, v, delta, scale)            # [B,S,2E], [B,G,2E]
+        grad_attn, q, k, v, delta, scale, probs, lse)            # [B,S,2E], [B,G,2E]
     grad_q, grad_kv = grad_q.view(rows, E), grad_kv.view(rows, 2 * E)
     qkv_weight = qkv_weight.to(dtype)
     grad_x_norm_parts = (mm_float32(grad_q, qkv_weight[:E]),
@@ -171,7 +174,7 @@ def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
 
 
 def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                    attn_weights, forward_output, q, k, v, scale):
+                    probs, lse, forward_output, q, k, v, scale):
     """The same products in the inputs' own precision (CPU, float64): grad_out_weight,
     grad_x_norm_parts (grad_x_norm [B*S,E] alone), grad_qkv_weight, grad_qkv_bias,
     unscale (1)."""
@@ -180,7 +183,7 @@ def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     grad_out_weight = grad_rows.t() @ attn_rows
     grad_attn = (grad_rows @ out_weight).view(B, S, E)
     grad_qkv = torch.cat(softmax_bwd.attention_backward_math(                 # [B*S,3E]
-        attn_weights, grad_attn, q, k, v, scale, forward_output),
+        grad_attn, q, k, v, scale, probs=probs, lse=lse, attn_output=forward_output),
         dim=-1).view(B * S, 3 * E)
     return (grad_out_weight, (grad_qkv @ qkv_weight,), grad_qkv.t() @ x_norm_rows,
             grad_qkv.sum(0), 1.0)
@@ -206,9 +209,9 @@ def _layer_norm_backward_of_parts(grad_output, grad_x_norm_parts, unscale, x, x_
     return grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias
 
 
-def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_weights,
-                   attn_output, out_weight, *, scale, norm_eps, ln_grad, split_precision,
-                   q=None, k=None, v=None, qkv=None, x_norm=None, ln_bias=None):
+def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_output,
+                   out_weight, *, scale, norm_eps, ln_grad, split_precision, probs=None,
+                   lse=None, q=None, k=None, v=None, qkv=None, x_norm=None, ln_bias=None):
     """The seven gradients (the math of reference.attention_block_backward).
 
     split_precision: None for plain products in the inputs' dtype (the CPU, float64),
@@ -219,23 +222,23 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_we
     split_precision says; for a block all in bf16 or fp16 (x in that dtype), every
     gradient is returned in that dtype.
 
-    attn_weights is P [B,H,S,S], or its row log-sum-exp [B,H,S] (VisionAttentionBlock
-    saves only that; the attention core recomputes P). q, k, v [B,H,S,D] may instead come
+    One of probs, P [B,H,S,S] (the contract's), and lse, its row log-sum-exp [B,H,S]
+    (VisionAttentionBlock saves only that; the attention core recomputes P), is given. q, k, v [B,H,S,D] may instead come
     whole as the QKV projection qkv [B,S,3E] (the module saves it so: one contiguous
     tensor for a CUDA graph's static input, not three strided views). x_norm may be left
     out (None) with ln_bias given: it is recomputed from x and the LayerNorm
     statistics."""
     B, S, E = x.shape
     if qkv is not None:
-        q, k, v = qkv_heads(qkv, attn_weights.shape[1])                        # [B,H,S,D]
+        q, k, v = qkv_heads(qkv, (probs if lse is None else lse).shape[1])    # [B,H,S,D]
     if x_norm is None:
         x_norm = (x - x_mean) * torch.rsqrt(x_var + norm_eps) * ln_weight + ln_bias
     grad_rows = grad_output.reshape(B * S, E)                                  # [B*S,E]
     # with lse (module mode) attn_output is the block's own O = P v, whose rowsum with
     # dO is delta; the contract's attn_output is drawn apart from its P
-    forward_output = attn_output if attn_weights.dim() == 3 else None
+    forward_output = None if lse is None else attn_output
     product_args = (grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E),
-                    out_weight, qkv_weight, attn_weights, forward_output, q, k, v, scale)
+                    out_weight, qkv_weight, probs, lse, forward_output, q, k, v, scale)
     if q.dtype in HALF_DTYPES:
         products = _medium_products(*product_args)
     elif split_precision == "highest":
@@ -402,10 +405,12 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad, precision="high"):
     compile or the run, raises torch.OutOfMemoryError (errors.py)."""
     x = inputs["x"]
     B, S, E = x.shape
-    num_heads = inputs["attn_weights"].shape[1]
+    recompute_p = check_probs_or_lse("compiled_backward", inputs.get("probs"),
+                                     inputs.get("lse"))
+    num_heads = inputs["lse" if recompute_p else "probs"].shape[1]
     activation_dtype = inputs["qkv" if "qkv" in inputs else "q"].dtype
     fn = _compile(x.device, x.dtype, activation_dtype, S, E, num_heads, scale,
                   norm_eps, ln_grad, batch_bucket(B), uses_cuda_graph(x.device.type, B),
                   tuple(inputs), split_precision_of(x.device.type, precision, B * S,
-                                                    inputs["attn_weights"].dim() == 4))
+                                                    not recompute_p))
     return fn(**inputs)

@@ -102,14 +102,15 @@ def holds_compiled_graphs(code):
 # ---- the attention-core templates ----------------------------------------------------
 
 # Template constexprs: SEQ_LEN, NUM_HEADS, HEAD_DIM (tiles padded_head_dim wide, the
-# padding columns pointing past the row, which `mask` drops), BLOCK_M, BLOCK_N, SCALE, RECOMPUTE_P
-# (PROBS is P, or its log-sum-exp when True; the rows pass then reads the forward's
-# output ATTN_OUT, which is a 1-element placeholder when P is given), SUM_ROWS (the rows
-# per partial sum in GRAD_Q_SUMS / GRAD_KV_SUMS).
+# padding columns pointing past the row, which `mask` drops), BLOCK_M, BLOCK_N, SCALE,
+# RECOMPUTE_P (False: P is read from PROBS; True: it is recomputed from its log-sum-exp
+# LSE, and the rows pass reads the forward's output ATTN_OUT; each of PROBS, LSE and
+# ATTN_OUT not read is a 1-element placeholder), SUM_ROWS (the rows per partial sum in
+# GRAD_Q_SUMS / GRAD_KV_SUMS).
 _ROWS_ENTRY = r'''
-{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "ATTN_OUT", "DELTA", "GRAD_Q_HALVES", "GRAD_Q_SUMS")}}
+{{def_kernel("PROBS", "LSE", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "ATTN_OUT", "DELTA", "GRAD_Q_HALVES", "GRAD_Q_SUMS")}}
     batch, rows, cols, grad_q16 = softmax_bwd_rows_program(
-        PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUT,
+        PROBS, LSE, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUT,
         DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
         BLOCK_N, RECOMPUTE_P, SUM_ROWS)
     HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
@@ -119,9 +120,9 @@ _ROWS_ENTRY = r'''
 '''
 
 _COLS_ENTRY = r'''
-{{def_kernel("PROBS", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES", "GRAD_KV_SUMS")}}
+{{def_kernel("PROBS", "LSE", "GRAD_ATTN_HI", "GRAD_ATTN_LO", "Q_HI", "Q_LO", "K_HI", "K_LO", "V_HI", "V_LO", "DELTA", "GRAD_KV_HALVES", "GRAD_KV_SUMS")}}
     batch, rows, cols, grad_kv16 = softmax_bwd_cols_program(
-        PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, DELTA,
+        PROBS, LSE, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, DELTA,
         GRAD_KV_HALVES, GRAD_KV_SUMS, SCALE, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
         BLOCK_N, RECOMPUTE_P, SUM_ROWS)
     KV_WIDTH: tl.constexpr = 2 * padded_head_dim(HEAD_DIM)
@@ -236,16 +237,20 @@ def _tile_choices(template, tile_configs, input_nodes, layout, constexprs, **cho
 
 def _gluon_node(op):
     """kernel_creator of a Gluon choice: the functional operator `op` on the choice's
-    operands (the tensors of op's schema before `scale`) and, where the operands are
-    fp16 halves, on the operand scales, the input after the buffers that op returns
-    besides its first output."""
+    operands (the tensors of op's schema before `scale`: probs and lse first, the one
+    recompute_p does not name passed as None) and, where the operands are fp16 halves,
+    on the operand scales, the input after the buffers that op returns besides its
+    first output."""
     arguments = [argument.name for argument in op._schema.arguments]
     operand_count = arguments.index("scale")
     buffer_count = len(op._schema.returns) - 1
 
-    def create(*input_nodes, scale, block_m, block_n, num_warps, num_stages, products):
+    def create(*input_nodes, scale, block_m, block_n, num_warps, num_stages, products,
+               recompute_p):
+        probs, lse, *operands = input_nodes[:operand_count]
+        probs, lse = (None, lse) if recompute_p else (probs, None)
         operand_scales = input_nodes[operand_count + buffer_count:]
-        outputs = ir.FallbackKernel.create(op, *input_nodes[:operand_count], scale, block_m,
+        outputs = ir.FallbackKernel.create(op, probs, lse, *operands, scale, block_m,
                                            block_n, num_warps, num_stages, products,
                                            *operand_scales)
         return outputs[0]
@@ -274,7 +279,8 @@ def _gluon_choices():
                                kernel_creator=_gluon_node(cols_op)))
 
 
-def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, layout, scale):
+def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, layout, scale,
+                        recompute_p):
     """The Gluon candidates where the kernels run (Hopper, softmax_bwd_gluon.HEAD_DIMS), with the
     products of the operands' dtype."""
     dtype = tensor_node.get_dtype()
@@ -283,7 +289,7 @@ def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, lay
     return [choice.bind(inputs, layout, scale=scale, block_m=tiles.block_m,
                         block_n=tiles.block_n, num_warps=tiles.num_warps,
                         num_stages=tiles.num_stages,
-                        products=softmax_bwd.products_of(dtype))
+                        products=softmax_bwd.products_of(dtype), recompute_p=recompute_p)
             for tiles in tile_configs]
 
 
@@ -414,28 +420,35 @@ def _as_they_lie(q, k, v):
     return [_contiguous(t) for t in (q, k, v)]
 
 
-def _operands(probs, grad_attn, q, k, v, operand_scales):
-    """Kernel inputs PROBS .. V_LO: probs contiguous, the rest as bf16 (hi, lo) pairs of
+def _operands(probs, lse, grad_attn, q, k, v, operand_scales):
+    """Kernel inputs PROBS .. V_LO: the one of probs and lse given contiguous, the other
+    a placeholder (_placeholder), the rest as bf16 (hi, lo) pairs of
     float32 tensors (contiguous), as fp16 (hi, lo) pairs of them scaled by
     operand_scales where it is given (a realized node), or bf16 / fp16 tensors as they
     are, each twice (hi; lo unread): grad_attn contiguous, q, k, v where they lie
     (`_as_they_lie`)."""
+    device = k.get_device()
+    probs_and_lse = [_placeholder(device) if t is None else _contiguous(t)
+                     for t in (probs, lse)]
     if operand_scales is not None:
-        return [_contiguous(probs), *(part for index, t in enumerate((grad_attn, q, k, v))
-                                      for part in _split(t, _FP16_SPLIT, operand_scales,
-                                                         index))]
+        return [*probs_and_lse, *(part for index, t in enumerate((grad_attn, q, k, v))
+                                  for part in _split(t, _FP16_SPLIT, operand_scales,
+                                                     index))]
     if softmax_bwd.products_of(k.get_dtype()) == 1:
-        return [_contiguous(probs), *(t for t in [_contiguous(grad_attn),
-                                                  *_as_they_lie(q, k, v)]
-                                      for _ in range(2))]
-    return [_contiguous(probs), *(part for t in (grad_attn, q, k, v)
-                                  for part in _split(t, _BF16_SPLIT))]
+        return [*probs_and_lse, *(t for t in [_contiguous(grad_attn), *_as_they_lie(q, k, v)]
+                                  for _ in range(2))]
+    return [*probs_and_lse, *(part for t in (grad_attn, q, k, v)
+                              for part in _split(t, _BF16_SPLIT))]
 
 
-def _constexprs(probs, num_heads, seq_len, head_dim, scale):
+def _placeholder(device):
+    """A 1-element float32 buffer for a kernel input that is not read."""
+    return empty_strided([1], None, dtype=torch.float32, device=device)
+
+
+def _constexprs(num_heads, seq_len, head_dim, scale, recompute_p):
     return dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim, SCALE=scale,
-                RECOMPUTE_P=len(probs.get_size()) == 3,
-                SUM_ROWS=softmax_bwd.COLUMN_SUM_ROWS)
+                RECOMPUTE_P=recompute_p, SUM_ROWS=softmax_bwd.COLUMN_SUM_ROWS)
 
 
 def _column_sums_buffer(batch, seq_len, width, device):
@@ -449,9 +462,10 @@ def _scales_input(operand_scales):
     return None if operand_scales is None else _contiguous(operand_scales)
 
 
-def _lower_pass(op, probs, grad_attn, q, k, v, pass_input, scale, operand_scales):
+def _lower_pass(op, grad_attn, q, k, v, pass_input, scale, probs, lse, operand_scales):
     """The lowering of either pass (op: _ROWS_OP or _COLS_OP; pass_input: the rows pass's
-    attention output, None where P is given, or the cols pass's delta): the outputs of
+    attention output, None where P is given, or the cols pass's delta; one of probs and
+    lse, the other None, as the operator checked when traced): the outputs of
     the selected kernel, among the Gluon configs (first: the choice taken untimed where
     autotuning cannot fit) and the template's; the operator's own implementation where
     none of our kernels takes these operands."""
@@ -459,7 +473,7 @@ def _lower_pass(op, probs, grad_attn, q, k, v, pass_input, scale, operand_scales
     fp16_halves = operand_scales is not None
     if not _kernels_apply(k, head_dim, fp16_halves):
         return fallback_handler(op, add_to_fallback_set=False)(
-            probs, grad_attn, q, k, v, pass_input, scale, operand_scales)
+            grad_attn, q, k, v, pass_input, scale, probs, lse, operand_scales)
     rows = op is _ROWS_OP
     device, dtype = k.get_device(), k.get_dtype()
     width = num_heads * head_dim * (1 if rows else 2)          # E for dQ, 2E for dK | dV
@@ -470,8 +484,8 @@ def _lower_pass(op, probs, grad_attn, q, k, v, pass_input, scale, operand_scales
     layout = ir.FixedLayout(device, softmax_bwd.gradient_dtype(dtype, fp16_halves),
                             [batch, seq_len, width])           # [B,S,E] / [B,S,2E]
     if rows:
-        if pass_input is None:       # P given: ATTN_OUT is not read, a placeholder
-            pass_input = empty_strided([1], None, dtype=torch.float32, device=device)
+        if pass_input is None:       # P given: ATTN_OUT is not read
+            pass_input = _placeholder(device)
         pass_input = _contiguous(pass_input)
         delta = empty_strided([batch, num_heads, seq_len], None, dtype=torch.float32,
                               device=device)                   # [B,H,S]
@@ -480,31 +494,37 @@ def _lower_pass(op, probs, grad_attn, q, k, v, pass_input, scale, operand_scales
         pass_input = ir.ExternKernel.require_contiguous(pass_input)
         buffers = outputs = (halves, sums)
     operand_scales = _scales_input(operand_scales)
-    inputs = [*_operands(probs, grad_attn, q, k, v, operand_scales), pass_input, *buffers]
+    inputs = [*_operands(probs, lse, grad_attn, q, k, v, operand_scales), pass_input,
+              *buffers]
     if fp16_halves:
         inputs.append(operand_scales)
     pass_index = 0 if rows else 1
     template = _templates()[pass_index]
     gluon_tiles = (softmax_bwd_gluon.rows_tiles, softmax_bwd_gluon.cols_tiles)[pass_index](head_dim)
+    recompute_p = lse is not None
     choices = _gluon_tile_choices(_gluon_choices()[pass_index], gluon_tiles, k, head_dim,
-                                  inputs, layout, scale)
+                                  inputs, layout, scale, recompute_p)
     if _template_applies(k, head_dim) and not fp16_halves:
         choices += _tile_choices(template, TILE_CONFIGS, inputs, layout,
-                                 _constexprs(probs, num_heads, seq_len, head_dim, scale),
+                                 _constexprs(num_heads, seq_len, head_dim, scale,
+                                             recompute_p),
                                  mutated_inputs=list(buffers),
                                  call_sizes=[batch, num_heads, seq_len])
     return _selected_outputs(template, choices, inputs, layout, outputs)
 
 
 @register_lowering(_ROWS_OP, type_promotion_kind=None)
-def _lower_rows(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=None):
-    return _lower_pass(_ROWS_OP, probs, grad_attn, q, k, v, attn_output, scale,
+def _lower_rows(grad_attn, q, k, v, attn_output, scale, probs=None, lse=None,
+                operand_scales=None):
+    return _lower_pass(_ROWS_OP, grad_attn, q, k, v, attn_output, scale, probs, lse,
                        operand_scales)
 
 
 @register_lowering(_COLS_OP, type_promotion_kind=None)
-def _lower_cols(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
-    return _lower_pass(_COLS_OP, probs, grad_attn, q, k, v, delta, scale, operand_scales)
+def _lower_cols(grad_attn, q, k, v, delta, scale, probs=None, lse=None,
+                operand_scales=None):
+    return _lower_pass(_COLS_OP, grad_attn, q, k, v, delta, scale, probs, lse,
+                       operand_scales)
 
 
 # ---- the split GEMM template (precision "highest") -------------------------------------

@@ -2,9 +2,10 @@
 delta) and softmax_bwd_cols (dK and dV), in the formats their consumers read (shapes
 and formats in softmax_bwd_rows' docstring), with their eager launchers.
 
-probs is the attention matrix P [B,H,S,S] (the benchmark contract gives it), or its row
-log-sum-exp [B,H,S] (VisionAttentionBlock saves only that): then every P tile is
-recomputed from q and k, and attn_output O = P v gives delta = rowsum(dO * O). The
+Exactly one of probs, the attention matrix P [B,H,S,S] (the benchmark contract gives
+it), and lse, its row log-sum-exp [B,H,S] (VisionAttentionBlock saves only that), is
+given: with lse every P tile is recomputed from q and k, and attn_output O = P v gives
+delta = rowsum(dO * O). The
 operand dtype sets the products (`products_of`): bf16x3 for float32, fp16x3 on scaled
 fp16 halves with operand_scales (precision "highest"), one product for bf16 / fp16.
 Each operator also writes partial sums over rows of its gradients, which the graph adds
@@ -25,6 +26,7 @@ import torch
 
 from . import buffers
 from .layout import merge_heads, split_heads
+from .validation import check_probs_or_lse
 from .precision import (FP16_TOP_EXPONENT, HALF_DTYPES, exponents_of, fp16_scale,
                         power_of_two_scale, powers_of_two, split_bf16_rounded,
                         split_bf16_truncated)
@@ -85,36 +87,39 @@ EAGER_TILES = {16: TileConfig(64, 64, 4, 2), 32: TileConfig(64, 64, 4, 2),
                64: TileConfig(64, 64, 4, 2), 128: TileConfig(32, 32, 4, 2)}
 
 
-def probabilities(probs, q, k, scale):
-    """P [B,H,S,S] from `probs`: P itself, or recomputed from its log-sum-exp [B,H,S]."""
-    if probs.dim() == 4:
+def probabilities(q, k, scale, *, probs=None, lse=None):
+    """P [B,H,S,S]: probs itself, or recomputed from its log-sum-exp lse [B,H,S]."""
+    if lse is None:
         return probs
-    return torch.exp((q @ k.transpose(-1, -2)) * scale - probs.unsqueeze(-1))
+    return torch.exp((q @ k.transpose(-1, -2)) * scale - lse.unsqueeze(-1))
 
 
-def attention_backward_math(probs, grad_attn, q, k, v, scale, attn_output=None):
+def attention_backward_math(grad_attn, q, k, v, scale, *, probs=None, lse=None,
+                            attn_output=None):
     """The attention core in PyTorch ops, in the inputs' dtype (materializes S x S):
-    grad_q, grad_k, grad_v [B,S,E]. attn_output (with lse only) gives delta."""
-    return _backward_math_and_delta(probs, grad_attn, q, k, v, scale, attn_output)[:3]
+    grad_q, grad_k, grad_v [B,S,E], from P (probs) or its log-sum-exp (lse).
+    attn_output (with lse only) gives delta."""
+    return _backward_math_and_delta(grad_attn, q, k, v, scale, probs, lse,
+                                    attn_output)[:3]
 
 
-def _backward_math_and_delta(probs, grad_attn, q, k, v, scale, attn_output):
+def _backward_math_and_delta(grad_attn, q, k, v, scale, probs, lse, attn_output):
     """attention_backward_math's gradients and the delta [B,H,S,1] they used."""
-    attn_weights = probabilities(probs, q, k, scale)                       # [B,H,S,S]
-    grad_attn = split_heads(grad_attn, attn_weights.shape[1])              # [B,H,S,D]
+    probs = probabilities(q, k, scale, probs=probs, lse=lse)               # [B,H,S,S]
+    grad_attn = split_heads(grad_attn, probs.shape[1])                     # [B,H,S,D]
     grad_p = grad_attn @ v.transpose(-1, -2)                               # [B,H,S,S]
-    delta = _delta(attn_weights, grad_p, grad_attn, attn_output)           # [B,H,S,1]
-    grad_s = attn_weights * (grad_p - delta)
+    delta = _delta(probs, grad_p, grad_attn, attn_output)                  # [B,H,S,1]
+    grad_s = probs * (grad_p - delta)
     return (merge_heads(grad_s @ k * scale), merge_heads(grad_s.transpose(-1, -2) @ q * scale),
-            merge_heads(attn_weights.transpose(-1, -2) @ grad_attn), delta)
+            merge_heads(probs.transpose(-1, -2) @ grad_attn), delta)
 
 
-def _delta(attn_weights, grad_p, grad_attn, attn_output):
+def _delta(probs, grad_p, grad_attn, attn_output):
     """rowsum(P * dP) [B,H,S,1], as the rows pass gets it: from the forward's output
     (rowsum(dO * O)) where one is given, else from P and dP."""
     if attn_output is None:
-        return (attn_weights * grad_p).sum(-1, keepdim=True)
-    attn_output = split_heads(attn_output, attn_weights.shape[1])          # [B,H,S,D]
+        return (probs * grad_p).sum(-1, keepdim=True)
+    attn_output = split_heads(attn_output, probs.shape[1])                 # [B,H,S,D]
     return (grad_attn * attn_output).sum(-1, keepdim=True)
 
 
@@ -166,18 +171,30 @@ def _tiles(head_dim, block_m, block_n):
     return tiles._replace(block_m=block_m or tiles.block_m, block_n=block_n or tiles.block_n)
 
 
-def check_forward_output(probs, attn_output):
-    """With the log-sum-exp the rows pass needs the forward's output (ValueError)."""
-    if probs.dim() == 3 and attn_output is None:
-        raise ValueError("softmax_bwd_rows: probs is a log-sum-exp [B,H,S], so attn_output "
-                         "(the forward's O = P v [B,S,E]) must be given, got None")
+def check_rows_inputs(probs, lse, attn_output):
+    """The rows pass's P or lse (validation.check_probs_or_lse), and with lse the
+    forward's output (ValueError); returns whether P is recomputed from lse."""
+    recompute_p = check_probs_or_lse("softmax_bwd_rows", probs, lse)
+    if recompute_p and attn_output is None:
+        raise ValueError("softmax_bwd_rows: with lse, attn_output (the forward's O = P v "
+                         "[B,S,E]) must be given, got None")
+    return recompute_p
 
 
-def launch_rows(probs, grad_attn, q, k, v, attn_output, scale, block_m=None, block_n=None):
-    """Run the rows kernel on any tensors Triton can reach; returns the operator's
-    outputs."""
+def probs_and_lse_pointers(probs, lse):
+    """The kernels' PROBS and LSE arguments (Triton's and Gluon's) for the one of probs
+    and lse given: it, contiguous, in both places (a kernel reads the one its
+    RECOMPUTE_P names; the other needs a real pointer)."""
+    given = (probs if lse is None else lse).contiguous()
+    return given, given
+
+
+def launch_rows(grad_attn, q, k, v, attn_output, scale, *, probs=None, lse=None,
+                block_m=None, block_n=None):
+    """Run the rows kernel on any tensors Triton can reach, from P (probs) or its
+    log-sum-exp (lse, with attn_output); returns the operator's outputs."""
     from .kernels.softmax_bwd import softmax_bwd_rows_kernel
-    check_forward_output(probs, attn_output)
+    recompute_p = check_rows_inputs(probs, lse, attn_output)
     B, H, S, D = k.shape
     tiles = _tiles(D, block_m, block_n)
     grad_q16 = buffers.output_buffer(k, B, S, H * D, dtype=torch.float16)
@@ -187,16 +204,19 @@ def launch_rows(probs, grad_attn, q, k, v, attn_output, scale, block_m=None, blo
     grid = (-(-S // tiles.block_m) * B * H,)              # kernels.program_block
     attn_output = probs if attn_output is None else attn_output.contiguous()  # unread if P
     softmax_bwd_rows_kernel[grid](
-        probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), attn_output, grad_q16,
-        grad_q_halves, delta, grad_q_sums, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, RECOMPUTE_P=probs.dim() == 3,
+        *probs_and_lse_pointers(probs, lse), *_kernel_operands(grad_attn, q, k, v),
+        attn_output, grad_q16, grad_q_halves, delta, grad_q_sums, scale, SEQ_LEN=S,
+        NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        RECOMPUTE_P=recompute_p,
         SUM_ROWS=COLUMN_SUM_ROWS, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return grad_q16, grad_q_halves, delta, grad_q_sums
 
 
-def launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m=None, block_n=None):
+def launch_cols(grad_attn, q, k, v, delta, scale, *, probs=None, lse=None, block_m=None,
+                block_n=None):
     """Run the cols kernel (see launch_rows)."""
     from .kernels.softmax_bwd import softmax_bwd_cols_kernel
+    recompute_p = check_probs_or_lse("softmax_bwd_cols", probs, lse)
     B, H, S, D = q.shape
     tiles = _tiles(D, block_m, block_n)
     grad_kv16 = buffers.output_buffer(q, B, S, 2 * H * D, dtype=torch.float16)
@@ -204,9 +224,10 @@ def launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m=None, block_n=N
     grad_kv_sums = buffers.output_buffer(q, B, sum_groups(S), 2 * H * D)
     grid = (-(-S // tiles.block_n) * B * H,)
     softmax_bwd_cols_kernel[grid](
-        probs.contiguous(), *_kernel_operands(grad_attn, q, k, v), delta.contiguous(),
-        grad_kv16, grad_kv_halves, grad_kv_sums, scale, SEQ_LEN=S, NUM_HEADS=H, HEAD_DIM=D,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, RECOMPUTE_P=probs.dim() == 3,
+        *probs_and_lse_pointers(probs, lse), *_kernel_operands(grad_attn, q, k, v),
+        delta.contiguous(), grad_kv16, grad_kv_halves, grad_kv_sums, scale, SEQ_LEN=S,
+        NUM_HEADS=H, HEAD_DIM=D, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        RECOMPUTE_P=recompute_p,
         SUM_ROWS=COLUMN_SUM_ROWS, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return grad_kv16, grad_kv_halves, grad_kv_sums
 
@@ -275,6 +296,11 @@ def check_operand_scales(q, operand_scales):
     return True
 
 
+def _double(t):
+    """t in float64, or None."""
+    return None if t is None else t.double()
+
+
 def _to_fp16_halves_format(halves):
     """An eager bf16x3 launch's halves as the fp16-halves format's (grad, halves): the
     gradient in float32 (hi + lo), no halves."""
@@ -282,17 +308,20 @@ def _to_fp16_halves_format(halves):
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())
-def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor, attn_output: Optional[torch.Tensor],
-                     scale: float, operand_scales: Optional[torch.Tensor] = None
+def softmax_bwd_rows(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, attn_output: Optional[torch.Tensor], scale: float,
+                     probs: Optional[torch.Tensor] = None,
+                     lse: Optional[torch.Tensor] = None,
+                     operand_scales: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> grad_q16 [B,S,E] fp16, grad_q_halves [B,S,2E] bf16 ([hi | lo]), delta [B,H,S],
     grad_q_sums [B,G,E] float32 (G = sum_groups(S): partial sums over COLUMN_SUM_ROWS
     rows each, which sum over G and B to the QKV bias gradient).
 
-    probs: P, or its log-sum-exp with attn_output [B,S,E] (the contract's attn_output is
-    drawn apart from its P, so there it is not used); grad_attn [B,S,E], heads merged;
-    q, k, v [B,H,S,D]. By the operand dtype:
+    Exactly one of probs (P [B,H,S,S]) and lse (its log-sum-exp [B,H,S], with
+    attn_output [B,S,E]; the contract's attn_output is drawn apart from its P, so with P
+    it is not used); grad_attn [B,S,E], heads merged; q, k, v [B,H,S,D]. By the operand
+    dtype:
     - float32: every product bf16x3. The fp16 copies feed the QKV weight-gradient GEMM,
       the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the
       gradient to about 16 mantissa bits.
@@ -308,28 +337,26 @@ def softmax_bwd_rows(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tens
       product per matmul in that dtype with float32 accumulation, as torch's own
       flash-attention backward computes; grad_q16 is then the gradient in that dtype
       (what both QKV GEMMs read) and the halves are empty ([B,S,0])."""
-    check_forward_output(probs, attn_output)
+    check_rows_inputs(probs, lse, attn_output)
     fp16_halves = check_operand_scales(k, operand_scales)
     if _use_triton(k):
         grad_q16, grad_q_halves, delta, grad_q_sums = launch_rows(
-            probs, grad_attn, q, k, v, attn_output, scale)
+            grad_attn, q, k, v, attn_output, scale, probs=probs, lse=lse)
         if fp16_halves:
             grad_q16, grad_q_halves = _to_fp16_halves_format(grad_q_halves)
         return grad_q16, grad_q_halves, delta, grad_q_sums
     dtype = k.dtype
-    if attn_output is not None:
-        attn_output = attn_output.double()
-    probs, grad_attn, q, k, v = (t.double() for t in (probs, grad_attn, q, k, v))
-    grad_q, _, _, delta = _backward_math_and_delta(probs, grad_attn, q, k, v, scale,
-                                                   attn_output)
+    grad_q, _, _, delta = _backward_math_and_delta(
+        *(_double(t) for t in (grad_attn, q, k, v)), scale,
+        *(_double(t) for t in (probs, lse, attn_output)))
     return (grad_q.to(gradient_dtype(dtype, fp16_halves)),
             _halves([grad_q], dtype, fp16_halves), delta.squeeze(-1).float(),
             column_sums(grad_q))
 
 
 @softmax_bwd_rows.register_fake
-def _(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=None):
-    check_forward_output(probs, attn_output)              # at trace time, not in a graph
+def _(grad_attn, q, k, v, attn_output, scale, probs=None, lse=None, operand_scales=None):
+    check_rows_inputs(probs, lse, attn_output)            # at trace time, not in a graph
     fp16_halves = check_operand_scales(k, operand_scales)
     B, H, S, D = k.shape
     return (k.new_empty(B, S, H * D, dtype=gradient_dtype(k.dtype, fp16_halves)),
@@ -340,32 +367,37 @@ def _(probs, grad_attn, q, k, v, attn_output, scale, operand_scales=None):
 
 
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_cols", mutates_args=())
-def softmax_bwd_cols(probs: torch.Tensor, grad_attn: torch.Tensor, q: torch.Tensor,
-                     k: torch.Tensor, v: torch.Tensor, delta: torch.Tensor, scale: float,
+def softmax_bwd_cols(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, delta: torch.Tensor, scale: float,
+                     probs: Optional[torch.Tensor] = None,
+                     lse: Optional[torch.Tensor] = None,
                      operand_scales: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> grad_kv16 [B,S,2E] fp16 (dK | dV), grad_kv_halves [B,S,4E] bf16
     ([k_hi v_hi | k_lo v_lo]), grad_kv_sums [B,G,2E] float32; delta [B,H,S] from
     softmax_bwd_rows. The arguments and the formats by operand dtype as
     softmax_bwd_rows'."""
+    check_probs_or_lse("softmax_bwd_cols", probs, lse)
     fp16_halves = check_operand_scales(q, operand_scales)
     if _use_triton(q):
-        grad_kv16, grad_kv_halves, grad_kv_sums = launch_cols(probs, grad_attn, q, k, v,
-                                                              delta, scale)
+        grad_kv16, grad_kv_halves, grad_kv_sums = launch_cols(
+            grad_attn, q, k, v, delta, scale, probs=probs, lse=lse)
         if fp16_halves:
             grad_kv16, grad_kv_halves = _to_fp16_halves_format(grad_kv_halves)
         return grad_kv16, grad_kv_halves, grad_kv_sums
     # dK and dV need delta, which the math recomputes from P and dP itself
     dtype = q.dtype
     _, grad_k, grad_v = attention_backward_math(
-        *(t.double() for t in (probs, grad_attn, q, k, v)), scale)
+        *(_double(t) for t in (grad_attn, q, k, v)), scale, probs=_double(probs),
+        lse=_double(lse))
     grad_kv = torch.cat([grad_k, grad_v], dim=-1)                          # [B,S,2E]
     return (grad_kv.to(gradient_dtype(dtype, fp16_halves)),
             _halves([grad_k, grad_v], dtype, fp16_halves), column_sums(grad_kv))
 
 
 @softmax_bwd_cols.register_fake
-def _(probs, grad_attn, q, k, v, delta, scale, operand_scales=None):
+def _(grad_attn, q, k, v, delta, scale, probs=None, lse=None, operand_scales=None):
+    check_probs_or_lse("softmax_bwd_cols", probs, lse)    # at trace time, not in a graph
     fp16_halves = check_operand_scales(q, operand_scales)
     B, H, S, D = q.shape
     return (q.new_empty(B, S, 2 * H * D, dtype=gradient_dtype(q.dtype, fp16_halves)),
@@ -380,19 +412,23 @@ def float32_from_halves(halves):
     return hi + lo
 
 
-def attention_backward(probs, grad_attn, q, k, v, scale, *, attn_output=None,
-                       block_m=None, block_n=None):
+def attention_backward(grad_attn, q, k, v, scale, *, probs=None, lse=None,
+                       attn_output=None, block_m=None, block_n=None):
     """Both operators eagerly (the Triton kernels where they apply, with optional tile
     sizes), as float32 grad_q, grad_k, grad_v [B,S,E] rebuilt from the bf16 halves.
-    probs: P [B,H,S,S], or its log-sum-exp [B,H,S] with attn_output, O [B,S,E]."""
+    probs: P [B,H,S,S], or instead lse, its log-sum-exp [B,H,S], with attn_output, O
+    [B,S,E]."""
+    p_or_lse = dict(probs=probs, lse=lse)
     if _use_triton(q):
-        _, grad_q_halves, delta, _ = launch_rows(probs, grad_attn, q, k, v, attn_output,
-                                                 scale, block_m, block_n)
-        _, grad_kv_halves, _ = launch_cols(probs, grad_attn, q, k, v, delta, scale, block_m,
-                                           block_n)
+        _, grad_q_halves, delta, _ = launch_rows(grad_attn, q, k, v, attn_output, scale,
+                                                 **p_or_lse, block_m=block_m,
+                                                 block_n=block_n)
+        _, grad_kv_halves, _ = launch_cols(grad_attn, q, k, v, delta, scale, **p_or_lse,
+                                           block_m=block_m, block_n=block_n)
     else:
-        _, grad_q_halves, delta, _ = softmax_bwd_rows(probs, grad_attn, q, k, v, attn_output,
-                                                      scale)
-        _, grad_kv_halves, _ = softmax_bwd_cols(probs, grad_attn, q, k, v, delta, scale)
+        _, grad_q_halves, delta, _ = softmax_bwd_rows(grad_attn, q, k, v, attn_output,
+                                                      scale, **p_or_lse)
+        _, grad_kv_halves, _ = softmax_bwd_cols(grad_attn, q, k, v, delta, scale,
+                                                **p_or_lse)
     grad_k, grad_v = float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
     return float32_from_halves(grad_q_halves), grad_k, grad_v

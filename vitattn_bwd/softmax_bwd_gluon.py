@@ -2,16 +2,17 @@
 its launch configurations, and launchers that write into given output buffers (the
 kernels launched through launcher.py's cache of compiled kernels).
 
-The launchers take what the Inductor templates take (inductor.py): P or its log-sum-exp,
-grad_attn, q, k and v as bf16 (hi, lo) pairs, the forward's output with the log-sum-exp
-(else any placeholder), and the output buffers, which they fill:
+The launchers take what the Inductor templates take (inductor.py): grad_attn, q, k and v
+as bf16 (hi, lo) pairs, the forward's output with the log-sum-exp (else any
+placeholder), the output buffers, which they fill, and P (probs) or its log-sum-exp
+(lse), one of the two:
 
-    launch_rows(probs, *halves, attn_output, delta, grad_q_halves, grad_q_sums, grad_q16,
-                scale, tiles, products, prefetch, operand_scales)
+    launch_rows(*halves, attn_output, delta, grad_q_halves, grad_q_sums, grad_q16,
+                scale, tiles, products, prefetch, operand_scales, probs=, lse=)
         -> delta [B,H,S] float32, grad_q_halves [B,S,2E] bf16, grad_q_sums [B,G,E]
            float32, grad_q16 [B,S,E] fp16
-    launch_cols(probs, *halves, delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
-                tiles, products, prefetch, operand_scales)
+    launch_cols(*halves, delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
+                tiles, products, prefetch, operand_scales, probs=, lse=)
         -> grad_kv_halves [B,S,4E] bf16, grad_kv_sums [B,G,2E] float32, grad_kv16
            [B,S,2E] fp16
 
@@ -38,7 +39,8 @@ import torch
 from . import buffers, compile_probe, launcher
 from .softmax_bwd import (COLUMN_SUM_ROWS, MAX_KERNEL_HEAD_DIM, TileConfig,
                              gradient_dtype, halves_width, head_tile, kernel_head_dim,
-                             sum_groups)
+                             probs_and_lse_pointers, sum_groups)
+from .validation import check_probs_or_lse
 from .precision import HALF_DTYPES
 
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
@@ -183,10 +185,10 @@ def kernel_constexprs(seq_len, num_heads, head_dim, qkv_strides, tiles, recomput
                 QKV_ROW_STRIDE=row_stride, num_warps=tiles.num_warps)
 
 
-def _constexprs(probs, qkv_parts, tiles, products, prefetch):
+def _constexprs(qkv_parts, tiles, recompute_p, products, prefetch):
     _, num_heads, seq_len, head_dim = qkv_parts[0].shape
     return kernel_constexprs(seq_len, num_heads, head_dim, _qkv_strides(*qkv_parts), tiles,
-                             probs.dim() == 3, products, prefetch)
+                             recompute_p, products, prefetch)
 
 
 def _check_operand_scales(operand_scales, grad_attn_hi, products):
@@ -201,18 +203,18 @@ def _check_operand_scales(operand_scales, grad_attn_hi, products):
     return grad_attn_hi if operand_scales is None else operand_scales
 
 
-def _launch(kernel, rows_per_program, probs, halves, pass_args, scale, tiles, products,
-            prefetch, operand_scales):
+def _launch(kernel, rows_per_program, probs, halves, pass_args, scale, tiles,
+            recompute_p, products, prefetch, operand_scales):
     """Launch a pass's kernel: one program per rows_per_program rows of each (batch,
-    head), given probs, the operand halves (grad_attn, q, k, v; hi, lo each), the scales
-    (_check_operand_scales), pass_args (the pass's other buffers, in the kernel's order),
-    scale and the constexprs."""
+    head), given the PROBS pointer, the operand halves (grad_attn, q, k, v; hi, lo
+    each), the scales (_check_operand_scales), pass_args (the LSE pointer and the pass's
+    other buffers, in the kernel's order), scale and the constexprs."""
     grad_attn_hi, qkv_halves = halves[0], halves[2:]
     scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
     batch, num_heads, seq_len, _ = qkv_halves[0].shape
     grid = (-(-seq_len // rows_per_program) * batch * num_heads,)  # program_coordinates
     launcher.launch(kernel, grid, probs, *halves, scales, *pass_args, scale,
-                    **_constexprs(probs, qkv_halves, tiles, products, prefetch))
+                    **_constexprs(qkv_halves, tiles, recompute_p, products, prefetch))
 
 
 def _written_or_any(halves, any_buffer):
@@ -221,24 +223,30 @@ def _written_or_any(halves, any_buffer):
     return halves if halves.numel() else any_buffer
 
 
-def launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
+def launch_rows(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
-                products=3, prefetch=ROWS_PREFETCH, operand_scales=None):
+                products=3, prefetch=ROWS_PREFETCH, operand_scales=None, *, probs=None,
+                lse=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_rows_kernel
+    recompute_p = check_probs_or_lse("softmax_bwd_gluon.launch_rows", probs, lse)
+    probs, lse = probs_and_lse_pointers(probs, lse)
     _launch(softmax_bwd_rows_kernel, tiles.block_m, probs,
             (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
-            (attn_output, grad_q16, _written_or_any(grad_q_halves, grad_q_sums), delta,
-             grad_q_sums), scale, tiles, products, prefetch, operand_scales)
+            (lse, attn_output, grad_q16, _written_or_any(grad_q_halves, grad_q_sums),
+             delta, grad_q_sums), scale, tiles, recompute_p, products, prefetch,
+            operand_scales)
 
 
-def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
+def launch_cols(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, products=3,
-                prefetch=COLS_PREFETCH, operand_scales=None):
+                prefetch=COLS_PREFETCH, operand_scales=None, *, probs=None, lse=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_cols_kernel
+    recompute_p = check_probs_or_lse("softmax_bwd_gluon.launch_cols", probs, lse)
+    probs, lse = probs_and_lse_pointers(probs, lse)
     _launch(softmax_bwd_cols_kernel, tiles.block_n, probs,
             (grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo),
-            (delta, grad_kv16, _written_or_any(grad_kv_halves, grad_kv_sums), grad_kv_sums),
-            scale, tiles, products, prefetch, operand_scales)
+            (lse, delta, grad_kv16, _written_or_any(grad_kv_halves, grad_kv_sums),
+             grad_kv_sums), scale, tiles, recompute_p, products, prefetch, operand_scales)
 
 
 # ---- what the compiled graph calls when max-autotune picks a Gluon kernel ------------
@@ -246,22 +254,28 @@ def launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
 # extern choice); the operators return new tensors, so that Inductor sees every output
 # of the kernel as an output of the node it schedules (inductor.py).
 
-def rows_out(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
+def _given(probs, lse, recompute_p):
+    """probs= and lse= for the launchers from an Inductor choice's two inputs, both real
+    tensors (the unread one a placeholder): the one recompute_p names."""
+    return dict(probs=None, lse=lse) if recompute_p else dict(probs=probs, lse=None)
+
+
+def rows_out(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
              attn_output, delta, grad_q_halves, grad_q_sums, operand_scales=None, *, out,
-             scale, block_m, block_n, num_warps, num_stages, products):
-    launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
+             scale, block_m, block_n, num_warps, num_stages, products, recompute_p):
+    launch_rows(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, out, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages), products,
-                operand_scales=operand_scales)
+                operand_scales=operand_scales, **_given(probs, lse, recompute_p))
 
 
-def cols_out(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta,
-             grad_kv_halves, grad_kv_sums, operand_scales=None, *, out, scale, block_m,
-             block_n, num_warps, num_stages, products):
-    launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
+def cols_out(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
+             delta, grad_kv_halves, grad_kv_sums, operand_scales=None, *, out, scale,
+             block_m, block_n, num_warps, num_stages, products, recompute_p):
+    launch_cols(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, out, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages), products,
-                operand_scales=operand_scales)
+                operand_scales=operand_scales, **_given(probs, lse, recompute_p))
 
 
 def _formats(q_hi, products):
@@ -307,7 +321,7 @@ def cols_outputs(q_hi, products, empty=_new_empty):
 # (autograd layer, per-call aliasing checks) took 0.22 ms of its own per call
 # (scripts/profile_host.py). Their outputs are new tensors and never need a gradient.
 _LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
-_OPERANDS = ("Tensor probs, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_hi, "
+_OPERANDS = ("Tensor? probs, Tensor? lse, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_hi, "
              "Tensor q_lo, Tensor k_hi, Tensor k_lo, Tensor v_hi, Tensor v_lo")
 _TILES = ("float scale, int block_m, int block_n, int num_warps, int num_stages, "
           "int products, Tensor? operand_scales=None")
@@ -317,30 +331,31 @@ _LIBRARY.define(f"gluon_softmax_bwd_cols({_OPERANDS}, Tensor delta, {_TILES}) "
                 "-> (Tensor, Tensor, Tensor)")
 
 
-def gluon_softmax_bwd_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
-                           v_lo, attn_output, scale, block_m, block_n, num_warps,
+def gluon_softmax_bwd_rows(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
+                           v_hi, v_lo, attn_output, scale, block_m, block_n, num_warps,
                            num_stages, products, operand_scales=None):
-    """The rows pass on pre-split operands -> grad_q16, grad_q_halves, delta,
-    grad_q_sums."""
+    """The rows pass on pre-split operands, from P (probs) or its log-sum-exp (lse), the
+    other None -> grad_q16, grad_q_halves, delta, grad_q_sums."""
     grad_q16, grad_q_halves, delta, grad_q_sums = rows_outputs(q_hi, products,
                                                                 buffers.output_buffer)
-    launch_rows(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
+    launch_rows(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages), products,
-                operand_scales=operand_scales)
+                operand_scales=operand_scales, probs=probs, lse=lse)
     return grad_q16, grad_q_halves, delta, grad_q_sums
 
 
-def gluon_softmax_bwd_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi,
-                           v_lo, delta, scale, block_m, block_n, num_warps, num_stages,
-                           products, operand_scales=None):
-    """The cols pass on pre-split operands -> grad_kv16, grad_kv_halves, grad_kv_sums."""
+def gluon_softmax_bwd_cols(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo,
+                           v_hi, v_lo, delta, scale, block_m, block_n, num_warps,
+                           num_stages, products, operand_scales=None):
+    """The cols pass on pre-split operands (probs or lse as the rows pass's) ->
+    grad_kv16, grad_kv_halves, grad_kv_sums."""
     grad_kv16, grad_kv_halves, grad_kv_sums = cols_outputs(q_hi, products,
                                                             buffers.output_buffer)
-    launch_cols(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
+    launch_cols(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale,
                 TileConfig(block_m, block_n, num_warps, num_stages), products,
-                operand_scales=operand_scales)
+                operand_scales=operand_scales, probs=probs, lse=lse)
     return grad_kv16, grad_kv_halves, grad_kv_sums
 
 
@@ -349,12 +364,15 @@ _LIBRARY.impl("gluon_softmax_bwd_cols", gluon_softmax_bwd_cols, "CUDA")
 
 
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_rows", lib=_LIBRARY)
-def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, attn_output,
-      scale, block_m, block_n, num_warps, num_stages, products, operand_scales=None):
+def _(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
+      attn_output, scale, block_m, block_n, num_warps, num_stages, products,
+      operand_scales=None):
+    check_probs_or_lse("gluon_softmax_bwd_rows", probs, lse)
     return rows_outputs(q_hi, products)
 
 
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_cols", lib=_LIBRARY)
-def _(probs, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta, scale,
-      block_m, block_n, num_warps, num_stages, products, operand_scales=None):
+def _(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta,
+      scale, block_m, block_n, num_warps, num_stages, products, operand_scales=None):
+    check_probs_or_lse("gluon_softmax_bwd_cols", probs, lse)
     return cols_outputs(q_hi, products)

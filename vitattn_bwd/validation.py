@@ -92,6 +92,21 @@ def check_precision(precision, allowed=PRECISIONS):
     return check_one_of("precision", precision, allowed)
 
 
+def check_probs_or_lse(caller, probs, lse):
+    """Exactly one of the attention probabilities probs (P [B,H,S,S]) and their row
+    log-sum-exp lse ([B,H,S]) is given, of that rank (ValueError naming `caller`
+    otherwise). Returns whether lse is the one (P is then recomputed)."""
+    if (probs is None) == (lse is None):
+        raise ValueError(f"{caller}: give exactly one of probs (P [B,H,S,S]) and lse (its "
+                         f"row log-sum-exp [B,H,S]), got "
+                         f"{'neither' if probs is None else 'both'}")
+    given, name, rank = (probs, "probs", 4) if lse is None else (lse, "lse", 3)
+    if given.dim() != rank:
+        raise ValueError(f"{caller}: {name} must be {rank}-D, got shape "
+                         f"{tuple(given.shape)}")
+    return lse is not None
+
+
 def check_heads_divide(embed_dim, num_heads, embed_dim_of=""):
     """ValueError unless num_heads divides embed_dim (`embed_dim_of`: where the width was
     read, for the message)."""

@@ -1,10 +1,10 @@
 """Triton device code for the attention core of the backward.
 
-Inputs per (batch, head): P = attn_weights [S,S] (float32), dO = grad_attn [S,D] (read
+Inputs per (batch, head): P [S,S] (float32, at PROBS), dO = grad_attn [S,D] (read
 with head strides from the [B,S,E] out-projection gradient), q, k, v [S,D]. With
-RECOMPUTE_P the kernels read P's row log-sum-exp lse [S] instead and recompute each P tile
-as exp(scale * q k^T - lse), from the same bf16x3 product as the forward
-(kernels/attention_fwd.py): no [S,S] tensor is read at all. Outputs:
+RECOMPUTE_P the kernels read P's row log-sum-exp lse [S] (at LSE) instead of P and
+recompute each P tile as exp(scale * q k^T - lse), from the same bf16x3 product as the
+forward (kernels/attention_fwd.py): no [S,S] tensor is read at all. Outputs:
 
     dP    = dO @ v^T                         (never stored)
     delta = rowsum(P * dP)                   [S]
@@ -165,15 +165,15 @@ def recomputed_probabilities(a_hi, a_lo, b_hi, b_lo, lse_log2, scale, valid, zer
 
 
 @triton.jit
-def softmax_bwd_rows_tile(PROBS, grad_attn, q, k, v, ATTN_OUT, batch, head, m_start, scale,
-                          SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+def softmax_bwd_rows_tile(PROBS, LSE, grad_attn, q, k, v, ATTN_OUT, batch, head, m_start,
+                          scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
     """Rows pass for query rows [m_start, m_start + BLOCK_M) of one (batch, head), the
-    operands given as their (hi, lo) pointer pairs; PROBS is P, or lse with RECOMPUTE_P
-    (then q and the attention output ATTN_OUT [B,S,E] are read; otherwise q and ATTN_OUT
-    are unused). Returns grad_q [BLOCK_M, HEAD_TILE] and delta [BLOCK_M] (rows past
-    SEQ_LEN and columns past HEAD_DIM are 0)."""
+    operands given as their (hi, lo) pointer pairs; P is read from PROBS, or with
+    RECOMPUTE_P recomputed from LSE (then q and the attention output ATTN_OUT [B,S,E] are
+    read; otherwise LSE, q and ATTN_OUT are unused). Returns grad_q [BLOCK_M, HEAD_TILE]
+    and delta [BLOCK_M] (rows past SEQ_LEN and columns past HEAD_DIM are 0)."""
     HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -189,7 +189,7 @@ def softmax_bwd_rows_tile(PROBS, grad_attn, q, k, v, ATTN_OUT, batch, head, m_st
     if RECOMPUTE_P:
         q_hi, q_lo = load_pair(*q, head_start + offs_m[:, None] * HEAD_DIM
                                + offs_d[None, :], rows_mask)              # [BM,D]
-        lse_log2 = load_vector(PROBS + batch_head * SEQ_LEN, m_start, SEQ_LEN,
+        lse_log2 = load_vector(LSE + batch_head * SEQ_LEN, m_start, SEQ_LEN,
                                BLOCK_M) * 1.4426950408889634              # [BM]
         attn_out = tl.load(ATTN_OUT + head_rows_m, mask=rows_mask, other=0.0)
         grad_attn = grad_attn_hi.to(tl.float32) + grad_attn_lo.to(tl.float32)
@@ -236,14 +236,15 @@ def softmax_bwd_rows_tile(PROBS, grad_attn, q, k, v, ATTN_OUT, batch, head, m_st
 
 
 @triton.jit
-def softmax_bwd_cols_tile(PROBS, grad_attn, q, k, v, DELTA, batch, head, n_start, scale,
-                          SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
+def softmax_bwd_cols_tile(PROBS, LSE, grad_attn, q, k, v, DELTA, batch, head, n_start,
+                          scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr):
     """Cols pass for key rows [n_start, n_start + BLOCK_N) of one (batch, head), with
-    delta from the rows pass, the operands given as their (hi, lo) pointer pairs; PROBS
-    is P, or lse with RECOMPUTE_P (then k is read; otherwise k is unused). Returns
-    grad_k, grad_v [BLOCK_N, HEAD_TILE] (columns past HEAD_DIM 0)."""
+    delta from the rows pass, the operands given as their (hi, lo) pointer pairs; P is
+    read from PROBS, or with RECOMPUTE_P recomputed from LSE (then k is read; otherwise
+    LSE and k are unused). Returns grad_k, grad_v [BLOCK_N, HEAD_TILE] (columns past
+    HEAD_DIM 0)."""
     HEAD_TILE: tl.constexpr = padded_head_dim(HEAD_DIM)
     batch_head = (batch * NUM_HEADS + head).to(tl.int64)
     offs_n = n_start + tl.arange(0, BLOCK_N)
@@ -258,7 +259,7 @@ def softmax_bwd_cols_tile(PROBS, grad_attn, q, k, v, DELTA, batch, head, n_start
     if RECOMPUTE_P:
         k_hi, k_lo = load_pair(*k, head_start + offs_n[:, None] * HEAD_DIM
                                + offs_d[None, :], kv_mask)                # [BN,D]
-        lse_head = PROBS + batch_head * SEQ_LEN
+        lse_head = LSE + batch_head * SEQ_LEN
         lse_next = load_vector(lse_head, 0, SEQ_LEN, BLOCK_M)
     else:
         p_t_next = load_probs_tile(p_t_cols, col_ok, 0, SEQ_LEN, SEQ_LEN,
@@ -391,8 +392,8 @@ def program_block(SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr, BLOCK: tl.cons
 
 
 @triton.jit
-def softmax_bwd_rows_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                             V_HI, V_LO, ATTN_OUT, DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS,
+def softmax_bwd_rows_program(PROBS, LSE, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
+                             K_LO, V_HI, V_LO, ATTN_OUT, DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS,
                              scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
@@ -402,10 +403,11 @@ def softmax_bwd_rows_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
     columns [1,HEAD_TILE] in grad_q16 [B,S,E] (E past the row for the padding columns),
     grad_q [BM,HEAD_TILE] in fp16)."""
     batch, head, m_start = program_block(SEQ_LEN, NUM_HEADS, BLOCK_M)
-    grad_q, delta = softmax_bwd_rows_tile(PROBS, (GRAD_ATTN_HI, GRAD_ATTN_LO), (Q_HI, Q_LO),
-                                          (K_HI, K_LO), (V_HI, V_LO), ATTN_OUT, batch,
-                                          head, m_start, scale, SEQ_LEN, NUM_HEADS,
-                                          HEAD_DIM, BLOCK_M, BLOCK_N, RECOMPUTE_P)
+    grad_q, delta = softmax_bwd_rows_tile(PROBS, LSE, (GRAD_ATTN_HI, GRAD_ATTN_LO),
+                                          (Q_HI, Q_LO), (K_HI, K_LO), (V_HI, V_LO),
+                                          ATTN_OUT, batch, head, m_start, scale, SEQ_LEN,
+                                          NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N,
+                                          RECOMPUTE_P)
     store_delta(DELTA, delta, batch, head, m_start, SEQ_LEN, NUM_HEADS, BLOCK_M)
     store_grad_q_halves(GRAD_Q_HALVES, grad_q, batch, head, m_start, SEQ_LEN, NUM_HEADS,
                         HEAD_DIM, BLOCK_M)
@@ -417,8 +419,8 @@ def softmax_bwd_rows_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
 
 
 @triton.jit
-def softmax_bwd_cols_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                             V_HI, V_LO, DELTA, GRAD_KV_HALVES, GRAD_KV_SUMS, scale,
+def softmax_bwd_cols_program(PROBS, LSE, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
+                             K_LO, V_HI, V_LO, DELTA, GRAD_KV_HALVES, GRAD_KV_SUMS, scale,
                              SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                              HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
@@ -428,10 +430,10 @@ def softmax_bwd_cols_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
     columns [1,2*HEAD_TILE] in grad_kv16 [B,S,2E] (2E for the padding columns),
     [grad_k | grad_v] [BN,2*HEAD_TILE] in fp16)."""
     batch, head, n_start = program_block(SEQ_LEN, NUM_HEADS, BLOCK_N)
-    grad_k, grad_v = softmax_bwd_cols_tile(PROBS, (GRAD_ATTN_HI, GRAD_ATTN_LO), (Q_HI, Q_LO),
-                                           (K_HI, K_LO), (V_HI, V_LO), DELTA, batch, head,
-                                           n_start, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM,
-                                           BLOCK_M, BLOCK_N, RECOMPUTE_P)
+    grad_k, grad_v = softmax_bwd_cols_tile(PROBS, LSE, (GRAD_ATTN_HI, GRAD_ATTN_LO),
+                                           (Q_HI, Q_LO), (K_HI, K_LO), (V_HI, V_LO), DELTA,
+                                           batch, head, n_start, scale, SEQ_LEN, NUM_HEADS,
+                                           HEAD_DIM, BLOCK_M, BLOCK_N, RECOMPUTE_P)
     grad_kv = join_kv(grad_k, grad_v, BLOCK_N, HEAD_DIM)                  # [BN,2D]
     store_grad_kv_halves(GRAD_KV_HALVES, grad_kv, batch, head, n_start, SEQ_LEN,
                          NUM_HEADS, HEAD_DIM, BLOCK_N)
@@ -446,14 +448,14 @@ def softmax_bwd_cols_program(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI
 # ---- raw kernels: one program per row or column block of each (batch, head) ---------
 
 @triton.jit
-def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
+def softmax_bwd_rows_kernel(PROBS, LSE, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
+                            K_LO, V_HI, V_LO, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
                             GRAD_Q_SUMS, scale, SEQ_LEN: tl.constexpr,
                             NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             RECOMPUTE_P: tl.constexpr, SUM_ROWS: tl.constexpr):
     batch, rows, cols, grad_q16 = softmax_bwd_rows_program(
-        PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUT,
+        PROBS, LSE, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUT,
         DELTA, GRAD_Q_HALVES, GRAD_Q_SUMS, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
         BLOCK_N, RECOMPUTE_P, SUM_ROWS)
     tl.store(GRAD_Q16 + (batch * SEQ_LEN + rows).to(tl.int64) * (NUM_HEADS * HEAD_DIM)
@@ -461,14 +463,14 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
 
 
 @triton.jit
-def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
+def softmax_bwd_cols_kernel(PROBS, LSE, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
+                            K_LO, V_HI, V_LO, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
                             scale, SEQ_LEN: tl.constexpr, NUM_HEADS: tl.constexpr,
                             HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, RECOMPUTE_P: tl.constexpr,
                             SUM_ROWS: tl.constexpr):
     batch, rows, cols, grad_kv16 = softmax_bwd_cols_program(
-        PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, DELTA,
+        PROBS, LSE, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, DELTA,
         GRAD_KV_HALVES, GRAD_KV_SUMS, scale, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M,
         BLOCK_N, RECOMPUTE_P, SUM_ROWS)
     tl.store(GRAD_KV16 + (batch * SEQ_LEN + rows).to(tl.int64) * (2 * NUM_HEADS * HEAD_DIM)

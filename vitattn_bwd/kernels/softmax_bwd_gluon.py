@@ -512,7 +512,7 @@ def store_cols_outputs(GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS, grad_k, grad_v, 
 
 @gluon.jit
 def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, SCALES, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
+                            V_HI, V_LO, SCALES, LSE, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
                             scale, SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -524,7 +524,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     """dK, dV of keys [n_start, n_start + BLOCK_N) of one (batch, head)
     (program_coordinates). Outputs as kernels/softmax_bwd.py's cols
     kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16, GRAD_KV_SUMS
-    [B,G,2E] float32. SCALES: float32 [5], read with fp16 halves only."""
+    [B,G,2E] float32. P is read from PROBS, or with RECOMPUTE_P recomputed from LSE
+    [B,H,S] (the other is not read). SCALES: float32 [5], read with fp16 halves only."""
     c = PassConstants(False, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                       QKV_BATCH_STRIDE, QKV_HEAD_STRIDE, QKV_ROW_STRIDE, PRODUCTS,
                       GRAD_ATTN_HI.dtype.element_ty, num_warps)
@@ -536,8 +537,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     grad_p_units, logit_scale, do_s, q_s, k_s, v_s, ds_s = units
 
     keys = n_start + gl.arange(0, BLOCK_N, layout=c.row_vector)
-    probs_head = PROBS + batch_head * SEQ_LEN * SEQ_LEN        # P, or lse [S] per head
-    lse_head = PROBS + batch_head * SEQ_LEN
+    probs_head = PROBS + batch_head * SEQ_LEN * SEQ_LEN        # P [S,S] of this head
+    lse_head = LSE + batch_head * SEQ_LEN                      # lse [S] of this head
     delta_head = DELTA + batch_head * SEQ_LEN
     if not RECOMPUTE_P:
         # P^T tiles [BN,BM]: element (key, query) at query * SEQ_LEN + key
@@ -635,7 +636,7 @@ def store_rows_outputs(DELTA, GRAD_Q16, GRAD_Q_HALVES, GRAD_Q_SUMS, grad_q, delt
 
 @gluon.jit
 def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, SCALES, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
+                            V_HI, V_LO, SCALES, LSE, ATTN_OUT, GRAD_Q16, GRAD_Q_HALVES, DELTA,
                             GRAD_Q_SUMS, scale, SEQ_LEN: gl.constexpr,
                             NUM_HEADS: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -648,8 +649,9 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     """dQ and delta of queries [m_start, m_start + BLOCK_M) of one (batch, head)
     (program_coordinates). Outputs as
     kernels/softmax_bwd.py's rows kernel: GRAD_Q16 [B,S,E] fp16, GRAD_Q_HALVES [B,S,2E]
-    bf16, DELTA [B,H,S], GRAD_Q_SUMS [B,G,E] float32. With RECOMPUTE_P, PROBS is lse and delta = rowsum(dO * O) comes
-    from ATTN_OUT [B,S,E]; otherwise ATTN_OUT is not read. SCALES: float32 [5], read
+    bf16, DELTA [B,H,S], GRAD_Q_SUMS [B,G,E] float32. P is read from PROBS, or with RECOMPUTE_P recomputed
+    from LSE [B,H,S], delta = rowsum(dO * O) then coming from ATTN_OUT [B,S,E]; the other
+    of PROBS and LSE, and ATTN_OUT with P given, are not read. SCALES: float32 [5], read
     with fp16 halves only; DELTA is stored unscaled."""
     c = PassConstants(True, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
                       QKV_BATCH_STRIDE, QKV_HEAD_STRIDE, QKV_ROW_STRIDE, PRODUCTS,
@@ -664,7 +666,7 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     probs_rows = PROBS + batch_head * SEQ_LEN * SEQ_LEN
     keys = gl.arange(0, BLOCK_N, layout=c.column_vector)
     if RECOMPUTE_P:
-        lse = load_vector(PROBS + batch_head * SEQ_LEN, m_start, SEQ_LEN, BLOCK_M,
+        lse = load_vector(LSE + batch_head * SEQ_LEN, m_start, SEQ_LEN, BLOCK_M,
                           c.row_vector)
         # delta = rowsum(dO * O), both [BM,D] rows of this head in [B,S,E]
         head_cols = gl.arange(0, c.HEAD_TILE, layout=gl.SliceLayout(0, c.tile_layout))
