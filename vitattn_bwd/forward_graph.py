@@ -1,19 +1,20 @@
 """VisionAttentionBlock's forward as explicit PyTorch math, compiled by Inductor on CUDA.
 
     block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                  num_heads=, eps=, split_precision=)
+                  num_heads=, eps=, products=)
         -> y [B,S,E], x_mean, x_var [B,S,1], qkv [B,S,3E], lse [B,H,S],
            attn_output [B,S,E]
 
 LayerNorm, the QKV projection, the fused attention operator (attention_fwd.py: no S x S
-tensor, saves the log-sum-exp) and the out projection with the residual. With
-split_precision "high" (CUDA, float32) both projections are bf16x3 GEMMs from rounded
-splits (precision.py), with "highest" split_gemm.py's fp16x3 GEMMs; each activation is
-split by the kernel that makes it, the weights once per call, and q, k, v reach the
-attention operator as bf16 halves (cuBLAS float32 GEMMs without TF32 take about fifteen
-times as long per FLOP). With split_precision None (the CPU, float64) the projections
-are F.linear in the inputs' dtype. With half_dtype (precision "medium") the LayerNorm is
-float32 and the rest one product each in half_dtype, as the stock block under autocast.
+tensor, saves the log-sum-exp) and the out projection with the residual, at `products`
+(a precision.Products). With BF16X3 (precision "high"; CUDA, float32) both projections
+are bf16x3 GEMMs from rounded splits (precision.py), with FP16X3 ("highest")
+split_gemm.py's fp16x3 GEMMs; each activation is split by the kernel that makes it, the
+weights once per call, and q, k, v reach the attention operator as bf16 halves (cuBLAS
+float32 GEMMs without TF32 take about fifteen times as long per FLOP). With PLAIN (the
+CPU, float64) the projections are F.linear in the inputs' dtype. With ONE_BF16 or
+ONE_FP16 (precision "medium") the LayerNorm is float32 and the rest one product each in
+that half dtype, as the stock block under autocast.
 
 `attention_block_forward` is what VisionAttentionFunction calls: on CUDA (float32) the
 compiled graph, per configuration and batch bucket as the backward's (graph.py), small
@@ -32,7 +33,7 @@ from .softmax_bwd import triton_supports
 from .attention_fwd import attention_fwd, attention_fwd_half, attention_fwd_split
 from .errors import out_of_memory_as_such
 from .layout import qkv_heads
-from .precision import HALF_DTYPES, linear_bf16x3, operand_split
+from .precision import HALF_DTYPES, Products, linear_bf16x3, operand_split
 from .split_gemm import linear_fp16x3
 
 
@@ -63,9 +64,10 @@ def _linear_in(dtype):
 
 
 def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias, *,
-                  num_heads, eps, split_precision, half_dtype=None):
-    """y and the tensors the backward needs (no x_norm, no P). half_dtype (bf16 or fp16;
-    x and the parameters float32, or all of half_dtype): the LayerNorm in float32, then
+                  num_heads, eps, products):
+    """y and the tensors the backward needs (no x_norm, no P). With one product
+    (products.half_dtype, bf16 or fp16; x and the parameters float32, or all of
+    half_dtype): the LayerNorm in float32, then
     the projections and the attention one product each in half_dtype, with float32
     accumulation, as the stock block computes them under autocast to half_dtype (or in
     a half_dtype block); qkv and attn_output are saved in it, y has x's dtype."""
@@ -78,6 +80,7 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     x_norm = x_centered * torch.rsqrt(x_var + eps) * ln_weight + ln_bias       # [B,S,E]
     head_dim = x.shape[-1] // num_heads
     scale = 1.0 / math.sqrt(head_dim)
+    half_dtype = products.half_dtype
     if half_dtype is not None:
         linear = _linear_in(half_dtype)
         qkv = linear(x_norm, qkv_weight, qkv_bias)                             # [B,S,3E]
@@ -85,11 +88,12 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
         attn_output, lse = attention_fwd_half(q, k, v, scale)    # [B,S,E], [B,H,S]
         y = x + linear(attn_output, out_weight, out_bias)
         return y, x_mean, x_var, qkv, lse, attn_output
-    linear = {"high": linear_bf16x3, "highest": linear_fp16x3}.get(split_precision, F.linear)
+    linear = {Products.BF16X3: linear_bf16x3,
+              Products.FP16X3: linear_fp16x3}.get(products, F.linear)
     qkv = linear(x_norm, qkv_weight, qkv_bias)                                 # [B,S,3E]
-    if split_precision and triton_supports("cuda", x.dtype, head_dim):
+    if products is not Products.PLAIN and triton_supports("cuda", x.dtype, head_dim):
         # the attention kernel's bf16 split, fused where qkv is made
-        attn_output, lse = attention_fwd_split(*operand_split(split_precision)(qkv),
+        attn_output, lse = attention_fwd_split(*operand_split(products)(qkv),
                                                num_heads, scale)    # [B,S,E], [B,H,S]
     else:
         q, k, v = qkv_heads(qkv, num_heads)                                   # [B,H,S,D]
@@ -98,12 +102,13 @@ def block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
     return y, x_mean, x_var, qkv, lse, attn_output
 
 
-def output_specs(x, num_heads, half_dtype):
-    """(shape, dtype) of each of block_forward's outputs for x [B,S,E]: y in x's dtype;
-    the LayerNorm statistics in float32 for a half-precision x, else in x's; qkv and
-    attn_output in half_dtype on the one-product path, else in x's; the log-sum-exp in
-    float32 there (torch's flash forward gives it so), else in x's."""
+def output_specs(x, num_heads, products):
+    """(shape, dtype) of each of block_forward's outputs for x [B,S,E] at `products`: y
+    in x's dtype; the LayerNorm statistics in float32 for a half-precision x, else in
+    x's; qkv and attn_output in the half dtype on the one-product path, else in x's; the
+    log-sum-exp in float32 there (torch's flash forward gives it so), else in x's."""
     B, S, E = x.shape
+    half_dtype = products.half_dtype
     stats = torch.float32 if x.dtype in HALF_DTYPES else x.dtype
     activations = x.dtype if half_dtype is None else half_dtype
     lse = x.dtype if half_dtype is None else torch.float32
@@ -114,28 +119,22 @@ def output_specs(x, num_heads, half_dtype):
 
 @functools.cache
 def _compile(device, dtype, seq_len, embed_dim, num_heads, eps, batch_bucket, cuda_graph,
-             precision, half_dtype):
+             products):
     """The compiled forward of one configuration and batch bucket (CUDA); the arguments
     are the cache key (device with its index, as graph._compile's)."""
     del device, dtype, seq_len, embed_dim                      # they key the cache only
 
     def forward_graph(**tensors):
-        return block_forward(**tensors, num_heads=num_heads, eps=eps,
-                             split_precision=precision, half_dtype=half_dtype)
-    if half_dtype is not None:
-        name = f"forward-{str(half_dtype).removeprefix('torch.')}-"
-    else:
-        name = "forward-" if precision == "high" else f"forward-{precision}-"
-    return graph.compile_graph(forward_graph, "cuda", name, batch_bucket, ("x",),
-                               cuda_graph)
+        return block_forward(**tensors, num_heads=num_heads, eps=eps, products=products)
+    return graph.compile_graph(forward_graph, "cuda", f"forward-{products.graph_tag}",
+                               batch_bucket, ("x",), cuda_graph)
 
 
 def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight,
-                            out_bias, num_heads, eps, precision="high", half_dtype=None):
+                            out_bias, num_heads, eps, products):
     """y, the tensors saved for the backward (SavedForBackward) and the softmax scale,
-    for validated tensors of one device and dtype. half_dtype: None for float32-grade
-    math at `precision`, or bf16 / fp16 for one product per matmul in it
-    (block_forward)."""
+    for validated tensors of one device and dtype, at `products` (a precision.Products;
+    block_forward)."""
     cache.load_env_cache_once()        # a bad VITATTN_BWD_CACHE raises here, not later
     tensors = dict(x=x, ln_weight=ln_weight, ln_bias=ln_bias, qkv_weight=qkv_weight,
                    qkv_bias=qkv_bias, out_weight=out_weight, out_bias=out_bias)
@@ -144,14 +143,13 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
         # an empty batch or no tokens: empty outputs, no kernel (torch's flash-attention
         # forward does not take zero tokens)
         outputs = tuple(x.new_empty(shape, dtype=dtype)
-                        for shape, dtype in output_specs(x, num_heads, half_dtype))
-    elif x.is_cuda and x.dtype in (torch.float32, half_dtype):
+                        for shape, dtype in output_specs(x, num_heads, products))
+    elif x.is_cuda:
         fn = _compile(x.device, x.dtype, S, E, num_heads, eps, graph.batch_bucket(B),
-                      graph.uses_cuda_graph("cuda", B), precision, half_dtype)
+                      graph.uses_cuda_graph("cuda", B), products)
         outputs = _run_compiled(fn, tensors)
     else:
-        outputs = block_forward(**tensors, num_heads=num_heads, eps=eps,
-                                split_precision=None, half_dtype=half_dtype)
+        outputs = block_forward(**tensors, num_heads=num_heads, eps=eps, products=products)
     y, x_mean, x_var, qkv, lse, attn_output = outputs
     saved = SavedForBackward(x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse,
                              attn_output, out_weight)

@@ -31,7 +31,7 @@ from . import cache, layer_norm_bwd, softmax_bwd
 from .cuda_graphs import GraphedCall
 from .errors import out_of_memory_as_such
 from .layout import qkv_heads
-from .precision import (HALF_DTYPES, bf16_halves, matmul_fp16_transposed,
+from .precision import (HALF_DTYPES, Products, bf16_halves, matmul_fp16_transposed,
                         matmul_halves_by_weight, matmul_halves_transposed, mm_float32,
                         mm_half, power_of_two_scale, products_halves_by_weight,
                         split_bf16_truncated)
@@ -49,22 +49,23 @@ CUDA_GRAPH_MAX_BATCH = 3
 CPP_WRAPPER_DEVICES = ("cuda",)
 BATCHED_INPUTS = ("grad_output", "x", "x_mean", "x_var", "x_norm", "q", "k", "v", "qkv",
                   "probs", "lse", "attn_output")   # those present are marked dynamic
-# Rows (B*S) up to which precision "high" keeps the contract's margins with P given: the
-# weight gradients' sums grow with the rows while the tolerance's absolute term stays
-# 1e-2 (batch 420 missed 0.4% of grad_qkv_weight; batch 56 matched 0.99996). Past these
-# rows the contract's "high" runs "highest" (precision.md, `"high"`).
+# Rows (B*S) up to which bf16x3 (precision "high") keeps the contract's margins with P
+# given: the weight gradients' sums grow with the rows while the tolerance's absolute
+# term stays 1e-2 (batch 420 missed 0.4% of grad_qkv_weight; batch 56 matched 0.99996).
+# Past these rows the contract's "high" runs fp16x3 ("highest"; precision.md, `"high"`).
 HIGH_PRECISION_MAX_ROWS = 64 * 577
 
 
 def _high_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                   probs, lse, forward_output, q, k, v, scale):
+                   probs, lse, forward_output, q, k, v, scale, products):
     """Out projection, attention core and QKV projection from split operands at
     precision "high" (CUDA): returns grad_out_weight, grad_x_norm_parts (four [B*S,E]
     GEMM outputs, whose sum times `unscale` is grad_x_norm), grad_qkv_weight,
     grad_qkv_bias, unscale. One of probs (P) and lse (its log-sum-exp) is given, the
     other None; forward_output: the attention output [B,S,E] where it goes with lse
     (the module's), else None. The GEMMs' float32
-    operands are split by truncation, and the QKV weight gradient is one fp16 product."""
+    operands are split by truncation, and the QKV weight gradient is one fp16 product.
+    products: Products.BF16X3, for the attention core."""
     split = split_bf16_truncated
     B, H, S, D = q.shape
     E = H * D
@@ -84,10 +85,11 @@ def _high_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
 
     # the core's gradients in fp16 and as bf16 halves, and their partial sums over rows
     grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        grad_attn, q, k, v, forward_output, scale, probs,
+        grad_attn, q, k, v, forward_output, scale, products.value, probs,
         lse)                                      # [B,S,E], [B,S,2E], [B,H,S], [B,G,E]
     grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        grad_attn, q, k, v, delta, scale, probs, lse)   # [B,S,2E], [B,S,4E], [B,G,2E]
+        grad_attn, q, k, v, delta, scale, products.value, probs,
+        lse)                                            # [B,S,2E], [B,S,4E], [B,G,2E]
     grad_q_halves = grad_q_halves.view(rows, 2 * E)
     grad_kv_halves = grad_kv_halves.view(rows, 4 * E)
 
@@ -104,14 +106,14 @@ def _high_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
 
 
 def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                      probs, lse, forward_output, q, k, v, scale):
+                      probs, lse, forward_output, q, k, v, scale, products):
     """The same products at precision "highest" (CUDA), float32-faithful: every GEMM
     fp16x3 from scaled fp16 halves with two-level accumulation (split_gemm.py), the
     attention core fp16x3 on the scaled fp16 halves of its operands
     (softmax_bwd.fp16_operand_scales), which writes float32 gradients. Each operand is
     split once for the GEMMs that read it (grad_rows, grad_q and grad_kv twice, once as
-    a transposed view). Returns what _high_products returns, with two
-    grad_x_norm parts."""
+    a transposed view). products: Products.FP16X3. Returns what _high_products returns,
+    with two grad_x_norm parts."""
     B, H, S, D = q.shape
     E = H * D
     rows = B * S
@@ -122,10 +124,10 @@ def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     # the core's float32 gradients and their partial sums over rows
     operand_scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)     # [5]
     grad_q, _, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        grad_attn, q, k, v, forward_output, scale, probs, lse,
+        grad_attn, q, k, v, forward_output, scale, products.value, probs, lse,
         operand_scales)                                 # [B,S,E], [B,H,S], [B,G,E]
     grad_kv, _, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        grad_attn, q, k, v, delta, scale, probs, lse,
+        grad_attn, q, k, v, delta, scale, products.value, probs, lse,
         operand_scales)                                 # [B,S,2E], [B,G,2E]
     grad_q_halves = fp16_halves(grad_q.view(rows, E))                          # [B*S,E]
     grad_kv_halves = fp16_halves(grad_kv.view(rows, 2 * E))                    # [B*S,2E]
@@ -141,15 +143,15 @@ def _highest_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
 
 
 def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                     probs, lse, forward_output, q, k, v, scale):
-    """The products at one product per matmul in the dtype of the module's saved
-    half-precision activations (attn_rows, q, k, v: bf16 or fp16; VisionAttentionBlock
-    at precision "medium"), with float32 accumulation, as the stock
+                     probs, lse, forward_output, q, k, v, scale, products):
+    """The products at one product per matmul (products: ONE_BF16 or ONE_FP16) in the
+    dtype of the module's saved half-precision activations (attn_rows, q, k, v;
+    VisionAttentionBlock at precision "medium"), with float32 accumulation, as the stock
     block's autocast backward computes them: grad_out_weight, grad_x_norm_parts (two
     float32 [B*S,E] GEMM outputs whose sum is grad_x_norm), grad_qkv_weight,
     grad_qkv_bias, unscale (1). The weight gradients and grad_x_norm leave their GEMMs
     in float32 (the stock block rounds them to the half dtype)."""
-    dtype = q.dtype
+    dtype = products.half_dtype
     B, H, S, D = q.shape
     E = H * D
     rows = B * S
@@ -158,9 +160,11 @@ def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
     grad_attn = mm_half(grad_rows, out_weight.to(dtype)).view(B, S, E)
     # the core's gradients in `dtype`, and their partial sums over rows
     grad_q, _, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        grad_attn, q, k, v, forward_output, scale, probs, lse)  # [B,S,E], [B,H,S], [B,G,E]
+        grad_attn, q, k, v, forward_output, scale, products.value, probs,
+        lse)                                                # [B,S,E], [B,H,S], [B,G,E]
     grad_kv, _, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        grad_attn, q, k, v, delta, scale, probs, lse)            # [B,S,2E], [B,G,2E]
+        grad_attn, q, k, v, delta, scale, products.value, probs,
+        lse)                                                # [B,S,2E], [B,G,2E]
     grad_q, grad_kv = grad_q.view(rows, E), grad_kv.view(rows, 2 * E)
     qkv_weight = qkv_weight.to(dtype)
     grad_x_norm_parts = (mm_float32(grad_q, qkv_weight[:E]),
@@ -174,10 +178,10 @@ def _medium_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
 
 
 def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
-                    probs, lse, forward_output, q, k, v, scale):
-    """The same products in the inputs' own precision (CPU, float64): grad_out_weight,
-    grad_x_norm_parts (grad_x_norm [B*S,E] alone), grad_qkv_weight, grad_qkv_bias,
-    unscale (1)."""
+                    probs, lse, forward_output, q, k, v, scale, products):
+    """The same products in the inputs' own precision (products: Products.PLAIN; the
+    CPU, float64): grad_out_weight, grad_x_norm_parts (grad_x_norm [B*S,E] alone),
+    grad_qkv_weight, grad_qkv_bias, unscale (1)."""
     B, H, S, D = q.shape
     E = H * D
     grad_out_weight = grad_rows.t() @ attn_rows
@@ -187,6 +191,12 @@ def _plain_products(grad_rows, attn_rows, x_norm_rows, out_weight, qkv_weight,
         dim=-1).view(B * S, 3 * E)
     return (grad_out_weight, (grad_qkv @ qkv_weight,), grad_qkv.t() @ x_norm_rows,
             grad_qkv.sum(0), 1.0)
+
+
+# The function computing block_backward's products, for each Products
+_PRODUCTS_OF = {Products.PLAIN: _plain_products, Products.ONE_BF16: _medium_products,
+                Products.ONE_FP16: _medium_products, Products.BF16X3: _high_products,
+                Products.FP16X3: _highest_products}
 
 
 def _layer_norm_backward_of_parts(grad_output, grad_x_norm_parts, unscale, x, x_mean,
@@ -210,17 +220,16 @@ def _layer_norm_backward_of_parts(grad_output, grad_x_norm_parts, unscale, x, x_
 
 
 def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_output,
-                   out_weight, *, scale, norm_eps, ln_grad, split_precision, probs=None,
+                   out_weight, *, scale, norm_eps, ln_grad, products, probs=None,
                    lse=None, q=None, k=None, v=None, qkv=None, x_norm=None, ln_bias=None):
     """The seven gradients (the math of reference.attention_block_backward).
 
-    split_precision: None for plain products in the inputs' dtype (the CPU, float64),
-    else the precision of the split products (CUDA float32): "high"
-    (_high_products) or "highest" (_highest_products). Where the module
-    saved its activations (qkv, attn_output) in bf16 or fp16, every product is one
-    product in that dtype (_medium_products), on any device, whatever
-    split_precision says; for a block all in bf16 or fp16 (x in that dtype), every
-    gradient is returned in that dtype.
+    products (a precision.Products): PLAIN for plain products in the inputs' dtype (the
+    CPU, float64; _plain_products), BF16X3 or FP16X3 for the split products of CUDA
+    float32 (_high_products, _highest_products), ONE_BF16 or ONE_FP16 where the
+    module saved its activations (qkv, attn_output) in that dtype, one product in it
+    (_medium_products, on any device); for a block all in bf16 or fp16 (x in that
+    dtype), every gradient is returned in that dtype.
 
     One of probs, P [B,H,S,S] (the contract's), and lse, its row log-sum-exp [B,H,S]
     (VisionAttentionBlock saves only that; the attention core recomputes P), is given. q, k, v [B,H,S,D] may instead come
@@ -237,17 +246,10 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_ou
     # with lse (module mode) attn_output is the block's own O = P v, whose rowsum with
     # dO is delta; the contract's attn_output is drawn apart from its P
     forward_output = None if lse is None else attn_output
-    product_args = (grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E),
-                    out_weight, qkv_weight, probs, lse, forward_output, q, k, v, scale)
-    if q.dtype in HALF_DTYPES:
-        products = _medium_products(*product_args)
-    elif split_precision == "highest":
-        products = _highest_products(*product_args)
-    elif split_precision:
-        products = _high_products(*product_args)
-    else:
-        products = _plain_products(*product_args)
-    grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias, unscale = products
+    (grad_out_weight, grad_x_norm_parts, grad_qkv_weight, grad_qkv_bias,
+     unscale) = _PRODUCTS_OF[products](
+        grad_rows, attn_output.reshape(B * S, E), x_norm.reshape(B * S, E), out_weight,
+        qkv_weight, probs, lse, forward_output, q, k, v, scale, products)
     grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias = _layer_norm_backward_of_parts(
         grad_output, grad_x_norm_parts, unscale, x, x_mean, x_var, ln_weight, norm_eps,
         ln_grad)
@@ -344,36 +346,31 @@ def _with_own_code(fn):
 
 
 @functools.cache
-def _compile(device, dtype, activation_dtype, seq_len, embed_dim, num_heads, scale,
-             norm_eps, ln_grad, batch_bucket, cuda_graph, input_names, split_precision):
+def _compile(device, dtype, seq_len, embed_dim, num_heads, scale, norm_eps, ln_grad,
+             batch_bucket, cuda_graph, input_names, products):
     """One compiled backward; the arguments are the cache key (input_names: the
     contract's inputs, or the module's: qkv for q, k, v, ln_bias for x_norm;
-    activation_dtype: q's, which is bf16 / fp16 on the one-product path). device, with
+    products: block_backward's). device, with
     its index: dynamo guards on a tensor's device, so GPUs sharing one code object would
     each add graphs to it, and past its recompile limit (8) the fullgraph compile
     raises (five GPUs of one process at two graphs each)."""
     del seq_len, embed_dim, num_heads, input_names     # they key the cache only
     device_type = device.type
-    constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad,
-                     split_precision=split_precision)
+    constants = dict(scale=scale, norm_eps=norm_eps, ln_grad=ln_grad, products=products)
 
     # On the CPU a float32 graph computes in float64 (its casts inside the graph): there
     # torch's float32 matmul precision "medium" runs float32 matmuls in bf16 (oneDNN; a
     # contract call at 16 tokens x 32 then missed by 2e-3), and the CPU path exists to
     # be exact.
-    in_float64 = device_type == "cpu" and dtype == activation_dtype == torch.float32
+    in_float64 = products is Products.PLAIN and dtype == torch.float32
 
     def backward_graph(**tensors):
         if in_float64:
             doubles = {name: t.double() for name, t in tensors.items()}
             return tuple(g.float() for g in block_backward(**doubles, **constants))
         return block_backward(**tensors, **constants)
-    if activation_dtype in HALF_DTYPES:
-        name = f"{str(activation_dtype).removeprefix('torch.')}-"
-    else:
-        name = "" if split_precision in (None, "high") else f"{split_precision}-"
-    return compile_graph(backward_graph, device_type, name, batch_bucket, BATCHED_INPUTS,
-                         cuda_graph)
+    return compile_graph(backward_graph, device_type, products.graph_tag, batch_bucket,
+                         BATCHED_INPUTS, cuda_graph)
 
 
 def batch_bucket(batch):
@@ -383,23 +380,20 @@ def batch_bucket(batch):
     return next(b for b in BATCH_BUCKETS if b[0] <= batch <= b[1])
 
 
-def split_precision_of(device_type, precision, rows, probabilities_given):
-    """What block_backward's split_precision is for a precision of FUSED_PRECISIONS
-    (checked by the callers, in the forward or before any work): the split products on
-    CUDA, plain products elsewhere (float32 or float64 math, as faithful as "highest"
-    asks). With P given (the contract's inputs), "high" past HIGH_PRECISION_MAX_ROWS rows
-    is "highest"."""
-    if device_type != "cuda":
-        return None
-    if precision == "high" and probabilities_given and rows > HIGH_PRECISION_MAX_ROWS:
-        return "highest"
-    return precision
+def contract_products(products, rows, probabilities_given):
+    """The products a call runs: `products`, except that with P given (the contract's
+    inputs) bf16x3 past HIGH_PRECISION_MAX_ROWS rows is fp16x3."""
+    if (products is Products.BF16X3 and probabilities_given
+            and rows > HIGH_PRECISION_MAX_ROWS):
+        return Products.FP16X3
+    return products
 
 
 @torch.compiler.disable
 @out_of_memory_as_such
-def compiled_backward(inputs, *, scale, norm_eps, ln_grad, precision="high"):
-    """Run the compiled graph on a dict of validated tensors. Opaque to an enclosing
+def compiled_backward(inputs, *, scale, norm_eps, ln_grad, products):
+    """Run the compiled graph on a dict of validated tensors at `products` (a
+    precision.Products, adjusted by contract_products). Opaque to an enclosing
     torch.compile (of a model using VisionAttentionBlock): our graph is compiled on its
     own, with its own options, and called from there. A device out-of-memory, in the
     compile or the run, raises torch.OutOfMemoryError (errors.py)."""
@@ -408,9 +402,7 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad, precision="high"):
     recompute_p = check_probs_or_lse("compiled_backward", inputs.get("probs"),
                                      inputs.get("lse"))
     num_heads = inputs["lse" if recompute_p else "probs"].shape[1]
-    activation_dtype = inputs["qkv" if "qkv" in inputs else "q"].dtype
-    fn = _compile(x.device, x.dtype, activation_dtype, S, E, num_heads, scale,
-                  norm_eps, ln_grad, batch_bucket(B), uses_cuda_graph(x.device.type, B),
-                  tuple(inputs), split_precision_of(x.device.type, precision, B * S,
-                                                    not recompute_p))
+    fn = _compile(x.device, x.dtype, S, E, num_heads, scale, norm_eps, ln_grad,
+                  batch_bucket(B), uses_cuda_graph(x.device.type, B), tuple(inputs),
+                  contract_products(products, B * S, not recompute_p))
     return fn(**inputs)

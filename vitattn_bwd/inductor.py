@@ -39,7 +39,8 @@ except ImportError as error:              # pragma: no cover - depends on the to
 from . import softmax_bwd, softmax_bwd_gluon, split_gemm
 from .softmax_bwd import TileConfig
 from .split_gemm import GemmTiles
-from .precision import BF16_HI_MASK, BF16_ROUNDING_BIAS, FP16_HI_MASK, FP16_ROUNDING_BIAS
+from .precision import (BF16_HI_MASK, BF16_ROUNDING_BIAS, FP16_HI_MASK, FP16_ROUNDING_BIAS,
+                        Products)
 
 # The configs max-autotune times against each other for both templates: the rows pass's
 # fastest at batch 32 (64, 32, 4, 3), the cols pass's (64, 64, 4, 2), and (32, 64, 4, 3)
@@ -280,16 +281,16 @@ def _gluon_choices():
 
 
 def _gluon_tile_choices(choice, tile_configs, tensor_node, head_dim, inputs, layout, scale,
-                        recompute_p):
-    """The Gluon candidates where the kernels run (Hopper, softmax_bwd_gluon.HEAD_DIMS), with the
-    products of the operands' dtype."""
+                        products, recompute_p):
+    """The Gluon candidates where the kernels run (Hopper, softmax_bwd_gluon.HEAD_DIMS), with
+    the operator's products (a Products, bound as its value)."""
     dtype = tensor_node.get_dtype()
     if not softmax_bwd_gluon.available(tensor_node.get_device(), dtype, head_dim):
         return []
     return [choice.bind(inputs, layout, scale=scale, block_m=tiles.block_m,
                         block_n=tiles.block_n, num_warps=tiles.num_warps,
-                        num_stages=tiles.num_stages,
-                        products=softmax_bwd.products_of(dtype), recompute_p=recompute_p)
+                        num_stages=tiles.num_stages, products=products.value,
+                        recompute_p=recompute_p)
             for tiles in tile_configs]
 
 
@@ -420,21 +421,21 @@ def _as_they_lie(q, k, v):
     return [_contiguous(t) for t in (q, k, v)]
 
 
-def _operands(probs, lse, grad_attn, q, k, v, operand_scales):
+def _operands(probs, lse, grad_attn, q, k, v, products, operand_scales):
     """Kernel inputs PROBS .. V_LO: the one of probs and lse given contiguous, the other
-    a placeholder (_placeholder), the rest as bf16 (hi, lo) pairs of
-    float32 tensors (contiguous), as fp16 (hi, lo) pairs of them scaled by
-    operand_scales where it is given (a realized node), or bf16 / fp16 tensors as they
-    are, each twice (hi; lo unread): grad_attn contiguous, q, k, v where they lie
-    (`_as_they_lie`)."""
+    a placeholder (_placeholder), the rest by products: bf16 (hi, lo) pairs of
+    float32 tensors (contiguous) for bf16x3, fp16 (hi, lo) pairs of them scaled by
+    operand_scales (a realized node) for fp16x3, or with one product bf16 / fp16 tensors
+    as they are, each twice (hi; lo unread): grad_attn contiguous, q, k, v where they
+    lie (`_as_they_lie`)."""
     device = k.get_device()
     probs_and_lse = [_placeholder(device) if t is None else _contiguous(t)
                      for t in (probs, lse)]
-    if operand_scales is not None:
+    if products.fp16_halves:
         return [*probs_and_lse, *(part for index, t in enumerate((grad_attn, q, k, v))
                                   for part in _split(t, _FP16_SPLIT, operand_scales,
                                                      index))]
-    if softmax_bwd.products_of(k.get_dtype()) == 1:
+    if products.count == 1:
         return [*probs_and_lse, *(t for t in [_contiguous(grad_attn), *_as_they_lie(q, k, v)]
                                   for _ in range(2))]
     return [*probs_and_lse, *(part for t in (grad_attn, q, k, v)
@@ -462,26 +463,28 @@ def _scales_input(operand_scales):
     return None if operand_scales is None else _contiguous(operand_scales)
 
 
-def _lower_pass(op, grad_attn, q, k, v, pass_input, scale, probs, lse, operand_scales):
+def _lower_pass(op, grad_attn, q, k, v, pass_input, scale, products_value, probs, lse,
+                operand_scales):
     """The lowering of either pass (op: _ROWS_OP or _COLS_OP; pass_input: the rows pass's
-    attention output, None where P is given, or the cols pass's delta; one of probs and
-    lse, the other None, as the operator checked when traced): the outputs of
+    attention output, None where P is given, or the cols pass's delta; products_value:
+    the operator's products, a Products' value; one of probs and lse, the other None, and
+    operand_scales with fp16x3, as the operator checked when traced): the outputs of
     the selected kernel, among the Gluon configs (first: the choice taken untimed where
     autotuning cannot fit) and the template's; the operator's own implementation where
     none of our kernels takes these operands."""
     batch, (num_heads, seq_len, head_dim) = _static_sizes(k)
-    fp16_halves = operand_scales is not None
-    if not _kernels_apply(k, head_dim, fp16_halves):
+    products = Products(products_value)
+    if not _kernels_apply(k, head_dim, products.fp16_halves):
         return fallback_handler(op, add_to_fallback_set=False)(
-            grad_attn, q, k, v, pass_input, scale, probs, lse, operand_scales)
+            grad_attn, q, k, v, pass_input, scale, products_value, probs, lse,
+            operand_scales)
     rows = op is _ROWS_OP
-    device, dtype = k.get_device(), k.get_dtype()
+    device = k.get_device()
     width = num_heads * head_dim * (1 if rows else 2)          # E for dQ, 2E for dK | dV
-    halves = empty_strided([batch, seq_len,
-                            softmax_bwd.halves_width(dtype, width, fp16_halves)],
+    halves = empty_strided([batch, seq_len, products.halves_width(width)],
                            None, dtype=torch.bfloat16, device=device)  # [B,S,2E] / [B,S,4E]
     sums = _column_sums_buffer(batch, seq_len, width, device)  # [B,G,E] / [B,G,2E]
-    layout = ir.FixedLayout(device, softmax_bwd.gradient_dtype(dtype, fp16_halves),
+    layout = ir.FixedLayout(device, products.gradient_dtype,
                             [batch, seq_len, width])           # [B,S,E] / [B,S,2E]
     if rows:
         if pass_input is None:       # P given: ATTN_OUT is not read
@@ -494,17 +497,17 @@ def _lower_pass(op, grad_attn, q, k, v, pass_input, scale, probs, lse, operand_s
         pass_input = ir.ExternKernel.require_contiguous(pass_input)
         buffers = outputs = (halves, sums)
     operand_scales = _scales_input(operand_scales)
-    inputs = [*_operands(probs, lse, grad_attn, q, k, v, operand_scales), pass_input,
-              *buffers]
-    if fp16_halves:
+    inputs = [*_operands(probs, lse, grad_attn, q, k, v, products, operand_scales),
+              pass_input, *buffers]
+    if products.fp16_halves:
         inputs.append(operand_scales)
     pass_index = 0 if rows else 1
     template = _templates()[pass_index]
     gluon_tiles = (softmax_bwd_gluon.rows_tiles, softmax_bwd_gluon.cols_tiles)[pass_index](head_dim)
     recompute_p = lse is not None
     choices = _gluon_tile_choices(_gluon_choices()[pass_index], gluon_tiles, k, head_dim,
-                                  inputs, layout, scale, recompute_p)
-    if _template_applies(k, head_dim) and not fp16_halves:
+                                  inputs, layout, scale, products, recompute_p)
+    if _template_applies(k, head_dim) and not products.fp16_halves:
         choices += _tile_choices(template, TILE_CONFIGS, inputs, layout,
                                  _constexprs(num_heads, seq_len, head_dim, scale,
                                              recompute_p),
@@ -514,16 +517,16 @@ def _lower_pass(op, grad_attn, q, k, v, pass_input, scale, probs, lse, operand_s
 
 
 @register_lowering(_ROWS_OP, type_promotion_kind=None)
-def _lower_rows(grad_attn, q, k, v, attn_output, scale, probs=None, lse=None,
+def _lower_rows(grad_attn, q, k, v, attn_output, scale, products, probs=None, lse=None,
                 operand_scales=None):
-    return _lower_pass(_ROWS_OP, grad_attn, q, k, v, attn_output, scale, probs, lse,
-                       operand_scales)
+    return _lower_pass(_ROWS_OP, grad_attn, q, k, v, attn_output, scale, products, probs,
+                       lse, operand_scales)
 
 
 @register_lowering(_COLS_OP, type_promotion_kind=None)
-def _lower_cols(grad_attn, q, k, v, delta, scale, probs=None, lse=None,
+def _lower_cols(grad_attn, q, k, v, delta, scale, products, probs=None, lse=None,
                 operand_scales=None):
-    return _lower_pass(_COLS_OP, grad_attn, q, k, v, delta, scale, probs, lse,
+    return _lower_pass(_COLS_OP, grad_attn, q, k, v, delta, scale, products, probs, lse,
                        operand_scales)
 
 

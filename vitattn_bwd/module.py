@@ -27,6 +27,7 @@ from . import block_ops, deterministic_sdpa, graph, routing
 from .block_ops import autocast_off
 from .forward_graph import SavedForBackward, attention_block_forward
 from .layout import merge_heads, qkv_heads
+from .precision import fused_products
 # where the one-product path runs, and torch's float32 matmul precision (routing.py)
 from .routing import one_product_supported, torch_float32_precision  # noqa: F401
 from .validation import (check_block_inputs, check_config, check_fused_dtypes,
@@ -63,32 +64,32 @@ def stock_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_b
 class VisionAttentionFunction(torch.autograd.Function):
     """The autograd Function: forward math + the fused backward. All seven tensors must
     share one device and one dtype, float32 (or float64 on the CPU); use
-    `vision_attention` for any other dtype or under autocast. precision: "highest" or
-    "high" (the default here; `vision_attention` resolves None from torch's setting).
-    half_dtype: None, or bf16 / fp16 for the one-product path (float32 tensors, or
-    tensors all of that dtype: a bf16 / fp16 block; the projections and the attention
-    one product each in that dtype, as under autocast; `precision` then does not
-    matter). Errors are raised here, in the forward, never
+    `vision_attention` for any other dtype or under autocast. products: a
+    precision.Products (routing.route's; None: precision "high"'s on the tensors' device,
+    precision.fused_products), carried unchanged to the backward: ONE_BF16 / ONE_FP16
+    is the one-product path (float32 tensors, or tensors all of that dtype: a bf16 /
+    fp16 block; the projections and the attention one product each in that dtype, as
+    under autocast). Errors are raised here, in the forward, never
     later in the backward. Not twice differentiable. block_checked: the caller
     (`vision_attention`) has run check_block_inputs on these tensors already, so only the
     fused path's own checks run here."""
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                num_heads, eps, precision="high", half_dtype=None, block_checked=False):
+                num_heads, eps, products=None, block_checked=False):
         params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
+        if products is None:
+            products = fused_products(x.device.type, "high")
         if block_checked:
-            check_fused_dtypes(x, params, precision, half_dtype)
+            check_fused_dtypes(x, params, products)
         else:
-            num_heads, eps = check_fused_inputs(x, params, num_heads, eps, precision,
-                                                half_dtype)
+            num_heads, eps = check_fused_inputs(x, params, num_heads, eps, products)
         # The math runs as written, whatever autocast region the caller is in: an
         # autocast linear would hand bf16 q, k, v to the float32 backward.
         with autocast_off(x.device.type):
-            y, saved, scale = attention_block_forward(x, *params, num_heads, eps, precision,
-                                                      half_dtype)
+            y, saved, scale = attention_block_forward(x, *params, num_heads, eps, products)
         ctx.save_for_backward(*saved)
-        ctx.num_heads, ctx.eps, ctx.scale, ctx.precision = num_heads, eps, scale, precision
+        ctx.num_heads, ctx.eps, ctx.scale, ctx.products = num_heads, eps, scale, products
         return y
 
     @staticmethod
@@ -102,16 +103,16 @@ class VisionAttentionFunction(torch.autograd.Function):
             E = x.shape[-1]
             zeros = [x.new_zeros(shape) for shape in
                      ((E,), (E,), (3 * E, E), (3 * E,), (E, E), (E,))]
-            return (torch.zeros_like(x), *zeros, None, None, None, None, None)
+            return (torch.zeros_like(x), *zeros, None, None, None, None)
         # A backward called inside an autocast region (on the CPU it runs on the caller's
         # thread) must not turn our float32 math into bf16 either.
         with autocast_off(x.device.type):
             (grad_x, grad_qkv_weight, grad_qkv_bias, grad_out_weight, grad_out_bias,
              grad_ln_weight, grad_ln_bias) = graph.compiled_backward(
                 dict(grad_output=grad_y.contiguous(), **saved._asdict()), scale=ctx.scale,
-                norm_eps=ctx.eps, ln_grad="exact", precision=ctx.precision)
+                norm_eps=ctx.eps, ln_grad="exact", products=ctx.products)
         return (grad_x, grad_ln_weight, grad_ln_bias, grad_qkv_weight, grad_qkv_bias,
-                grad_out_weight, grad_out_bias, None, None, None, None, None)
+                grad_out_weight, grad_out_bias, None, None, None, None)
 
 
 def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
@@ -170,11 +171,11 @@ def vision_attention(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, ou
         out_bias = scale * out_bias.to(compute)
     args = [t if t.dtype == compute else t.to(compute)
             for t in (x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)]
-    fused = (*args, num_heads, eps, decision.precision, decision.half_dtype)
+    fused = (*args, num_heads, eps, decision.products)
     with autocast_off(device.type):
         if decision.opaque_ops:
             # inside torch.compile: the torch.library operators, opaque to dynamo
-            check_fused_dtypes(args[0], args[1:], *fused[9:])
+            check_fused_dtypes(args[0], args[1:], decision.products)
             y = block_ops.vision_attention(*fused)
         else:
             y = VisionAttentionFunction.apply(*fused, True)   # block inputs checked above

@@ -21,6 +21,8 @@ splitting into an FMA (lo == 0 again). On CUDA the GEMMs are cuBLAS bf16 / fp16 
 with a float32 result; elsewhere float32 matmuls of the upcast parts, exact for products
 of bf16 or fp16 values, so the CPU reproduces the GPU's arithmetic up to summation order.
 """
+import enum
+
 import torch
 
 # The precisions of the fused float32 path, PyTorch's names for float32 matmul precision
@@ -32,6 +34,69 @@ FUSED_PRECISIONS = ("highest", "high")
 # The half-precision dtypes: of the one-product path's activations (autocast, "medium"),
 # of blocks that are all bf16 or all fp16, and of the Gluon kernels' operands.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+
+class Products(enum.Enum):
+    """The products the fused path runs per matmul: decided once (fused_products, and
+    graph.contract_products for the contract) and carried unchanged from there to the
+    kernels' constexprs. Its value is a string, as torch.library schemas take it."""
+    PLAIN = "plain"         # the inputs' own dtype, plain matmuls (the CPU, float64)
+    ONE_BF16 = "one_bf16"   # one bf16 product per matmul ("medium")
+    ONE_FP16 = "one_fp16"   # one fp16 product per matmul ("medium")
+    BF16X3 = "bf16x3"       # three products of bf16 halves ("high")
+    FP16X3 = "fp16x3"       # three of scaled fp16 halves with operand_scales ("highest")
+
+    @property
+    def count(self):
+        """Products per matmul: the Gluon kernels' PRODUCTS constexpr."""
+        return 1 if self in (Products.ONE_BF16, Products.ONE_FP16) else 3
+
+    @property
+    def half_dtype(self):
+        """The dtype of the one-product path's activations, else None."""
+        return {Products.ONE_BF16: torch.bfloat16,
+                Products.ONE_FP16: torch.float16}.get(self)
+
+    @property
+    def fp16_halves(self):
+        """Whether the attention core's operands are scaled fp16 halves, given with
+        their operand_scales."""
+        return self is Products.FP16X3
+
+    @property
+    def gradient_dtype(self):
+        """The dtype of the attention core's grad_q16 / grad_kv16: fp16 for bf16x3 (the
+        QKV weight gradient's fp16 product reads it), float32 for fp16x3, the half dtype
+        with one product."""
+        if self is Products.FP16X3:
+            return torch.float32
+        return self.half_dtype or torch.float16
+
+    def halves_width(self, width):
+        """The width of the attention core's bf16 halves of a `width`-column gradient:
+        2 * width for bf16x3, else 0 (no halves)."""
+        return 2 * width if self is Products.BF16X3 else 0
+
+    @property
+    def graph_tag(self):
+        """What names a compiled graph of these products in the cache tag."""
+        if self.half_dtype is not None:
+            return f"{str(self.half_dtype).removeprefix('torch.')}-"
+        return "highest-" if self is Products.FP16X3 else ""
+
+
+def fused_products(device_type, precision, half_dtype=None):
+    """The Products of the fused path on a device: one product in half_dtype where it is
+    given, else for a precision of FUSED_PRECISIONS three products on CUDA ("highest":
+    fp16x3, "high": bf16x3) and plain ones elsewhere (float32 or float64 math, as
+    faithful as "highest" asks)."""
+    if half_dtype is not None:
+        return Products.ONE_BF16 if half_dtype == torch.bfloat16 else Products.ONE_FP16
+    if device_type != "cuda":
+        return Products.PLAIN
+    return Products.FP16X3 if precision == "highest" else Products.BF16X3
+
 
 # float32 bits of the bf16 part of a value: sign, exponent and the top 7 mantissa bits
 BF16_HI_MASK = -65536            # 0xFFFF0000 as an int32
@@ -120,10 +185,10 @@ def split_fp16(t):
     return hi.to(torch.float16), (t - hi).to(torch.float16)
 
 
-def operand_split(precision):
-    """How a precision of FUSED_PRECISIONS splits the GEMMs' float32 operands: rounded to
-    nearest for "highest", truncated for "high"."""
-    return split_bf16_rounded if precision == "highest" else split_bf16_truncated
+def operand_split(products):
+    """How the forward splits its float32 operands for three products (BF16X3 or
+    FP16X3): rounded to nearest for fp16x3, truncated for bf16x3."""
+    return split_bf16_rounded if products.fp16_halves else split_bf16_truncated
 
 
 def bf16_halves(t, split=split_bf16_truncated):

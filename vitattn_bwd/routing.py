@@ -1,5 +1,6 @@
 """Which computation `vision_attention` runs for a call: the stock ops or the fused path,
-and on the fused path at which precision, in which dtypes, and as what kind of call.
+and on the fused path which products (precision.Products), in which dtypes, and as what
+kind of call.
 
 `route(...)` is a pure function of the call's facts (device, dtypes, autocast, the
 explicit `precision` and torch's own, whether torch.compile is tracing, and where the
@@ -28,7 +29,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import softmax_bwd, softmax_bwd_gluon
-from .precision import HALF_DTYPES
+from .precision import HALF_DTYPES, Products, fused_products
 
 
 class Route(NamedTuple):
@@ -39,14 +40,13 @@ class Route(NamedTuple):
       deterministic_attention are then None / False.
     deterministic_attention: with stock, the attention as deterministic_sdpa's
       instead of SDPA (under torch.use_deterministic_algorithms(True)).
-    precision: the fused path's precision, "highest" or "high" (VisionAttentionFunction's).
-    half_dtype: None, or bf16 / fp16 for the one-product path in that dtype.
+    products: the fused path's precision.Products (VisionAttentionFunction's), decided
+      here once for the forward and the backward.
     compute_dtype: the dtype the fused path's tensors are cast to.
     opaque_ops: run the fused path as the torch.library operators (under torch.compile)
       rather than the autograd.Function."""
     stock: bool
-    precision: str | None = None
-    half_dtype: torch.dtype | None = None
+    products: Products | None = None
     compute_dtype: torch.dtype | None = None
     opaque_ops: bool = False
     deterministic_attention: bool = False
@@ -202,5 +202,5 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
         compute = torch.float64
     else:
         compute = torch.float32
-    return Route(stock=False, precision=precision, half_dtype=half_dtype,
+    return Route(stock=False, products=fused_products(device_type, precision, half_dtype),
                  compute_dtype=compute, opaque_ops=compiling)

@@ -6,8 +6,9 @@ Exactly one of probs, the attention matrix P [B,H,S,S] (the benchmark contract g
 it), and lse, its row log-sum-exp [B,H,S] (VisionAttentionBlock saves only that), is
 given: with lse every P tile is recomputed from q and k, and attn_output O = P v gives
 delta = rowsum(dO * O). The
-operand dtype sets the products (`products_of`): bf16x3 for float32, fp16x3 on scaled
-fp16 halves with operand_scales (precision "highest"), one product for bf16 / fp16.
+`products` argument (precision.Products' value) names the products: bf16x3 of float32
+operands, fp16x3 on their scaled fp16 halves with operand_scales (precision "highest"),
+one product of bf16 / fp16 operands.
 Each operator also writes partial sums over rows of its gradients, which the graph adds
 in a fixed order into the QKV bias gradient.
 
@@ -27,9 +28,9 @@ import torch
 from . import buffers
 from .layout import merge_heads, split_heads
 from .validation import check_probs_or_lse
-from .precision import (FP16_TOP_EXPONENT, HALF_DTYPES, exponents_of, fp16_scale,
-                        power_of_two_scale, powers_of_two, split_bf16_rounded,
-                        split_bf16_truncated)
+from .precision import (FP16_TOP_EXPONENT, HALF_DTYPES, Products, exponents_of,
+                        fp16_scale, power_of_two_scale, powers_of_two,
+                        split_bf16_rounded, split_bf16_truncated)
 
 
 class TileConfig(NamedTuple):
@@ -123,35 +124,13 @@ def _delta(probs, grad_p, grad_attn, attn_output):
     return (grad_attn * attn_output).sum(-1, keepdim=True)
 
 
-def _halves(grads, dtype, fp16_halves=False):
+def _halves(grads, products):
     """float [.., N] tensors -> bf16 [.., 2N]: all hi parts, then all lo parts (rounded
-    split, as the kernels store them); [.., 0] for operands of a half `dtype` or fp16
-    halves."""
-    if products_of(dtype) == 1 or fp16_halves:
+    split, as the kernels store them), for bf16x3; [.., 0] for other products."""
+    if products is not Products.BF16X3:
         return grads[0].new_empty(*grads[0].shape[:-1], 0, dtype=torch.bfloat16)
     pairs = [split_bf16_rounded(g.float()) for g in grads]
     return torch.cat([hi for hi, _ in pairs] + [lo for _, lo in pairs], dim=-1)
-
-
-def products_of(dtype):
-    """Products per matmul of operands of `dtype`: 3 (bf16x3) for float32 and float64
-    (whose CPU math is exact anyway), 1 for bfloat16 and float16."""
-    return 1 if dtype in HALF_DTYPES else 3
-
-
-def gradient_dtype(dtype, fp16_halves=False):
-    """The dtype of the grad_q16 / grad_kv16 outputs for operands of `dtype`: fp16 for
-    bf16x3 from bf16 halves, float32 for fp16x3 from scaled fp16 halves (fp16_halves:
-    the operators' operand_scales given), else `dtype`."""
-    if fp16_halves:
-        return torch.float32
-    return dtype if dtype in HALF_DTYPES else torch.float16
-
-
-def halves_width(dtype, width, fp16_halves=False):
-    """The width of the bf16 halves of a `width`-column gradient: 2 * width for bf16x3,
-    0 with one product or fp16 halves."""
-    return 2 * width if products_of(dtype) == 3 and not fp16_halves else 0
 
 
 def triton_supports(device_type, dtype, head_dim):
@@ -282,18 +261,27 @@ def fp16_operand_scales(grad_attn, q, k, v):
     return powers_of_two(torch.stack([do_e, q_e, k_e, v_e, ds_e]))
 
 
-def check_operand_scales(q, operand_scales):
-    """operand_scales, where given, is a float32 [5] tensor for float32 operands
-    (ValueError otherwise): it selects the fp16 halves, which only float32 operands
-    have. Returns whether it is given."""
-    if operand_scales is None:
-        return False
-    if q.dtype != torch.float32 or operand_scales.dtype != torch.float32 or tuple(
-            operand_scales.shape) != (5,):
+def check_products(q, products, operand_scales):
+    """The operators' products (a Products value) for these operands (ValueError
+    otherwise): one product for bf16 / fp16 operands of its dtype, three for float
+    ones, with operand_scales, a float32 [5] tensor, given exactly for fp16x3 (it
+    selects the fp16 halves, which only float32 operands have). Returns the Products."""
+    products = Products(products)
+    one_product = products.half_dtype is not None
+    if products is Products.PLAIN or one_product != (q.dtype in HALF_DTYPES) or (
+            one_product and q.dtype != products.half_dtype):
+        raise ValueError(f"products={products.value!r} does not run {q.dtype} operands")
+    if not products.fp16_halves and operand_scales is None:
+        return products
+    if (not products.fp16_halves or operand_scales is None or q.dtype != torch.float32
+            or operand_scales.dtype != torch.float32 or tuple(operand_scales.shape) != (5,)):
+        got = (None if operand_scales is None
+               else f"{operand_scales.dtype} {tuple(operand_scales.shape)}")
         raise ValueError(f"operand_scales must be a float32 [5] tensor (s_do, s_q, s_k, s_v, "
-                         f"s_ds) for float32 operands, got {operand_scales.dtype} "
-                         f"{tuple(operand_scales.shape)} for {q.dtype} operands")
-    return True
+                         f"s_ds) for float32 operands with products='fp16x3', and only "
+                         f"then; got {got} for {q.dtype} operands with "
+                         f"products={products.value!r}")
+    return products
 
 
 def _double(t):
@@ -310,7 +298,7 @@ def _to_fp16_halves_format(halves):
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_rows", mutates_args=())
 def softmax_bwd_rows(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, attn_output: Optional[torch.Tensor], scale: float,
-                     probs: Optional[torch.Tensor] = None,
+                     products: str, probs: Optional[torch.Tensor] = None,
                      lse: Optional[torch.Tensor] = None,
                      operand_scales: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -320,12 +308,13 @@ def softmax_bwd_rows(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
     Exactly one of probs (P [B,H,S,S]) and lse (its log-sum-exp [B,H,S], with
     attn_output [B,S,E]; the contract's attn_output is drawn apart from its P, so with P
-    it is not used); grad_attn [B,S,E], heads merged; q, k, v [B,H,S,D]. By the operand
-    dtype:
-    - float32: every product bf16x3. The fp16 copies feed the QKV weight-gradient GEMM,
+    it is not used); grad_attn [B,S,E], heads merged; q, k, v [B,H,S,D]. By `products`
+    (precision.Products' value, check_products):
+    - "bf16x3", float32 operands: every product bf16x3. The fp16 copies feed the QKV weight-gradient GEMM,
       the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the
       gradient to about 16 mantissa bits.
-    - float32 with operand_scales (precision "highest"; `fp16_operand_scales`): float32
+    - "fp16x3", float32 operands with operand_scales (precision "highest";
+      `fp16_operand_scales`): float32
       [5], the powers of two (s_do, s_q, s_k, s_v) that bring grad_attn, q, k and v into
       fp16's range (precision.fp16_scale), and s_ds, which brings dS there: every
       product fp16x3 on their scaled fp16 halves, float32-grade (fp16 hi + lo holds 22
@@ -333,35 +322,34 @@ def softmax_bwd_rows(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
       unscaled, and the halves empty: the graph splits it with scales of its own.
       Compiled on Hopper the Gluon kernels run it; elsewhere the bf16x3 kernels do, in
       the same formats, at bf16x3's precision.
-    - bfloat16 or float16 (autocast, or precision "medium"; with the log-sum-exp): one
+    - "one_bf16" or "one_fp16", operands of that dtype (autocast, or precision "medium";
+      with the log-sum-exp): one
       product per matmul in that dtype with float32 accumulation, as torch's own
       flash-attention backward computes; grad_q16 is then the gradient in that dtype
       (what both QKV GEMMs read) and the halves are empty ([B,S,0])."""
     check_rows_inputs(probs, lse, attn_output)
-    fp16_halves = check_operand_scales(k, operand_scales)
+    products = check_products(k, products, operand_scales)
     if _use_triton(k):
         grad_q16, grad_q_halves, delta, grad_q_sums = launch_rows(
             grad_attn, q, k, v, attn_output, scale, probs=probs, lse=lse)
-        if fp16_halves:
+        if products.fp16_halves:
             grad_q16, grad_q_halves = _to_fp16_halves_format(grad_q_halves)
         return grad_q16, grad_q_halves, delta, grad_q_sums
-    dtype = k.dtype
     grad_q, _, _, delta = _backward_math_and_delta(
         *(_double(t) for t in (grad_attn, q, k, v)), scale,
         *(_double(t) for t in (probs, lse, attn_output)))
-    return (grad_q.to(gradient_dtype(dtype, fp16_halves)),
-            _halves([grad_q], dtype, fp16_halves), delta.squeeze(-1).float(),
-            column_sums(grad_q))
+    return (grad_q.to(products.gradient_dtype), _halves([grad_q], products),
+            delta.squeeze(-1).float(), column_sums(grad_q))
 
 
 @softmax_bwd_rows.register_fake
-def _(grad_attn, q, k, v, attn_output, scale, probs=None, lse=None, operand_scales=None):
+def _(grad_attn, q, k, v, attn_output, scale, products, probs=None, lse=None,
+      operand_scales=None):
     check_rows_inputs(probs, lse, attn_output)            # at trace time, not in a graph
-    fp16_halves = check_operand_scales(k, operand_scales)
+    products = check_products(k, products, operand_scales)
     B, H, S, D = k.shape
-    return (k.new_empty(B, S, H * D, dtype=gradient_dtype(k.dtype, fp16_halves)),
-            k.new_empty(B, S, halves_width(k.dtype, H * D, fp16_halves),
-                        dtype=torch.bfloat16),
+    return (k.new_empty(B, S, H * D, dtype=products.gradient_dtype),
+            k.new_empty(B, S, products.halves_width(H * D), dtype=torch.bfloat16),
             k.new_empty(B, H, S, dtype=torch.float32),
             k.new_empty(B, sum_groups(S), H * D, dtype=torch.float32))
 
@@ -369,7 +357,7 @@ def _(grad_attn, q, k, v, attn_output, scale, probs=None, lse=None, operand_scal
 @torch.library.custom_op("vitattn_bwd::softmax_bwd_cols", mutates_args=())
 def softmax_bwd_cols(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      v: torch.Tensor, delta: torch.Tensor, scale: float,
-                     probs: Optional[torch.Tensor] = None,
+                     products: str, probs: Optional[torch.Tensor] = None,
                      lse: Optional[torch.Tensor] = None,
                      operand_scales: Optional[torch.Tensor] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -378,31 +366,30 @@ def softmax_bwd_cols(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     softmax_bwd_rows. The arguments and the formats by operand dtype as
     softmax_bwd_rows'."""
     check_probs_or_lse("softmax_bwd_cols", probs, lse)
-    fp16_halves = check_operand_scales(q, operand_scales)
+    products = check_products(q, products, operand_scales)
     if _use_triton(q):
         grad_kv16, grad_kv_halves, grad_kv_sums = launch_cols(
             grad_attn, q, k, v, delta, scale, probs=probs, lse=lse)
-        if fp16_halves:
+        if products.fp16_halves:
             grad_kv16, grad_kv_halves = _to_fp16_halves_format(grad_kv_halves)
         return grad_kv16, grad_kv_halves, grad_kv_sums
     # dK and dV need delta, which the math recomputes from P and dP itself
-    dtype = q.dtype
     _, grad_k, grad_v = attention_backward_math(
         *(_double(t) for t in (grad_attn, q, k, v)), scale, probs=_double(probs),
         lse=_double(lse))
     grad_kv = torch.cat([grad_k, grad_v], dim=-1)                          # [B,S,2E]
-    return (grad_kv.to(gradient_dtype(dtype, fp16_halves)),
-            _halves([grad_k, grad_v], dtype, fp16_halves), column_sums(grad_kv))
+    return (grad_kv.to(products.gradient_dtype), _halves([grad_k, grad_v], products),
+            column_sums(grad_kv))
 
 
 @softmax_bwd_cols.register_fake
-def _(grad_attn, q, k, v, delta, scale, probs=None, lse=None, operand_scales=None):
+def _(grad_attn, q, k, v, delta, scale, products, probs=None, lse=None,
+      operand_scales=None):
     check_probs_or_lse("softmax_bwd_cols", probs, lse)    # at trace time, not in a graph
-    fp16_halves = check_operand_scales(q, operand_scales)
+    products = check_products(q, products, operand_scales)
     B, H, S, D = q.shape
-    return (q.new_empty(B, S, 2 * H * D, dtype=gradient_dtype(q.dtype, fp16_halves)),
-            q.new_empty(B, S, halves_width(q.dtype, 2 * H * D, fp16_halves),
-                        dtype=torch.bfloat16),
+    return (q.new_empty(B, S, 2 * H * D, dtype=products.gradient_dtype),
+            q.new_empty(B, S, products.halves_width(2 * H * D), dtype=torch.bfloat16),
             q.new_empty(B, sum_groups(S), 2 * H * D, dtype=torch.float32))
 
 
@@ -426,9 +413,10 @@ def attention_backward(grad_attn, q, k, v, scale, *, probs=None, lse=None,
         _, grad_kv_halves, _ = launch_cols(grad_attn, q, k, v, delta, scale, **p_or_lse,
                                            block_m=block_m, block_n=block_n)
     else:
+        bf16x3 = Products.BF16X3.value
         _, grad_q_halves, delta, _ = softmax_bwd_rows(grad_attn, q, k, v, attn_output,
-                                                      scale, **p_or_lse)
-        _, grad_kv_halves, _ = softmax_bwd_cols(grad_attn, q, k, v, delta, scale,
+                                                      scale, bf16x3, **p_or_lse)
+        _, grad_kv_halves, _ = softmax_bwd_cols(grad_attn, q, k, v, delta, scale, bf16x3,
                                                 **p_or_lse)
     grad_k, grad_v = float32_from_halves(grad_kv_halves).chunk(2, dim=-1)
     return float32_from_halves(grad_q_halves), grad_k, grad_v

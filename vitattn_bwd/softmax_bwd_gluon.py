@@ -20,14 +20,15 @@ placeholder), the output buffers, which they fill, and P (probs) or its log-sum-
 [B,S,E] with heads merged and contiguous; q, k, v [B,H,S,D], all with one set of
 strides and a contiguous last dim: contiguous (the halves the graph splits), or the
 head views of the module's QKV projection [B,S,3E] (bf16 / fp16, read where they
-lie). `products` is 3 for the bf16 halves of float32 tensors (bf16x3), or 1 for bf16 /
-fp16 tensors given as they are (each tensor twice: its lo is never read); with one
-product grad_q16 / grad_kv16 are in the operands' dtype and the halves buffers are
-empty (softmax_bwd.py). With `operand_scales` (float32 [5],
-softmax_bwd.fp16_operand_scales: the powers of two s_do, s_q, s_k, s_v that
-grad_attn, q, k and v were scaled by into fp16's range before their split, and s_ds for
-dS), the halves are fp16 and the products fp16x3 (precision "highest"): grad_q16 /
-grad_kv16 are then float32 gradients, unscaled, and the halves buffers empty. max-autotune
+lie). `products` (a precision.Products; the operators take its value) is BF16X3 for
+the bf16 halves of float32 tensors, or ONE_BF16 / ONE_FP16 for bf16 / fp16 tensors
+given as they are (each tensor twice: its lo is never read); with one product
+grad_q16 / grad_kv16 are in the operands' dtype and the halves buffers are empty
+(softmax_bwd.py). FP16X3 (precision "highest") takes fp16 halves with `operand_scales`
+(float32 [5], softmax_bwd.fp16_operand_scales: the powers of two s_do, s_q, s_k, s_v
+that grad_attn, q, k and v were scaled by into fp16's range before their split, and
+s_ds for dS): grad_q16 / grad_kv16 are then float32 gradients, unscaled, and the halves
+buffers empty. max-autotune
 weighs these kernels against the Triton templates (inductor.py) on the GPUs where
 `available` says they run; for bf16 / fp16 operands, which the templates do not take,
 they are the only candidates.
@@ -37,11 +38,10 @@ import functools
 import torch
 
 from . import buffers, compile_probe, launcher
-from .softmax_bwd import (COLUMN_SUM_ROWS, MAX_KERNEL_HEAD_DIM, TileConfig,
-                             gradient_dtype, halves_width, head_tile, kernel_head_dim,
-                             probs_and_lse_pointers, sum_groups)
+from .softmax_bwd import (COLUMN_SUM_ROWS, MAX_KERNEL_HEAD_DIM, TileConfig, head_tile,
+                          kernel_head_dim, probs_and_lse_pointers, sum_groups)
 from .validation import check_probs_or_lse
-from .precision import HALF_DTYPES
+from .precision import HALF_DTYPES, Products
 
 # Launch configurations max-autotune times (block_m queries x block_n keys per tile;
 # num_warps = 4 per 64 rows the program owns), at head tiles up to 64 wide
@@ -134,7 +134,8 @@ def _compile_probe(arch):
             (kernels.softmax_bwd_rows_kernel, ROWS_TILES[0], ROWS_PREFETCH),
             (kernels.softmax_bwd_cols_kernel, COLS_TILES[0], COLS_PREFETCH)):
         constexprs = kernel_constexprs(seq_len, num_heads, head_dim, strides, tiles,
-                                       recompute_p=False, products=3, prefetch=prefetch)
+                                       recompute_p=False, products=Products.BF16X3,
+                                       prefetch=prefetch)
         gluon_compat.compile_without_launch(kernel, _probe_signature(kernel, constexprs),
                                             constexprs, arch, num_warps=tiles.num_warps)
 
@@ -175,11 +176,11 @@ def _qkv_strides(*qkv_parts):
 def kernel_constexprs(seq_len, num_heads, head_dim, qkv_strides, tiles, recompute_p,
                       products, prefetch):
     """The kernels' constexpr arguments: the shape, the (batch, head, row) element
-    strides of q, k, v, the tiles and the mode."""
+    strides of q, k, v, the tiles and the mode (PRODUCTS: products' count per matmul)."""
     batch_stride, head_stride, row_stride = qkv_strides
     return dict(SEQ_LEN=seq_len, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                 BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, NUM_STAGES=tiles.num_stages,
-                RECOMPUTE_P=recompute_p, PRODUCTS=products, PREFETCH=prefetch,
+                RECOMPUTE_P=recompute_p, PRODUCTS=products.count, PREFETCH=prefetch,
                 SUM_ROWS=COLUMN_SUM_ROWS, OPERAND_SMEM=_operand_smem_layout(head_dim),
                 QKV_BATCH_STRIDE=batch_stride, QKV_HEAD_STRIDE=head_stride,
                 QKV_ROW_STRIDE=row_stride, num_warps=tiles.num_warps)
@@ -192,12 +193,11 @@ def _constexprs(qkv_parts, tiles, recompute_p, products, prefetch):
 
 
 def _check_operand_scales(operand_scales, grad_attn_hi, products):
-    """operand_scales is given exactly for fp16 halves (ValueError otherwise); the kernels
+    """operand_scales is given exactly for fp16x3 (ValueError otherwise); the kernels
     read it there, and any real pointer elsewhere."""
-    scaled = products == 3 and grad_attn_hi.dtype == torch.float16
-    if scaled != (operand_scales is not None):
-        raise ValueError(f"operand_scales must be given for fp16 halves (3 products of "
-                         f"fp16 operands) and only then; got products={products}, operand "
+    if products.fp16_halves != (operand_scales is not None):
+        raise ValueError(f"operand_scales must be given for fp16x3 (fp16 halves) and only "
+                         f"then; got products={products.value!r}, operand "
                          f"dtype {grad_attn_hi.dtype}, operand_scales "
                          f"{'given' if operand_scales is not None else 'None'}")
     return grad_attn_hi if operand_scales is None else operand_scales
@@ -225,7 +225,8 @@ def _written_or_any(halves, any_buffer):
 
 def launch_rows(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
-                products=3, prefetch=ROWS_PREFETCH, operand_scales=None, *, probs=None,
+                products=Products.BF16X3, prefetch=ROWS_PREFETCH, operand_scales=None, *,
+                probs=None,
                 lse=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_rows_kernel
     recompute_p = check_probs_or_lse("softmax_bwd_gluon.launch_rows", probs, lse)
@@ -238,8 +239,9 @@ def launch_rows(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
 
 
 def launch_cols(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
-                delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles, products=3,
-                prefetch=COLS_PREFETCH, operand_scales=None, *, probs=None, lse=None):
+                delta, grad_kv_halves, grad_kv_sums, grad_kv16, scale, tiles,
+                products=Products.BF16X3, prefetch=COLS_PREFETCH, operand_scales=None, *,
+                probs=None, lse=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_cols_kernel
     recompute_p = check_probs_or_lse("softmax_bwd_gluon.launch_cols", probs, lse)
     probs, lse = probs_and_lse_pointers(probs, lse)
@@ -265,7 +267,7 @@ def rows_out(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_h
              scale, block_m, block_n, num_warps, num_stages, products, recompute_p):
     launch_rows(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, out, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages), products,
+                TileConfig(block_m, block_n, num_warps, num_stages), Products(products),
                 operand_scales=operand_scales, **_given(probs, lse, recompute_p))
 
 
@@ -274,16 +276,8 @@ def cols_out(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_h
              block_m, block_n, num_warps, num_stages, products, recompute_p):
     launch_cols(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 delta, grad_kv_halves, grad_kv_sums, out, scale,
-                TileConfig(block_m, block_n, num_warps, num_stages), products,
+                TileConfig(block_m, block_n, num_warps, num_stages), Products(products),
                 operand_scales=operand_scales, **_given(probs, lse, recompute_p))
-
-
-def _formats(q_hi, products):
-    """(the dtype the operands stand for, whether they are fp16 halves): float32 for
-    halves (3 products; fp16 ones are the scaled halves), else their own dtype."""
-    if products == 3:
-        return torch.float32, q_hi.dtype == torch.float16
-    return q_hi.dtype, False
 
 
 def _new_empty(like, *shape, dtype):
@@ -291,14 +285,13 @@ def _new_empty(like, *shape, dtype):
 
 
 def rows_outputs(q_hi, products, empty=_new_empty):
-    """grad_q16, grad_q_halves, delta, grad_q_sums, each from empty(q_hi, *shape,
-    dtype=...): new_empty for the fake implementation, buffers.output_buffer for the
-    kernel's."""
+    """grad_q16, grad_q_halves, delta, grad_q_sums for a Products, each from empty(q_hi,
+    *shape, dtype=...): new_empty for the fake implementation, buffers.output_buffer for
+    the kernel's."""
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
-    dtype, fp16_halves = _formats(q_hi, products)
-    return (empty(q_hi, batch, seq_len, embed_dim, dtype=gradient_dtype(dtype, fp16_halves)),
-            empty(q_hi, batch, seq_len, halves_width(dtype, embed_dim, fp16_halves),
+    return (empty(q_hi, batch, seq_len, embed_dim, dtype=products.gradient_dtype),
+            empty(q_hi, batch, seq_len, products.halves_width(embed_dim),
                   dtype=torch.bfloat16),
             empty(q_hi, batch, num_heads, seq_len, dtype=torch.float32),
             empty(q_hi, batch, sum_groups(seq_len), embed_dim, dtype=torch.float32))
@@ -308,10 +301,8 @@ def cols_outputs(q_hi, products, empty=_new_empty):
     """grad_kv16, grad_kv_halves, grad_kv_sums (see rows_outputs)."""
     batch, num_heads, seq_len, head_dim = q_hi.shape
     embed_dim = num_heads * head_dim
-    dtype, fp16_halves = _formats(q_hi, products)
-    return (empty(q_hi, batch, seq_len, 2 * embed_dim,
-                  dtype=gradient_dtype(dtype, fp16_halves)),
-            empty(q_hi, batch, seq_len, halves_width(dtype, 2 * embed_dim, fp16_halves),
+    return (empty(q_hi, batch, seq_len, 2 * embed_dim, dtype=products.gradient_dtype),
+            empty(q_hi, batch, seq_len, products.halves_width(2 * embed_dim),
                   dtype=torch.bfloat16),
             empty(q_hi, batch, sum_groups(seq_len), 2 * embed_dim, dtype=torch.float32))
 
@@ -324,7 +315,7 @@ _LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
 _OPERANDS = ("Tensor? probs, Tensor? lse, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_hi, "
              "Tensor q_lo, Tensor k_hi, Tensor k_lo, Tensor v_hi, Tensor v_lo")
 _TILES = ("float scale, int block_m, int block_n, int num_warps, int num_stages, "
-          "int products, Tensor? operand_scales=None")
+          "str products, Tensor? operand_scales=None")
 _LIBRARY.define(f"gluon_softmax_bwd_rows({_OPERANDS}, Tensor attn_output, {_TILES}) "
                 "-> (Tensor, Tensor, Tensor, Tensor)")
 _LIBRARY.define(f"gluon_softmax_bwd_cols({_OPERANDS}, Tensor delta, {_TILES}) "
@@ -335,7 +326,9 @@ def gluon_softmax_bwd_rows(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k
                            v_hi, v_lo, attn_output, scale, block_m, block_n, num_warps,
                            num_stages, products, operand_scales=None):
     """The rows pass on pre-split operands, from P (probs) or its log-sum-exp (lse), the
-    other None -> grad_q16, grad_q_halves, delta, grad_q_sums."""
+    other None -> grad_q16, grad_q_halves, delta, grad_q_sums; products: a Products'
+    value."""
+    products = Products(products)
     grad_q16, grad_q_halves, delta, grad_q_sums = rows_outputs(q_hi, products,
                                                                 buffers.output_buffer)
     launch_rows(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
@@ -350,6 +343,7 @@ def gluon_softmax_bwd_cols(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k
                            num_stages, products, operand_scales=None):
     """The cols pass on pre-split operands (probs or lse as the rows pass's) ->
     grad_kv16, grad_kv_halves, grad_kv_sums."""
+    products = Products(products)
     grad_kv16, grad_kv_halves, grad_kv_sums = cols_outputs(q_hi, products,
                                                             buffers.output_buffer)
     launch_cols(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
@@ -368,11 +362,11 @@ def _(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo
       attn_output, scale, block_m, block_n, num_warps, num_stages, products,
       operand_scales=None):
     check_probs_or_lse("gluon_softmax_bwd_rows", probs, lse)
-    return rows_outputs(q_hi, products)
+    return rows_outputs(q_hi, Products(products))
 
 
 @torch.library.register_fake("vitattn_bwd::gluon_softmax_bwd_cols", lib=_LIBRARY)
 def _(probs, lse, grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo, delta,
       scale, block_m, block_n, num_warps, num_stages, products, operand_scales=None):
     check_probs_or_lse("gluon_softmax_bwd_cols", probs, lse)
-    return cols_outputs(q_hi, products)
+    return cols_outputs(q_hi, Products(products))

@@ -14,7 +14,7 @@ import operator
 import torch
 
 from .layout import LN_GRAD_MODES
-from .precision import FUSED_PRECISIONS, HALF_DTYPES
+from .precision import FUSED_PRECISIONS, Products
 
 # The accepted values of a block's `precision` (module.py's docstring): None follows
 # torch's float32 matmul precision; "medium" is the one-product path.
@@ -284,25 +284,29 @@ def check_block_inputs(x, params, num_heads, eps, gamma=None):
     return num_heads, eps
 
 
-def check_fused_inputs(x, params, num_heads, eps, precision, half_dtype):
+def check_fused_inputs(x, params, num_heads, eps, products):
     """What the fused path takes (module.VisionAttentionFunction's docstring): the block's
     inputs (check_block_inputs), then check_fused_dtypes; returns num_heads and eps as int
     and float."""
     num_heads, eps = check_block_inputs(x, params, num_heads, eps)
-    check_fused_dtypes(x, params, precision, half_dtype)
+    check_fused_dtypes(x, params, products)
     return num_heads, eps
 
 
-def check_fused_dtypes(x, params, precision, half_dtype):
-    """The fused path's own conditions on inputs that passed check_block_inputs: a fused
-    precision, and the block's inputs all in one dtype of supported_dtypes, or of
-    half_dtype on the one-product path."""
-    check_precision(precision, FUSED_PRECISIONS)
-    if half_dtype is not None and (half_dtype not in HALF_DTYPES
-                                   or x.dtype not in (torch.float32, half_dtype)):
-        raise TypeError(f"half_dtype must be None or one of {HALF_DTYPES} with "
-                        f"float32 tensors or tensors of that dtype, got {half_dtype} "
-                        f"with {x.dtype}")
+def check_fused_dtypes(x, params, products):
+    """The fused path's own conditions on inputs that passed check_block_inputs: a
+    precision.Products that runs on x's device (plain products off CUDA, three on it,
+    or one in a half dtype on either), and the block's inputs all in one dtype of
+    supported_dtypes, or of that half dtype on the one-product path."""
+    if not isinstance(products, Products):
+        raise TypeError(f"products must be a vitattn_bwd.precision.Products, got "
+                        f"{products!r}")
+    half_dtype = products.half_dtype
+    if half_dtype is not None and x.dtype not in (torch.float32, half_dtype):
+        raise TypeError(f"products {products.value!r} takes float32 tensors or tensors of "
+                        f"{half_dtype}, got {x.dtype}")
+    if half_dtype is None and (products is Products.PLAIN) == (x.device.type == "cuda"):
+        raise ValueError(f"products {products.value!r} does not run on {x.device.type}")
     check_dtype(x, supported_dtypes(x.device) + ((half_dtype,) if half_dtype else ()),
                 " (vitattn_bwd.module.vision_attention casts)")
     for name, t in zip(BLOCK_PARAMS, params):
