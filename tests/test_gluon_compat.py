@@ -15,6 +15,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from vitattn_bwd import inductor, module, softmax_bwd_gluon  # noqa: E402
 from vitattn_bwd.kernels import gluon_compat  # noqa: E402
+from vitattn_bwd.precision import Products  # noqa: E402
 
 from .helpers import triton_environments, triton_version_in  # noqa: E402
 
@@ -50,7 +51,7 @@ class _Choice:
 def _offered_gluon_tiles():
     return inductor._gluon_tile_choices(_Choice(), softmax_bwd_gluon.ROWS_TILES, _Node(), 64,
                                         inputs=(), layout=None, scale=0.125,
-                                        recompute_p=True)
+                                        products=Products.BF16X3, recompute_p=True)
 
 
 def test_the_installed_gluon_has_every_name_the_kernels_use():

@@ -77,7 +77,7 @@ def test_compiled_cpu_graph_goes_through_the_lowering_fallback():
     q, k, v = (torch.randn(2, 2, 9, 8, generator=g) for _ in range(3))
 
     def rows(P, grad_attn, k, v):
-        return softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, None, 0.3, P)
+        return softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, None, 0.3, "bf16x3", P)
 
     calls = []
     original = inductor._lower_rows

@@ -62,6 +62,7 @@ def _launches():
     the launchers make them on CPU tensors (the GPU-only facts, such as the SM count,
     replaced), recorded instead of launched."""
     from vitattn_bwd import attention_bwd_ws, softmax_bwd_gluon
+    from vitattn_bwd.precision import Products
     from vitattn_bwd.softmax_bwd import TileConfig
     recorded = []
     original = launcher.launch
@@ -78,9 +79,9 @@ def _launches():
         parts = [torch.zeros(batch, heads, seq_len, head_dim, dtype=torch.bfloat16)] * 8
         other = torch.zeros(1)
         softmax_bwd_gluon.launch_rows(*parts, other, other, torch.zeros(0), other, other,
-                                      0.125, TileConfig(64, 32, 4, 2), products=1, lse=lse)
+                                      0.125, TileConfig(64, 32, 4, 2), products=Products.ONE_BF16, lse=lse)
         softmax_bwd_gluon.launch_cols(*parts, other, torch.zeros(0), other, other, 0.125,
-                                      TileConfig(32, 64, 4, 3), products=1, lse=lse)
+                                      TileConfig(32, 64, 4, 3), products=Products.ONE_BF16, lse=lse)
     finally:
         launcher.launch = original
     return recorded

@@ -4,11 +4,18 @@ parts, which reproduces the GPU's products exactly."""
 import pytest
 import torch
 
-from vitattn_bwd.precision import (BF16_HI_MASK, bf16_halves, fp16_scale, linear_bf16x3,
-                                   power_of_two_scale, split_fp16,
-                                   matmul_fp16_transposed,
+from vitattn_bwd.precision import (BF16_HI_MASK, Products, bf16_halves, fp16_scale,
+                                   fused_products, linear_bf16x3, power_of_two_scale,
+                                   split_fp16, matmul_fp16_transposed,
                                    matmul_halves_by_weight, matmul_halves_transposed,
                                    split_bf16_rounded, split_bf16_truncated)
+
+FP16X3 = Products.FP16X3.value          # the attention-core operators' "highest"
+
+
+def _graph_products(precision):
+    """The CUDA graph's products at a precision (None: plain ones), run on the CPU."""
+    return Products.PLAIN if precision is None else fused_products("cuda", precision)
 
 
 def _randn(*shape, seed=0):
@@ -153,7 +160,7 @@ def test_split_products_keep_non_finite_gradients_where_the_math_has_them(
     outputs = graph.block_backward(**{n: t for n, t in tensors.items() if n != "x_norm"},
                                    x_norm=tensors["x_norm"], scale=inputs["scale"],
                                    norm_eps=inputs["norm_eps"], ln_grad="contract",
-                                   split_precision=precision)
+                                   products=_graph_products(precision))
     float32_math = reference_grads(inputs, 4, "contract", dtype=torch.float32)
     exact = reference_grads(inputs, 4, "contract")
     for name, got, math, want in zip(OUTPUT_NAMES, outputs, float32_math, exact):
@@ -182,7 +189,7 @@ def test_split_products_keep_the_qkv_weight_gradient_at_small_loss_scales(
     outputs = graph.block_backward(**{n: t for n, t in tensors.items() if n != "x_norm"},
                                    x_norm=tensors["x_norm"], scale=inputs["scale"],
                                    norm_eps=inputs["norm_eps"], ln_grad="contract",
-                                   split_precision="high")
+                                   products=_graph_products("high"))
     errors = dict(zip(OUTPUT_NAMES, relative_errors(outputs, reference_grads(
         inputs, 4, "contract"))))
     assert errors["grad_qkv_weight"] < 1e-3, errors
@@ -207,7 +214,7 @@ def test_highest_products_are_float32s_on_the_cpu(monkeypatch):
     for precision in ("high", "highest", None):
         outputs = graph.block_backward(**tensors, scale=inputs["scale"],
                                        norm_eps=inputs["norm_eps"], ln_grad="contract",
-                                       split_precision=precision)
+                                       products=_graph_products(precision))
         errors[precision] = dict(zip(OUTPUT_NAMES, relative_errors(outputs, want)))
     high, highest, plain = errors["high"], errors["highest"], errors[None]
     for name in OUTPUT_NAMES:
@@ -314,9 +321,9 @@ def test_operators_with_operand_scales_return_float32_gradients_and_check_them(
     probs = torch.softmax(torch.randn(B, H, S, S, generator=g), -1)
     scales = softmax_bwd.fp16_operand_scales(grad_attn, q, k, v)
     grad_q, grad_q_halves, delta, _ = softmax_bwd.softmax_bwd_rows(
-        grad_attn, q, k, v, None, 0.25, probs, None, scales)
+        grad_attn, q, k, v, None, 0.25, FP16X3, probs, None, scales)
     grad_kv, grad_kv_halves, _ = softmax_bwd.softmax_bwd_cols(
-        grad_attn, q, k, v, delta, 0.25, probs, None, scales)
+        grad_attn, q, k, v, delta, 0.25, FP16X3, probs, None, scales)
     assert grad_q.dtype == grad_kv.dtype == torch.float32
     assert grad_q_halves.shape[-1] == grad_kv_halves.shape[-1] == 0
     want = softmax_bwd.attention_backward_math(
@@ -325,8 +332,8 @@ def test_operators_with_operand_scales_return_float32_gradients_and_check_them(
     torch.testing.assert_close(grad_kv.double(), torch.cat(want[1:], -1), rtol=1e-6,
                                atol=1e-7)
     with pytest.raises(ValueError, match="operand_scales"):
-        softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, None, 0.25, probs, None,
+        softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, None, 0.25, FP16X3, probs, None,
                                      scales[:4])
     with pytest.raises(ValueError, match="operand_scales"):
         softmax_bwd.softmax_bwd_cols(grad_attn, q.half(), k.half(), v.half(), delta, 0.25,
-                                     probs, None, scales)
+                                     FP16X3, probs, None, scales)

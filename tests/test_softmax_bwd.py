@@ -1,14 +1,18 @@
 """The attention-core operators: their outputs' formats, their PyTorch math (the CPU
 path) and the raw Triton kernels under the interpreter, against the textbook softmax
 backward in float64."""
+import functools
 import math
 
 import pytest
 import torch
 
 from vitattn_bwd import reference, softmax_bwd
+from vitattn_bwd.precision import Products, fused_products
 
 from .helpers import relative_errors
+
+BF16X3 = Products.BF16X3.value          # the operators' products for float operands
 
 
 def _core_inputs(B, H, S, D, dtype=torch.float32, seed=0):
@@ -41,9 +45,9 @@ def test_operators_write_fp16_copies_and_bf16_halves():
     gradients, and [hi | lo] bf16 halves whose sum keeps ~16 mantissa bits."""
     P, grad_attn, q, k, v, scale = _core_inputs(2, 3, 17, 4)
     grad_q16, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        grad_attn, q, k, v, None, scale, probs=P)
+        grad_attn, q, k, v, None, scale, BF16X3, probs=P)
     grad_kv16, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        grad_attn, q, k, v, delta, scale, probs=P)
+        grad_attn, q, k, v, delta, scale, BF16X3, probs=P)
     assert (grad_q16.dtype, grad_q_halves.dtype, grad_kv16.dtype) == (
         torch.float16, torch.bfloat16, torch.float16)
     assert grad_q_halves.shape == (2, 17, 24) and grad_kv_halves.shape == (2, 17, 48)
@@ -72,10 +76,11 @@ def test_operators_of_half_precision_operands(dtype):
     q, k, v, grad_attn = (t.to(dtype) for t in (q, k, v, grad_attn))
     lse, attn_output = _log_sum_exp_and_output(q.double(), k.double(), v.double(), scale)
     attn_output = attn_output.to(dtype)
+    products = fused_products("cpu", None, dtype).value
     grad_q, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
-        grad_attn, q, k, v, attn_output, scale, lse=lse.float())
+        grad_attn, q, k, v, attn_output, scale, products, lse=lse.float())
     grad_kv, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(
-        grad_attn, q, k, v, delta, scale, lse=lse.float())
+        grad_attn, q, k, v, delta, scale, products, lse=lse.float())
     assert grad_q.dtype == grad_kv.dtype == dtype
     assert grad_q_halves.shape == (2, 17, 0) and grad_kv_halves.shape == (2, 17, 0)
     assert delta.dtype == grad_q_sums.dtype == grad_kv_sums.dtype == torch.float32
@@ -88,21 +93,23 @@ def test_operators_of_half_precision_operands(dtype):
     for got, want in ((grad_q, want_q), (grad_kv, torch.cat([want_k, want_v], dim=-1))):
         torch.testing.assert_close(got, want.to(dtype), rtol=0, atol=0)
     torch.library.opcheck(softmax_bwd.softmax_bwd_rows,
-                          (grad_attn, q, k, v, attn_output, scale, None, lse.float()))
+                          (grad_attn, q, k, v, attn_output, scale, products, None,
+                           lse.float()))
     torch.library.opcheck(softmax_bwd.softmax_bwd_cols,
-                          (grad_attn, q, k, v, delta, scale, None, lse.float()))
+                          (grad_attn, q, k, v, delta, scale, products, None, lse.float()))
 
 
 def test_operators_pass_opcheck():
     P, grad_attn, q, k, v, scale = _core_inputs(2, 2, 9, 8)
-    _, _, delta, _ = softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, None, scale, probs=P)
+    _, _, delta, _ = softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, None, scale, BF16X3,
+                                                  probs=P)
     torch.library.opcheck(softmax_bwd.softmax_bwd_rows,
-                          (grad_attn, q, k, v, None, scale, P))
+                          (grad_attn, q, k, v, None, scale, BF16X3, P))
     torch.library.opcheck(softmax_bwd.softmax_bwd_cols,
-                          (grad_attn, q, k, v, delta, scale, P))
+                          (grad_attn, q, k, v, delta, scale, BF16X3, P))
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
     torch.library.opcheck(softmax_bwd.softmax_bwd_rows,
-                          (grad_attn, q, k, v, attn_output, scale, None, lse))
+                          (grad_attn, q, k, v, attn_output, scale, BF16X3, None, lse))
 
 
 # odd lengths, a single row, a length that is a multiple of the blocks, and block shapes
@@ -230,10 +237,10 @@ def test_module_mode_delta_comes_from_the_forward_output():
     heads = reference.split_heads
     want = (heads(grad_attn, 2) * heads(attn_output, 2)).sum(-1)          # [B,H,S]
     _, _, delta, _ = softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, attn_output, scale,
-                                                  lse=lse)
+                                                  BF16X3, lse=lse)
     torch.testing.assert_close(delta, want.float(), rtol=1e-6, atol=1e-6)
     _, _, shifted, _ = softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, attn_output * 1.01,
-                                                    scale, lse=lse)
+                                                    scale, BF16X3, lse=lse)
     torch.testing.assert_close(shifted, (want * 1.01).float(), rtol=1e-6, atol=1e-6)
 
 
@@ -241,7 +248,8 @@ def test_log_sum_exp_without_the_forward_output_is_refused():
     """lse needs attn_output: a clear error, not delta from garbage."""
     _, grad_attn, q, k, v, scale = _core_inputs(1, 2, 9, 8, seed=6)
     lse, _ = _log_sum_exp_and_output(q, k, v, scale)
-    for rows in (softmax_bwd.softmax_bwd_rows, softmax_bwd.launch_rows):
+    for rows in (functools.partial(softmax_bwd.softmax_bwd_rows, products=BF16X3),
+                 softmax_bwd.launch_rows):
         with pytest.raises(ValueError, match="attn_output"):
             rows(grad_attn, q, k, v, None, scale, lse=lse)
 
@@ -254,11 +262,11 @@ def test_probs_and_lse_exactly_one_is_given():
     lse, attn_output = _log_sum_exp_and_output(q, k, v, scale)
     delta = torch.zeros(1, 2, 9)
     calls = [lambda **given: softmax_bwd.softmax_bwd_rows(grad_attn, q, k, v, attn_output,
-                                                          scale, **given),
+                                                          scale, BF16X3, **given),
              lambda **given: softmax_bwd.launch_rows(grad_attn, q, k, v, attn_output, scale,
                                                      **given),
              lambda **given: softmax_bwd.softmax_bwd_cols(grad_attn, q, k, v, delta, scale,
-                                                          **given),
+                                                          BF16X3, **given),
              lambda **given: softmax_bwd.launch_cols(grad_attn, q, k, v, delta, scale,
                                                      **given)]
     for call in calls:
@@ -271,14 +279,14 @@ def test_probs_and_lse_exactly_one_is_given():
     with torch._subclasses.FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in (P, grad_attn, q, k, v, lse, attn_output)]
         with pytest.raises(ValueError, match="got both"):
-            softmax_bwd.softmax_bwd_rows(*fake[1:5], fake[6], scale, probs=fake[0],
-                                         lse=fake[5])
+            softmax_bwd.softmax_bwd_rows(*fake[1:5], fake[6], scale, BF16X3,
+                                         probs=fake[0], lse=fake[5])
     # and the graph's entry point, before any compile
     from vitattn_bwd import graph
     for given, message in ((dict(probs=P, lse=lse), "got both"), ({}, "got neither")):
         with pytest.raises(ValueError, match=f"compiled_backward: .*{message}"):
             graph.compiled_backward(dict(x=grad_attn, **given), scale=scale, norm_eps=1e-5,
-                                    ln_grad="exact")
+                                    ln_grad="exact", products=Products.PLAIN)
 
 
 def test_rows_kernel_takes_delta_from_the_forward_output(triton_interpreter):

@@ -263,24 +263,24 @@ def fp16_operand_scales(grad_attn, q, k, v):
 
 def check_products(q, products, operand_scales):
     """The operators' products (a Products value) for these operands (ValueError
-    otherwise): one product for bf16 / fp16 operands of its dtype, three for float
-    ones, with operand_scales, a float32 [5] tensor, given exactly for fp16x3 (it
-    selects the fp16 halves, which only float32 operands have). Returns the Products."""
+    otherwise): operand_scales, a float32 [5] tensor, given exactly for fp16x3 of
+    float32 operands (it selects the fp16 halves, which only float32 operands have);
+    one product for bf16 / fp16 operands of its dtype, three for float ones. Returns the
+    Products."""
     products = Products(products)
-    one_product = products.half_dtype is not None
-    if products is Products.PLAIN or one_product != (q.dtype in HALF_DTYPES) or (
-            one_product and q.dtype != products.half_dtype):
+    if products.fp16_halves or operand_scales is not None:
+        if (not products.fp16_halves or operand_scales is None or q.dtype != torch.float32
+                or operand_scales.dtype != torch.float32
+                or tuple(operand_scales.shape) != (5,)):
+            got = (None if operand_scales is None
+                   else f"{operand_scales.dtype} {tuple(operand_scales.shape)}")
+            raise ValueError(f"operand_scales must be a float32 [5] tensor (s_do, s_q, s_k, "
+                             f"s_v, s_ds) for float32 operands with products='fp16x3', and "
+                             f"only then; got {got} for {q.dtype} operands with "
+                             f"products={products.value!r}")
+    if products is Products.PLAIN or products.half_dtype not in (None, q.dtype) or (
+            products.half_dtype is None and q.dtype in HALF_DTYPES):
         raise ValueError(f"products={products.value!r} does not run {q.dtype} operands")
-    if not products.fp16_halves and operand_scales is None:
-        return products
-    if (not products.fp16_halves or operand_scales is None or q.dtype != torch.float32
-            or operand_scales.dtype != torch.float32 or tuple(operand_scales.shape) != (5,)):
-        got = (None if operand_scales is None
-               else f"{operand_scales.dtype} {tuple(operand_scales.shape)}")
-        raise ValueError(f"operand_scales must be a float32 [5] tensor (s_do, s_q, s_k, s_v, "
-                         f"s_ds) for float32 operands with products='fp16x3', and only "
-                         f"then; got {got} for {q.dtype} operands with "
-                         f"products={products.value!r}")
     return products
 
 
