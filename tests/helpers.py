@@ -134,7 +134,7 @@ def recorded_half_dtypes(monkeypatch):
     fills as module.attention_block_forward runs (patched for this test only)."""
     from vitattn_bwd import module
     return recorded_calls(monkeypatch, module, "attention_block_forward",
-                          lambda *args: args[10])
+                          lambda *args: args[9].half_dtype)
 
 
 def adamw_losses(model, loss_of, batch_of, steps, lr):

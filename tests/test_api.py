@@ -322,10 +322,12 @@ def test_contract_precision_high_past_its_rows_runs_highest():
     contract's margins at big batches, tests/test_gpu_properties.py); the module's
     log-sum-exp path and an explicit "highest" are unchanged, and the CPU runs plain
     products."""
-    from vitattn_bwd.graph import HIGH_PRECISION_MAX_ROWS, split_precision_of
+    from vitattn_bwd.graph import HIGH_PRECISION_MAX_ROWS, products_for
+    from vitattn_bwd.precision import Products
+    high, highest = Products.BF16X3, Products.FP16X3
     rows = HIGH_PRECISION_MAX_ROWS
-    assert split_precision_of("cuda", "high", rows, True) == "high"
-    assert split_precision_of("cuda", "high", rows + 1, True) == "highest"
-    assert split_precision_of("cuda", "high", rows + 1, False) == "high"
-    assert split_precision_of("cuda", "highest", 1, True) == "highest"
-    assert split_precision_of("cpu", "high", rows + 1, True) is None
+    assert products_for("cuda", high, rows, True) == high
+    assert products_for("cuda", high, rows + 1, True) == highest
+    assert products_for("cuda", high, rows + 1, False) == high
+    assert products_for("cuda", highest, 1, True) == highest
+    assert products_for("cpu", high, rows + 1, True) is Products.PLAIN

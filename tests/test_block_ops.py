@@ -9,6 +9,7 @@ import torch
 
 from vitattn_bwd import VisionAttentionBlock, block_ops, reference
 from vitattn_bwd.module import VisionAttentionFunction
+from vitattn_bwd.precision import fused_products
 
 from .helpers import graph_breaks_and_ops, relative_errors
 
@@ -34,10 +35,15 @@ CASES = [(torch.float32, None), (torch.float64, None), (torch.float32, torch.bfl
          (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]
 
 
+def _products(half_dtype):
+    """The operators' products at precision "high" (one product in half_dtype if given)."""
+    return fused_products("high", half_dtype)
+
+
 @pytest.mark.parametrize("dtype,half_dtype", CASES)
 @pytest.mark.parametrize("batch", [2, 0])
 def test_forward_operator_passes_opcheck(dtype, half_dtype, batch):
-    args = (*_tensors(dtype, batch), H, EPS, "high", half_dtype)
+    args = (*_tensors(dtype, batch), H, EPS, _products(half_dtype).value)
     torch.library.opcheck(FWD, args, test_utils=CHECKS)
 
 
@@ -46,10 +52,11 @@ def test_forward_operator_passes_opcheck(dtype, half_dtype, batch):
 def test_backward_operator_passes_opcheck(dtype, half_dtype, batch):
     tensors = _tensors(dtype, batch, requires_grad=False)
     x, ln_weight, ln_bias, qkv_weight, _, out_weight, _ = tensors
-    _, x_mean, x_var, qkv, lse, attn_output = FWD(*tensors, H, EPS, "high", half_dtype)
+    products = _products(half_dtype).value
+    _, x_mean, x_var, qkv, lse, attn_output = FWD(*tensors, H, EPS, products)
     grad_y = torch.randn_like(x)
     args = (grad_y, x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse,
-            attn_output, out_weight, (E // H) ** -0.5, EPS, "high")
+            attn_output, out_weight, (E // H) ** -0.5, EPS, products)
     torch.library.opcheck(BWD, args, test_utils=CHECKS)
 
 
@@ -58,9 +65,10 @@ def test_real_outputs_are_what_the_fake_implementation_says(dtype, half_dtype):
     """Inductor lays out the code after an opaque operator by its fake outputs' strides:
     the real outputs are contiguous, of the fake's shapes and dtypes."""
     tensors = _tensors(dtype, requires_grad=False)
-    real = FWD(*tensors, H, EPS, "high", half_dtype)
+    products = _products(half_dtype).value
+    real = FWD(*tensors, H, EPS, products)
     with torch._subclasses.FakeTensorMode() as mode:
-        fake = FWD(*(mode.from_tensor(t) for t in tensors), H, EPS, "high", half_dtype)
+        fake = FWD(*(mode.from_tensor(t) for t in tensors), H, EPS, products)
     for r, f in zip(real, fake):
         assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
         assert r.is_contiguous()
@@ -72,7 +80,7 @@ def test_operators_compute_what_the_function_computes(dtype, half_dtype):
     results = []
     for call in (VisionAttentionFunction.apply, block_ops.vision_attention):
         tensors = _tensors(dtype)
-        y = call(*tensors, H, EPS, "high", half_dtype)
+        y = call(*tensors, H, EPS, _products(half_dtype))
         grad_y = torch.randn(y.shape, generator=torch.Generator().manual_seed(2)).to(dtype)
         results.append([y, *torch.autograd.grad(y, tensors, grad_y)])
     for ours, function in zip(*results):

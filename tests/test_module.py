@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from vitattn_bwd import VisionAttentionBlock, reference
+from vitattn_bwd.precision import Products
 from vitattn_bwd.module import (CLIP_KEYS, MOLMO_KEYS, VisionAttentionFunction,
                                 vision_attention)
 
@@ -498,14 +499,18 @@ def _recorded_precisions(monkeypatch):
     calls = []
     forward, backward = module.attention_block_forward, graph.compiled_backward
 
+    def precision_of(products):
+        half_dtype = products.half_dtype
+        return ({"bf16x3": "high", "fp16x3": "highest"}[products.value]
+                if half_dtype is None else str(half_dtype))
+
     def recording_forward(*args):
-        precision, half_dtype = args[9:11]
-        calls.append([precision if half_dtype is None else str(half_dtype)])
+        calls.append([precision_of(args[9])])
         return forward(*args)
 
     def recording_backward(inputs, **options):
         qkv_dtype = inputs["qkv"].dtype
-        calls[-1].append(options["precision"] if qkv_dtype == torch.float32
+        calls[-1].append(precision_of(options["products"]) if qkv_dtype == torch.float32
                          else str(qkv_dtype))
         return backward(inputs, **options)
     monkeypatch.setattr(module, "attention_block_forward", recording_forward)
@@ -666,11 +671,11 @@ def test_cuda_forward_graph_compiled_for_the_cpu_is_float32_grade():
 
     def split_forward(**tensors):
         return forward_graph.block_forward(**tensors, num_heads=4, eps=1e-5,
-                                           split_precision="high")
+                                           products=Products.BF16X3)
     compiled = graph.compile_graph(split_forward, "cpu", "test-", None, (), cuda_graph=False)
     got = compiled(x=x, **params)
     want = forward_graph.block_forward(x=x.double(), **{n: p.double() for n, p in params.items()},
-                                       num_heads=4, eps=1e-5, split_precision=None)
+                                       num_heads=4, eps=1e-5, products=Products.PLAIN)
     names = ("y", "x_mean", "x_var", "qkv", "lse", "attn_output")
     errors = dict(zip(names, relative_errors(list(got), list(want))))
     assert all(err < 8e-6 for err in errors.values()), errors
@@ -705,7 +710,7 @@ def test_compiled_graph_is_one_graph_for_parameters_and_plain_tensors():
 @pytest.mark.parametrize("head_dim,split_attention", [(16, True), (12, False)])
 def test_split_forward_hands_the_kernel_split_operands_only_where_it_applies(
         head_dim, split_attention):
-    """With split_precision the forward gives its attention operator q, k, v as bf16
+    """With three products the forward gives its attention operator q, k, v as bf16
     halves (attention_fwd_split) only for head dims the Triton kernel takes; other head
     dims keep float32 q, k, v (attention_fwd), not the halves' 1e-5 rounding."""
     from vitattn_bwd import attention_fwd, forward_graph
@@ -716,7 +721,7 @@ def test_split_forward_hands_the_kernel_split_operands_only_where_it_applies(
     params = [p.detach() for p in block.parameters()]
     x = torch.randn(2, 9, E)
     _, _, _, qkv, lse, attn_output = forward_graph.block_forward(
-        x, *params, num_heads=H, eps=1e-5, split_precision="high")
+        x, *params, num_heads=H, eps=1e-5, products=Products.BF16X3)
     q, k, v = (split_heads(t, H) for t in qkv.chunk(3, dim=-1))
     float32_output, _ = attention_fwd.attention_fwd(q, k, v, head_dim ** -0.5)
     assert torch.equal(attn_output, float32_output) != split_attention

@@ -15,7 +15,7 @@ FP16X3 = Products.FP16X3.value          # the attention-core operators' "highest
 
 def _graph_products(precision):
     """The CUDA graph's products at a precision (None: plain ones), run on the CPU."""
-    return Products.PLAIN if precision is None else fused_products("cuda", precision)
+    return Products.PLAIN if precision is None else fused_products(precision)
 
 
 def _randn(*shape, seed=0):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from vitattn_bwd import routing
+from vitattn_bwd.precision import fused_products
 from vitattn_bwd.routing import STOCK, STOCK_DETERMINISTIC_ATTENTION, Route
 
 F32, F64, BF16, F16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
@@ -31,7 +32,7 @@ def _route(dtypes=(F32,), x_dtype=None, autocast=None, precision=None,
 
 
 def _fused(precision, half_dtype=None, compute=F32, opaque_ops=False):
-    return Route(stock=False, precision=precision, half_dtype=half_dtype,
+    return Route(stock=False, products=fused_products(precision, half_dtype),
                  compute_dtype=compute, opaque_ops=opaque_ops)
 
 

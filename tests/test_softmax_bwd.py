@@ -76,7 +76,7 @@ def test_operators_of_half_precision_operands(dtype):
     q, k, v, grad_attn = (t.to(dtype) for t in (q, k, v, grad_attn))
     lse, attn_output = _log_sum_exp_and_output(q.double(), k.double(), v.double(), scale)
     attn_output = attn_output.to(dtype)
-    products = fused_products("cpu", None, dtype).value
+    products = fused_products(None, dtype).value
     grad_q, grad_q_halves, delta, grad_q_sums = softmax_bwd.softmax_bwd_rows(
         grad_attn, q, k, v, attn_output, scale, products, lse=lse.float())
     grad_kv, grad_kv_halves, grad_kv_sums = softmax_bwd.softmax_bwd_cols(

@@ -45,6 +45,6 @@ def attention_block_backward(grad_output, x, x_mean, x_var, x_norm, ln_weight, q
     inputs, scale, norm_eps, _ = check_backward_inputs(tensors, scale, norm_eps, num_heads,
                                                        ln_grad, precision, check_finite)
     inputs["probs"] = inputs.pop("attn_weights")           # P: the graph's name for it
-    products = fused_products(inputs["x"].device.type, precision)
+    products = fused_products(precision)
     return BlockGrads(*compiled_backward(inputs, scale=scale, norm_eps=norm_eps,
                                          ln_grad=ln_grad, products=products))

@@ -149,7 +149,8 @@ def attention_block_forward(x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_wei
                       graph.uses_cuda_graph("cuda", B), products)
         outputs = _run_compiled(fn, tensors)
     else:
-        outputs = block_forward(**tensors, num_heads=num_heads, eps=eps, products=products)
+        outputs = block_forward(**tensors, num_heads=num_heads, eps=eps,
+                                products=products.on_device(x.device.type))
     y, x_mean, x_var, qkv, lse, attn_output = outputs
     saved = SavedForBackward(x, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse,
                              attn_output, out_weight)

@@ -380,20 +380,21 @@ def batch_bucket(batch):
     return next(b for b in BATCH_BUCKETS if b[0] <= batch <= b[1])
 
 
-def contract_products(products, rows, probabilities_given):
-    """The products a call runs: `products`, except that with P given (the contract's
-    inputs) bf16x3 past HIGH_PRECISION_MAX_ROWS rows is fp16x3."""
+def products_for(device_type, products, rows, probabilities_given):
+    """The products block_backward runs for a call's `products` (checked by the
+    callers): plain ones off CUDA (Products.on_device), and with P given (the
+    contract's inputs) bf16x3 past HIGH_PRECISION_MAX_ROWS rows is fp16x3."""
     if (products is Products.BF16X3 and probabilities_given
             and rows > HIGH_PRECISION_MAX_ROWS):
-        return Products.FP16X3
-    return products
+        products = Products.FP16X3
+    return products.on_device(device_type)
 
 
 @torch.compiler.disable
 @out_of_memory_as_such
 def compiled_backward(inputs, *, scale, norm_eps, ln_grad, products):
     """Run the compiled graph on a dict of validated tensors at `products` (a
-    precision.Products, adjusted by contract_products). Opaque to an enclosing
+    precision.Products, as products_for adjusts it). Opaque to an enclosing
     torch.compile (of a model using VisionAttentionBlock): our graph is compiled on its
     own, with its own options, and called from there. A device out-of-memory, in the
     compile or the run, raises torch.OutOfMemoryError (errors.py)."""
@@ -404,5 +405,5 @@ def compiled_backward(inputs, *, scale, norm_eps, ln_grad, products):
     num_heads = inputs["lse" if recompute_p else "probs"].shape[1]
     fn = _compile(x.device, x.dtype, S, E, num_heads, scale, norm_eps, ln_grad,
                   batch_bucket(B), uses_cuda_graph(x.device.type, B), tuple(inputs),
-                  contract_products(products, B * S, not recompute_p))
+                  products_for(x.device.type, products, B * S, not recompute_p))
     return fn(**inputs)

@@ -27,7 +27,7 @@ from . import block_ops, deterministic_sdpa, graph, routing
 from .block_ops import autocast_off
 from .forward_graph import SavedForBackward, attention_block_forward
 from .layout import merge_heads, qkv_heads
-from .precision import fused_products
+from .precision import Products
 # where the one-product path runs, and torch's float32 matmul precision (routing.py)
 from .routing import one_product_supported, torch_float32_precision  # noqa: F401
 from .validation import (check_block_inputs, check_config, check_fused_dtypes,
@@ -65,8 +65,8 @@ class VisionAttentionFunction(torch.autograd.Function):
     """The autograd Function: forward math + the fused backward. All seven tensors must
     share one device and one dtype, float32 (or float64 on the CPU); use
     `vision_attention` for any other dtype or under autocast. products: a
-    precision.Products (routing.route's; None: precision "high"'s on the tensors' device,
-    precision.fused_products), carried unchanged to the backward: ONE_BF16 / ONE_FP16
+    precision.Products (routing.route's; BF16X3, precision "high", by default), carried
+    unchanged to the backward: ONE_BF16 / ONE_FP16
     is the one-product path (float32 tensors, or tensors all of that dtype: a bf16 /
     fp16 block; the projections and the attention one product each in that dtype, as
     under autocast). Errors are raised here, in the forward, never
@@ -76,10 +76,8 @@ class VisionAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias,
-                num_heads, eps, products=None, block_checked=False):
+                num_heads, eps, products=Products.BF16X3, block_checked=False):
         params = (ln_weight, ln_bias, qkv_weight, qkv_bias, out_weight, out_bias)
-        if products is None:
-            products = fused_products(x.device.type, "high")
         if block_checked:
             check_fused_dtypes(x, params, products)
         else:

@@ -38,9 +38,10 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class Products(enum.Enum):
-    """The products the fused path runs per matmul: decided once (fused_products, and
-    graph.contract_products for the contract) and carried unchanged from there to the
-    kernels' constexprs. Its value is a string, as torch.library schemas take it."""
+    """The products the fused path runs per matmul: decided once (routing.route through
+    fused_products; on_device and graph.products_for for where and what the backward
+    runs) and carried unchanged from there to the kernels' constexprs. Its value is a
+    string, as torch.library schemas take it."""
     PLAIN = "plain"         # the inputs' own dtype, plain matmuls (the CPU, float64)
     ONE_BF16 = "one_bf16"   # one bf16 product per matmul ("medium")
     ONE_FP16 = "one_fp16"   # one fp16 product per matmul ("medium")
@@ -78,6 +79,13 @@ class Products(enum.Enum):
         2 * width for bf16x3, else 0 (no halves)."""
         return 2 * width if self is Products.BF16X3 else 0
 
+    def on_device(self, device_type):
+        """These products where they run on `device_type`: three products are plain
+        ones off CUDA (float32 or float64 math, as faithful as "highest" asks)."""
+        if device_type != "cuda" and self in (Products.BF16X3, Products.FP16X3):
+            return Products.PLAIN
+        return self
+
     @property
     def graph_tag(self):
         """What names a compiled graph of these products in the cache tag."""
@@ -86,15 +94,11 @@ class Products(enum.Enum):
         return "highest-" if self is Products.FP16X3 else ""
 
 
-def fused_products(device_type, precision, half_dtype=None):
-    """The Products of the fused path on a device: one product in half_dtype where it is
-    given, else for a precision of FUSED_PRECISIONS three products on CUDA ("highest":
-    fp16x3, "high": bf16x3) and plain ones elsewhere (float32 or float64 math, as
-    faithful as "highest" asks)."""
+def fused_products(precision, half_dtype=None):
+    """The Products of the fused path: one product in half_dtype where it is given, else
+    three for a precision of FUSED_PRECISIONS ("highest": fp16x3, "high": bf16x3)."""
     if half_dtype is not None:
         return Products.ONE_BF16 if half_dtype == torch.bfloat16 else Products.ONE_FP16
-    if device_type != "cuda":
-        return Products.PLAIN
     return Products.FP16X3 if precision == "highest" else Products.BF16X3
 
 

@@ -202,5 +202,5 @@ def route(*, device_type, dtypes, x_dtype, autocast_dtype, precision, float32_pr
         compute = torch.float64
     else:
         compute = torch.float32
-    return Route(stock=False, products=fused_products(device_type, precision, half_dtype),
+    return Route(stock=False, products=fused_products(precision, half_dtype),
                  compute_dtype=compute, opaque_ops=compiling)

@@ -295,18 +295,15 @@ def check_fused_inputs(x, params, num_heads, eps, products):
 
 def check_fused_dtypes(x, params, products):
     """The fused path's own conditions on inputs that passed check_block_inputs: a
-    precision.Products that runs on x's device (plain products off CUDA, three on it,
-    or one in a half dtype on either), and the block's inputs all in one dtype of
-    supported_dtypes, or of that half dtype on the one-product path."""
-    if not isinstance(products, Products):
-        raise TypeError(f"products must be a vitattn_bwd.precision.Products, got "
-                        f"{products!r}")
+    precision.Products of the fused path (fused_products'), and the block's inputs all in
+    one dtype of supported_dtypes, or of that half dtype on the one-product path."""
+    if not isinstance(products, Products) or products is Products.PLAIN:
+        raise TypeError(f"products must be a vitattn_bwd.precision.Products other than "
+                        f"PLAIN, got {products!r}")
     half_dtype = products.half_dtype
     if half_dtype is not None and x.dtype not in (torch.float32, half_dtype):
         raise TypeError(f"products {products.value!r} takes float32 tensors or tensors of "
                         f"{half_dtype}, got {x.dtype}")
-    if half_dtype is None and (products is Products.PLAIN) == (x.device.type == "cuda"):
-        raise ValueError(f"products {products.value!r} does not run on {x.device.type}")
     check_dtype(x, supported_dtypes(x.device) + ((half_dtype,) if half_dtype else ()),
                 " (vitattn_bwd.module.vision_attention casts)")
     for name, t in zip(BLOCK_PARAMS, params):
