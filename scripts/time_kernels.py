@@ -56,6 +56,7 @@ from vitattn_bwd.softmax_bwd import TileConfig
 from vitattn_bwd.attention_fwd import attention_fwd_half
 from vitattn_bwd.layer_norm_bwd import LayerNormTiles
 from vitattn_bwd.layout import merge_heads, split_heads
+from vitattn_bwd.precision import Products, fused_products
 from vitattn_bwd.workloads import make_inputs as contract_inputs
 
 S, H, D, E = harness.S, harness.H, harness.D, harness.E
@@ -356,12 +357,14 @@ def half_passes(q, k, v, grad_attn, attn_output, lse, rows_tiles, cols_tiles):
 
     def rows():
         softmax_bwd_gluon.launch_rows(*operands, attn_output, delta, unused, grad_q_sums,
-                                      grad_q, SCALE, rows_tiles, products=1, prefetch=0,
+                                      grad_q, SCALE, rows_tiles,
+                                      products=fused_products(None, q.dtype), prefetch=0,
                                       lse=lse)
 
     def cols():
         softmax_bwd_gluon.launch_cols(*operands, delta, unused, grad_kv_sums, grad_kv, SCALE,
-                                      cols_tiles, products=1, prefetch=0, lse=lse)
+                                      cols_tiles, products=fused_products(None, q.dtype),
+                                      prefetch=0, lse=lse)
     return (rows, cols), (grad_q, grad_kv, delta, grad_q_sums, grad_kv_sums)
 
 
@@ -477,19 +480,19 @@ def head_dim_inputs(batch, seq_len, num_heads, head_dim, seed):
 def gluon_passes(p_or_lse, operands, attn_output, scale, head_dim, products):
     """(rows, cols, grads) closures of the Gluon kernels at any head dim: the launches,
     and their NaN-poisoned outputs (grad_q, grad_kv, delta, ...) read back in float32.
-    operands: the eight (grad_attn, q, k, v) hi / lo tensors; products 3 (bf16 halves)
-    or 1 (bf16, lo = hi)."""
+    operands: the eight (grad_attn, q, k, v) hi / lo tensors; products Products.BF16X3
+    (bf16 halves) or ONE_BF16 (bf16, lo = hi)."""
     batch, num_heads, seq_len, _ = operands[2].shape
     width = num_heads * head_dim
     nan = dict(device="cuda", fill_value=float("nan"))
-    gradient = torch.float16 if products == 3 else operands[0].dtype
-    halves = 2 if products == 3 else 0
+    gradient = products.gradient_dtype
     delta = torch.full((batch, num_heads, seq_len), **nan)
     grad_q16 = torch.full((batch, seq_len, width), dtype=gradient, **nan)
-    grad_q_halves = torch.full((batch, seq_len, halves * width), dtype=torch.bfloat16, **nan)
+    grad_q_halves = torch.full((batch, seq_len, products.halves_width(width)),
+                               dtype=torch.bfloat16, **nan)
     grad_kv16 = torch.full((batch, seq_len, 2 * width), dtype=gradient, **nan)
-    grad_kv_halves = torch.full((batch, seq_len, 2 * halves * width), dtype=torch.bfloat16,
-                                **nan)
+    grad_kv_halves = torch.full((batch, seq_len, products.halves_width(2 * width)),
+                                dtype=torch.bfloat16, **nan)
     groups = softmax_bwd.sum_groups(seq_len)
     grad_q_sums = torch.full((batch, groups, width), **nan)
     grad_kv_sums = torch.full((batch, groups, 2 * width), **nan)
@@ -509,7 +512,7 @@ def gluon_passes(p_or_lse, operands, attn_output, scale, head_dim, products):
                                       **p_or_lse_given)
 
     def grads():
-        if products == 3:
+        if products is Products.BF16X3:
             return (softmax_bwd.float32_from_halves(grad_q_halves),
                     softmax_bwd.float32_from_halves(grad_kv_halves), delta,
                     grad_q16, grad_kv16, grad_q_sums, grad_kv_sums)
@@ -533,7 +536,7 @@ def head_dims_float64_check(seq_len, num_heads, head_dim):
     result = {}
     for mode, p_or_lse, out in (("P given", probs, None), ("recompute", lse, attn_output)):
         rows, cols, grads = gluon_passes(p_or_lse, halves_of(grad_attn, q, k, v), out,
-                                         scale, head_dim, products=3)
+                                         scale, head_dim, products=Products.BF16X3)
         rows()
         cols()
         outputs = grads()
@@ -553,7 +556,7 @@ def head_dims_float64_check(seq_len, num_heads, head_dim):
     rows, cols, grads = gluon_passes(
         torch.logsumexp(logits16, -1).float(),
         [t for t in (grad16, q16, k16, v16) for _ in (0, 1)],
-        merge_heads(probs16 @ v16.double()).bfloat16(), scale, head_dim, products=1)
+        merge_heads(probs16 @ v16.double()).bfloat16(), scale, head_dim, products=Products.ONE_BF16)
     rows()
     cols()
     outputs = grads()
@@ -577,7 +580,7 @@ def head_dims_timings(batch, seq_len, num_heads, head_dim):
     table = []
     operands = halves_of(grad_attn, q, k, v)
     for mode, p_or_lse, out in (("P given", probs, None), ("recompute", lse, attn_output)):
-        rows, cols, _ = gluon_passes(p_or_lse, operands, out, scale, head_dim, products=3)
+        rows, cols, _ = gluon_passes(p_or_lse, operands, out, scale, head_dim, products=Products.BF16X3)
         rows()
         table.append((f"f32 high gluon {mode}", bench_ms(rows) + bench_ms(cols)))
         p_or_lse_given = given(p_or_lse, out)
@@ -593,7 +596,7 @@ def head_dims_timings(batch, seq_len, num_heads, head_dim):
     del probs, operands
     q16, k16, v16, grad16 = (t.bfloat16() for t in (q, k, v, grad_attn))
     rows, cols, _ = gluon_passes(lse, [t for t in (grad16, q16, k16, v16) for _ in (0, 1)],
-                                 attn_output.bfloat16(), scale, head_dim, products=1)
+                                 attn_output.bfloat16(), scale, head_dim, products=Products.ONE_BF16)
     rows()
     table.append(("bf16 gluon recompute", bench_ms(rows) + bench_ms(cols)))
     for name, backend in SDPA_BACKENDS.items():

@@ -12,7 +12,7 @@ import torch
 from vitattn_bwd import launcher, softmax_bwd, softmax_bwd_gluon
 from vitattn_bwd.attention_fwd import attention_fwd_half
 from vitattn_bwd.layout import merge_heads, split_heads
-from vitattn_bwd.precision import split_bf16_rounded, split_fp16
+from vitattn_bwd.precision import Products, fused_products, split_bf16_rounded, split_fp16
 
 from .helpers import jit_path_launch, recorded_jit_runs
 
@@ -166,9 +166,10 @@ def _run_fp16_halves(p_or_lse, grad_attn, q, k, v, attn_output, scale, rows_tile
     given = _given(p_or_lse, attn_output)
     softmax_bwd_gluon.launch_rows(*halves, p_or_lse if attn_output is None else attn_output,
                                   delta, no_halves, grad_q_sums, grad_q, scale, rows_tiles,
-                                  operand_scales=operand_scales, **given)
+                                  Products.FP16X3, operand_scales=operand_scales, **given)
     softmax_bwd_gluon.launch_cols(*halves, delta, no_halves, grad_kv_sums, grad_kv, scale,
-                                  cols_tiles, operand_scales=operand_scales, **given)
+                                  cols_tiles, Products.FP16X3, operand_scales=operand_scales,
+                                  **given)
     return grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums
 
 
@@ -275,9 +276,9 @@ def test_operators_of_the_compiled_graph(recompute):
     placeholder = p_or_lse if attn_output is None else attn_output
     probs, lse = (None, p_or_lse) if recompute else (p_or_lse, None)
     rows = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows(probs, lse, *halves, placeholder,
-                                                        scale, *rows_tiles, 3)  # bf16x3
+                                                        scale, *rows_tiles, "bf16x3")
     cols = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols(probs, lse, *halves, rows[2], scale,
-                                                        *cols_tiles, 3)
+                                                        *cols_tiles, "bf16x3")
     expected = _run(*case, rows_tiles, cols_tiles)
     got = (*rows, *cols)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
@@ -299,10 +300,10 @@ def _run_one_product(lse, grad_attn, q, k, v, attn_output, scale):
     unused = torch.empty(0, device="cuda", dtype=torch.bfloat16)  # no halves
     softmax_bwd_gluon.launch_rows(*operands, attn_output, delta, unused, grad_q_sums, grad_q,
                                   scale, softmax_bwd_gluon.rows_tiles(head_dim)[0],
-                                  products=1, lse=lse)
+                                  products=fused_products(None, q.dtype), lse=lse)
     softmax_bwd_gluon.launch_cols(*operands, delta, unused, grad_kv_sums, grad_kv, scale,
-                                  softmax_bwd_gluon.cols_tiles(head_dim)[0], products=1,
-                                  lse=lse)
+                                  softmax_bwd_gluon.cols_tiles(head_dim)[0],
+                                  products=fused_products(None, q.dtype), lse=lse)
     return grad_q, delta, grad_q_sums, grad_kv, grad_kv_sums
 
 
