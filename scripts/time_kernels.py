@@ -556,7 +556,8 @@ def head_dims_float64_check(seq_len, num_heads, head_dim):
     rows, cols, grads = gluon_passes(
         torch.logsumexp(logits16, -1).float(),
         [t for t in (grad16, q16, k16, v16) for _ in (0, 1)],
-        merge_heads(probs16 @ v16.double()).bfloat16(), scale, head_dim, products=Products.ONE_BF16)
+        merge_heads(probs16 @ v16.double()).bfloat16(), scale, head_dim,
+        products=Products.ONE_BF16)
     rows()
     cols()
     outputs = grads()
@@ -580,7 +581,8 @@ def head_dims_timings(batch, seq_len, num_heads, head_dim):
     table = []
     operands = halves_of(grad_attn, q, k, v)
     for mode, p_or_lse, out in (("P given", probs, None), ("recompute", lse, attn_output)):
-        rows, cols, _ = gluon_passes(p_or_lse, operands, out, scale, head_dim, products=Products.BF16X3)
+        rows, cols, _ = gluon_passes(p_or_lse, operands, out, scale, head_dim,
+                                     products=Products.BF16X3)
         rows()
         table.append((f"f32 high gluon {mode}", bench_ms(rows) + bench_ms(cols)))
         p_or_lse_given = given(p_or_lse, out)
@@ -596,7 +598,8 @@ def head_dims_timings(batch, seq_len, num_heads, head_dim):
     del probs, operands
     q16, k16, v16, grad16 = (t.bfloat16() for t in (q, k, v, grad_attn))
     rows, cols, _ = gluon_passes(lse, [t for t in (grad16, q16, k16, v16) for _ in (0, 1)],
-                                 attn_output.bfloat16(), scale, head_dim, products=Products.ONE_BF16)
+                                 attn_output.bfloat16(), scale, head_dim,
+                                 products=Products.ONE_BF16)
     rows()
     table.append(("bf16 gluon recompute", bench_ms(rows) + bench_ms(cols)))
     for name, backend in SDPA_BACKENDS.items():
