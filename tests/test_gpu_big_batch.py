@@ -43,17 +43,22 @@ def _stock_forward(block, x, dtype):
     return reference.block_forward(x.to(dtype), *params, num_heads=HEADS, eps=block.eps)
 
 
+def _assert_samples_near_float64(block, x, y, samples):
+    """y (the block's output on x) on each of `samples` within 10x of the stock float32
+    block's own error against float64."""
+    for sample in samples:
+        rows = slice(sample, sample + 1)
+        want = _stock_forward(block, x[rows], torch.float64)
+        stock = _stock_forward(block, x[rows], torch.float32)
+        error = relative_error(y[rows], want)
+        assert error < 10 * relative_error(stock, want) + 1e-7, (sample, error)
+
+
 def test_no_grad_forward_past_2_31_elements():
     block = _block()
     x = torch.randn(BATCH, SEQ, EMBED, device="cuda")
     with torch.no_grad():
-        y = block(x)
-        for sample in SAMPLES:
-            rows = slice(sample, sample + 1)
-            want = _stock_forward(block, x[rows], torch.float64)
-            stock = _stock_forward(block, x[rows], torch.float32)
-            error = relative_error(y[rows], want)
-            assert error < 10 * relative_error(stock, want) + 1e-7, (sample, error)
+        _assert_samples_near_float64(block, x, block(x), SAMPLES)
 
 
 def _chunked_grads(block, x, grad_y, dtype):
@@ -121,19 +126,14 @@ def test_contract_past_65535_batch_heads_within_tolerance(monkeypatch):
 
 def test_block_past_65535_batch_heads_no_grad_and_step(monkeypatch):
     """VisionAttentionBlock at batch 4,100 x 16 heads: the no_grad forward on samples
-    either side of the former limit, and one step's outputs, within 10x of the stock
-    float32 block's own error against float64 (TF32 off)."""
+    either side of the former limit within 10x of the stock float32 block's own error
+    against float64, and one step's outputs within the float32-grade bounds (TF32 off)."""
     from .helpers import block_step, block_step_float64
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
     block = VisionAttentionBlock(EMBED, HEADS, precision="high").cuda()
     x = torch.randn(WIDE_BATCH, WIDE_SEQ, EMBED, device="cuda")
     with torch.no_grad():
-        y = block(x)
-    for sample in WIDE_SAMPLES:
-        rows = slice(sample, sample + 1)
-        want = _stock_forward(block, x[rows], torch.float64)
-        stock = _stock_forward(block, x[rows], torch.float32)
-        assert relative_error(y[rows], want) < 10 * relative_error(stock, want) + 1e-7, sample
+        _assert_samples_near_float64(block, x, block(x), WIDE_SAMPLES)
     grad_y = torch.randn_like(x)
     got = block_step(block, x, grad_y)
     want = block_step_float64(block, x, grad_y)
