@@ -100,3 +100,38 @@ def test_a_gluon_without_a_name_the_kernels_use_falls_back(hopper, monkeypatch):
     with pytest.warns(RuntimeWarning, match="lacks barrier"):
         assert softmax_bwd_gluon.compile_failure(90) == "ImportError: this Gluon lacks barrier"
     assert not softmax_bwd_gluon.available(CUDA, torch.float32, 64)
+
+
+@pytest.mark.parametrize("fp16_halves", [False, True])
+def test_a_batch_past_the_grid_rows_launches_in_chunks_of_whole_images(monkeypatch,
+                                                                       fp16_halves):
+    """With MAX_GRID_ROWS cut to 6 (batch * heads rows), 5 images of 3 heads launch as
+    chunks of 2, 2 and 1 images: each launch's grid rows within the cap, every tensor
+    argument the chunk's images (operand_scales, not batched, whole), the constexprs
+    those of the whole batch. (The bits: tests/test_gpu_softmax_bwd_gluon.py.)"""
+    B, H, S, D = 5, 3, 40, 64
+    monkeypatch.setattr(softmax_bwd_gluon, "MAX_GRID_ROWS", 6)
+    launches = []
+    monkeypatch.setattr(softmax_bwd_gluon.launcher, "launch",
+                        lambda kernel, grid, *args, **constexprs: launches.append(
+                            (grid, args, constexprs)))
+    dtype = torch.float16 if fp16_halves else torch.bfloat16
+    halves = [torch.zeros(B, S, H * D, dtype=dtype)] * 2 + [
+        torch.zeros(B, H, S, D, dtype=dtype) for _ in range(6)]
+    lse, delta = torch.zeros(B, H, S), torch.zeros(B, H, S)
+    attn_output = torch.zeros(B, S, H * D)
+    sums = torch.zeros(B, 3, H * D)
+    grad_q16 = torch.zeros(B, S, H * D, dtype=torch.float16)
+    operand_scales = torch.ones(5) if fp16_halves else None
+    products = Products.FP16X3 if fp16_halves else Products.BF16X3
+    softmax_bwd_gluon.launch_rows(*halves, attn_output, delta, torch.zeros(B, S, 0), sums,
+                                  grad_q16, 0.125, softmax_bwd_gluon.ROWS_TILES[0], products,
+                                  operand_scales=operand_scales, lse=lse)
+    assert [grid for grid, _, _ in launches] == [(1, 6), (1, 6), (1, 3)]
+    for (_, args, constexprs), first, count in zip(launches, (0, 2, 4), (2, 2, 1)):
+        assert constexprs["NUM_HEADS"] == H and constexprs["SEQ_LEN"] == S
+        scales = args[9]
+        assert scales is operand_scales if fp16_halves else scales.shape[0] == count
+        for arg in args[:9] + args[10:]:
+            if torch.is_tensor(arg):                     # a view of images [first, +count)
+                assert arg.shape[0] == count and arg.data_ptr() == arg._base[first].data_ptr()

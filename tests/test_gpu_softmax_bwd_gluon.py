@@ -339,3 +339,16 @@ def test_one_product_kernels_read_the_qkv_projection_where_it_lies(dtype, B, H, 
     errors = [(got.double() - w).norm().item() / s for got, w, s in
               zip((grad_q, *grad_kv.chunk(2, dim=-1)), want, scales)]
     assert max(errors) < 2e-2, errors             # bf16 one product: ~2.4e-3 measured
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["P", "lse"])
+def test_a_batch_past_the_grid_rows_has_the_bits_of_one_launch(monkeypatch, recompute):
+    """With MAX_GRID_ROWS cut to 2, 3 images of 2 heads launch one image at a time (at
+    addresses the whole batch's launch does not have: lse's 520-byte images are not
+    16-byte aligned); every output is bitwise what one launch writes."""
+    case = _case(3, 2, 65, recompute)
+    tiles = softmax_bwd_gluon.ROWS_TILES[0], softmax_bwd_gluon.COLS_TILES[0]
+    whole = _run(*case, *tiles)
+    monkeypatch.setattr(softmax_bwd_gluon, "MAX_GRID_ROWS", 2)
+    for got, want in zip(_run(*case, *tiles), whole):
+        assert torch.equal(got, want)

@@ -90,11 +90,10 @@ def padded_resources():
 def test_gluon_kernels_at_a_padded_head_dim(padded_resources):
     """At head dim 72 the Gluon kernels' configured tiles (softmax_bwd_gluon.rows_tiles /
     cols_tiles) fit the shared memory, keep the three waits per tile of head dim 64, and
-    spill nothing, but for the 52 bytes of the cols pass of bf16x3 with P given (the
-    contract's mode, at head dim 64 in the benchmark; softmax_bwd_gluon.WIDE_COLS_TILES;
-    48 before the 1-D grid's program decode)."""
+    spill nothing, but for the 48 bytes of the cols pass of bf16x3 with P given (the
+    contract's mode, at head dim 64 in the benchmark; softmax_bwd_gluon.WIDE_COLS_TILES)."""
     gluon = [(name, r) for name, _, _, r in padded_resources if name.startswith("gluon")]
     assert len(gluon) == 12                    # six modes x two passes x one tile each
     for name, r in gluon:
         assert r["shared_bytes"] <= H200_SHARED_MEMORY and r["waits"] <= 3, (name, r)
-        assert r["spill_stores"] <= (52 if name == "gluon cols" else 0), (name, r)
+        assert r["spill_stores"] <= (48 if name == "gluon cols" else 0), (name, r)

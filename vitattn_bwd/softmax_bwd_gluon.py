@@ -61,16 +61,20 @@ COLS_TILES = (TileConfig(32, 64, 4, 3), TileConfig(64, 64, 4, 2))
 # with P given), the cols pass, which holds two, takes 16 queries per tile (64 x 64
 # spilled 412 bytes, 32 x 64 24-48 in four of its eight variants). Compiled for sm_90
 # at head dim 72 (scripts/kernel_resources.py --head-dim 72): three waits per tile as
-# at 64, at most 128 KB of shared memory, no spills but 52 bytes in the cols pass of
+# at 64, at most 128 KB of shared memory, no spills but 48 bytes in the cols pass of
 # bf16x3 with P given (the contract's mode, whose head dim is 64). At head dim 128
-# (no masks) the register allocation differs: the float32 cols pass spills 92 bytes
-# with P given, 116 with P recomputed (bf16, fp16 and fp16-halves variants none); the
+# (no masks) the register allocation differs: the float32 cols pass spills 124 bytes
+# with P given, 112 with P recomputed (bf16, fp16 and fp16-halves variants none); the
 # Triton templates' cols tiles it is timed against spill 100-504 bytes there. On the
 # H200 at head dims 72 and 80 these tiles ran 3.08 and 0.59 ms (float32 "high", P
 # given, batch 32) against the Triton kernels' 8.86 and 2.39, and a SigLIP-shaped
 # tower's autotuning chose them; 104 and 128 are not timed.
 WIDE_ROWS_TILES = (TileConfig(64, 32, 4, 2),)
 WIDE_COLS_TILES = (TileConfig(16, 64, 4, 3),)
+# The (batch, head) rows of a launch's grid: CUDA caps its second dimension at 65,535.
+# The Triton kernels take a 1-D grid instead; here a block index from `%` on one tripped
+# triton 3.6's Gluon lowering (an LLVM assertion at sequence length 33).
+MAX_GRID_ROWS = 65535
 # Every multiple of 8 up to 128 (softmax_bwd.kernel_head_dim): the kernels pad their
 # tiles to head_tile(head_dim) columns. Checked against float64 on the H200 at 64, 72
 # and 80.
@@ -194,13 +198,12 @@ def _constexprs(qkv_parts, tiles, recompute_p, products, prefetch):
 
 def _check_operand_scales(operand_scales, grad_attn_hi, products):
     """operand_scales is given exactly for fp16x3 (ValueError otherwise); the kernels
-    read it there, and any real pointer elsewhere."""
+    read it there, and any real pointer elsewhere (_launch)."""
     if products.fp16_halves != (operand_scales is not None):
         raise ValueError(f"operand_scales must be given for fp16x3 (fp16 halves) and only "
                          f"then; got products={products.value!r}, operand "
                          f"dtype {grad_attn_hi.dtype}, operand_scales "
                          f"{'given' if operand_scales is not None else 'None'}")
-    return grad_attn_hi if operand_scales is None else operand_scales
 
 
 def _launch(kernel, rows_per_program, probs, halves, pass_args, scale, tiles,
@@ -208,13 +211,21 @@ def _launch(kernel, rows_per_program, probs, halves, pass_args, scale, tiles,
     """Launch a pass's kernel: one program per rows_per_program rows of each (batch,
     head), given the PROBS pointer, the operand halves (grad_attn, q, k, v; hi, lo
     each), the scales (_check_operand_scales), pass_args (the LSE pointer and the pass's
-    other buffers, in the kernel's order), scale and the constexprs."""
-    grad_attn_hi, qkv_halves = halves[0], halves[2:]
-    scales = _check_operand_scales(operand_scales, grad_attn_hi, products)
+    other buffers, in the kernel's order), scale and the constexprs. Every tensor but
+    operand_scales has the batch first, so a batch past MAX_GRID_ROWS // heads launches
+    in chunks of whole images, each program's work unchanged."""
+    qkv_halves = halves[2:]
+    _check_operand_scales(operand_scales, halves[0], products)
     batch, num_heads, seq_len, _ = qkv_halves[0].shape
-    grid = (-(-seq_len // rows_per_program) * batch * num_heads,)  # program_coordinates
-    launcher.launch(kernel, grid, probs, *halves, scales, *pass_args, scale,
-                    **_constexprs(qkv_halves, tiles, recompute_p, products, prefetch))
+    constexprs = _constexprs(qkv_halves, tiles, recompute_p, products, prefetch)
+    chunk = max(1, MAX_GRID_ROWS // num_heads)
+    for start in range(0, batch, chunk):
+        images = slice(start, start + chunk)
+        chunk_halves = [t[images] for t in halves]
+        scales = chunk_halves[0] if operand_scales is None else operand_scales  # any pointer
+        grid = (-(-seq_len // rows_per_program), min(chunk, batch - start) * num_heads)
+        launcher.launch(kernel, grid, probs[images], *chunk_halves, scales,
+                        *(t[images] for t in pass_args), scale, **constexprs)
 
 
 def _written_or_any(halves, any_buffer):

@@ -194,16 +194,14 @@ class PassConstants:
 def program_coordinates(c):
     """This program's (batch, head, first of its OWN_BLOCK rows, batch * NUM_HEADS +
     head, offset of its head in q, k, v, offset of its head's columns in grad_attn
-    [B,S,E]) (c: the pass's PassConstants) on a 1-D grid of cdiv(SEQ_LEN, OWN_BLOCK) *
-    batch * NUM_HEADS programs, a head's blocks adjacent (the grid's first dimension
-    takes any batch * heads); offsets in int64. q, k, v [B,H,S,D] are at element
-    strides (QKV_BATCH_STRIDE, QKV_HEAD_STRIDE, QKV_ROW_STRIDE, 1): contiguous, or views
-    of the module's QKV projection [B,S,3E]."""
-    blocks: gl.constexpr = (c.SEQ_LEN + c.OWN_BLOCK - 1) // c.OWN_BLOCK
-    batch_head = gl.program_id(0) // blocks
-    batch = batch_head // c.NUM_HEADS
-    head = batch_head % c.NUM_HEADS
-    return (batch, head, gl.program_id(0) % blocks * c.OWN_BLOCK, batch_head.to(gl.int64),
+    [B,S,E]) (c: the pass's PassConstants): program ids (row block, batch * NUM_HEADS +
+    head), offsets in int64. q, k, v [B,H,S,D] are at element strides (QKV_BATCH_STRIDE,
+    QKV_HEAD_STRIDE, QKV_ROW_STRIDE, 1): contiguous, or views of the module's QKV
+    projection [B,S,3E]."""
+    batch = gl.program_id(1) // c.NUM_HEADS
+    head = gl.program_id(1) % c.NUM_HEADS
+    batch_head = (batch * c.NUM_HEADS + head).to(gl.int64)
+    return (batch, head, gl.program_id(0) * c.OWN_BLOCK, batch_head,
             batch.to(gl.int64) * c.QKV_BATCH_STRIDE + head.to(gl.int64) * c.QKV_HEAD_STRIDE,
             batch.to(gl.int64) * c.SEQ_LEN * c.NUM_HEADS * c.HEAD_DIM + head * c.HEAD_DIM)
 
@@ -521,8 +519,8 @@ def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                             OPERAND_SMEM: gl.constexpr, QKV_BATCH_STRIDE: gl.constexpr,
                             QKV_HEAD_STRIDE: gl.constexpr, QKV_ROW_STRIDE: gl.constexpr,
                             num_warps: gl.constexpr):
-    """dK, dV of keys [n_start, n_start + BLOCK_N) of one (batch, head)
-    (program_coordinates). Outputs as kernels/softmax_bwd.py's cols
+    """dK, dV of keys [n_start, n_start + BLOCK_N) of one (batch, head): program ids
+    (key block, batch * NUM_HEADS + head). Outputs as kernels/softmax_bwd.py's cols
     kernel: GRAD_KV16 [B,S,2E] fp16 (dK | dV), GRAD_KV_HALVES [B,S,4E] bf16, GRAD_KV_SUMS
     [B,G,2E] float32. P is read from PROBS, or with RECOMPUTE_P recomputed from LSE
     [B,H,S] (the other is not read). SCALES: float32 [5], read with fp16 halves only."""
@@ -646,8 +644,8 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
                             OPERAND_SMEM: gl.constexpr, QKV_BATCH_STRIDE: gl.constexpr,
                             QKV_HEAD_STRIDE: gl.constexpr, QKV_ROW_STRIDE: gl.constexpr,
                             num_warps: gl.constexpr):
-    """dQ and delta of queries [m_start, m_start + BLOCK_M) of one (batch, head)
-    (program_coordinates). Outputs as
+    """dQ and delta of queries [m_start, m_start + BLOCK_M) of one (batch, head):
+    program ids (query block, batch * NUM_HEADS + head). Outputs as
     kernels/softmax_bwd.py's rows kernel: GRAD_Q16 [B,S,E] fp16, GRAD_Q_HALVES [B,S,2E]
     bf16, DELTA [B,H,S], GRAD_Q_SUMS [B,G,E] float32. P is read from PROBS, or with RECOMPUTE_P recomputed
     from LSE [B,H,S], delta = rowsum(dO * O) then coming from ATTN_OUT [B,S,E]; the other
