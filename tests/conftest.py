@@ -12,15 +12,6 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Under pytest-xdist on the CPU the workers share the cores: each worker's torch ops and
-# Inductor's C++ kernels (OpenMP) get cores / workers threads, so that -n 2 on 2 cores
-# does not run 4 spinning OpenMP threads; the subprocesses a test starts inherit it.
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if not HAS_CUDA and _WORKERS > 1:
-    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
-    os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
-    torch.set_num_threads(_THREADS)
-
 # Each new shape is a new Inductor compile (seconds on the CPU): keep examples few in CI.
 settings.register_profile("ci", max_examples=6, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
