@@ -59,6 +59,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 
 
+# Under pytest-xdist each worker is a process of its own: a worker hands its property
+# runs' stats to the controller (workeroutput), which prints them with its own.
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        from .strategies import RUN_STATS
+        workeroutput["vitattn_run_stats"] = RUN_STATS
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):            # the controller, as each worker ends
+    from .strategies import RUN_STATS
+    RUN_STATS.update(getattr(node, "workeroutput", {}).get("vitattn_run_stats", {}))
+
+
 def pytest_terminal_summary(terminalreporter):
     """What each property run of tests/strategies.run_property did: examples, time, and
     the largest relative error per output (for the notes on the GPU profile's runs)."""
