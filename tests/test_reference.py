@@ -6,6 +6,7 @@ from torch import nn
 
 from vitattn_bwd import reference
 from vitattn_bwd.forward_graph import attention_block_forward
+from vitattn_bwd.precision import Products
 from vitattn_bwd.workloads import OUTPUT_NAMES
 
 
@@ -25,7 +26,7 @@ def test_exact_mode_equals_autograd_of_plain_block(B, S, E, H):
     autograd = torch.autograd.grad(y, [x, *params], grad_y)
 
     _, saved, scale = attention_block_forward(x.detach(), *[p.detach() for p in params],
-                                              num_heads=H, eps=1e-5)
+                                              num_heads=H, eps=1e-5, products=Products.PLAIN)
     (x_, x_mean, x_var, ln_weight, ln_bias, qkv_weight, qkv, lse, attn, out_weight) = saved
     q, k, v = (reference.split_heads(t, H) for t in qkv.chunk(3, dim=-1))
     x_norm = (x_ - x_mean) * torch.rsqrt(x_var + 1e-5) * ln_weight + ln_bias
