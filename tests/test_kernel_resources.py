@@ -3,7 +3,7 @@ LayerNorm backward, the split GEMM), with every tile configuration we launch or 
 max-autotune choose, compiled for the H100/H200 (sm_90) here on the CPU (Triton's front
 end and the ptxas it runs; no GPU), with the installed triton and with the newest one
 (.ci/run): it fits the 227 KB of shared memory a block may use and spills no
-registers. A spilling tile runs at a fraction of the tensor cores' rate
+registers (but SPILL_BYTES). A spilling tile runs at a fraction of the tensor cores' rate
 (docs/performance.md), and nothing else would notice."""
 
 import pytest
