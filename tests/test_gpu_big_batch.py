@@ -13,9 +13,11 @@ take about a minute each; max-autotune several."""
 import pytest
 import torch
 
-from vitattn_bwd import VisionAttentionBlock, reference
+from vitattn_bwd import VisionAttentionBlock, contract, reference
+from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs, within_tolerance
 
-from .helpers import float32_grade_bound, relative_error
+from .helpers import (block_step, block_step_float64, float32_grade_bound,
+                      reference_grads, relative_error)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_tf32")]
 
@@ -110,10 +112,6 @@ WIDE_SAMPLES = [0, 4095, 4096, WIDE_BATCH - 1]     # either side of the former l
 
 
 def test_contract_past_65535_batch_heads_within_tolerance(monkeypatch):
-    from vitattn_bwd import contract
-    from vitattn_bwd.workloads import OUTPUT_NAMES, make_inputs, within_tolerance
-
-    from .helpers import reference_grads
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
     generator = torch.Generator(device="cuda").manual_seed(0)
     inputs = make_inputs(WIDE_BATCH, seq_len=WIDE_SEQ, device="cuda", generator=generator)
@@ -128,7 +126,6 @@ def test_block_past_65535_batch_heads_no_grad_and_step(monkeypatch):
     """VisionAttentionBlock at batch 4,100 x 16 heads: the no_grad forward on samples
     either side of the former limit within 10x of the stock float32 block's own error
     against float64, and one step's outputs within the float32-grade bounds (TF32 off)."""
-    from .helpers import block_step, block_step_float64
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
     block = VisionAttentionBlock(EMBED, HEADS, precision="high").cuda()
     x = torch.randn(WIDE_BATCH, WIDE_SEQ, EMBED, device="cuda")

@@ -232,8 +232,9 @@ def block_backward(grad_output, x, x_mean, x_var, ln_weight, qkv_weight, attn_ou
     dtype), every gradient is returned in that dtype.
 
     One of probs, P [B,H,S,S] (the contract's), and lse, its row log-sum-exp [B,H,S]
-    (VisionAttentionBlock saves only that; the attention core recomputes P), is given. q, k, v [B,H,S,D] may instead come
-    whole as the QKV projection qkv [B,S,3E] (the module saves it so: one contiguous
+    (VisionAttentionBlock saves only that; the attention core recomputes P), is given.
+    q, k, v [B,H,S,D] may instead come whole as the QKV projection qkv [B,S,3E] (the
+    module saves it so: one contiguous
     tensor for a CUDA graph's static input, not three strided views). x_norm may be left
     out (None) with ln_bias given: it is recomputed from x and the LayerNorm
     statistics."""

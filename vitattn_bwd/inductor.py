@@ -274,9 +274,11 @@ def _gluon_choices():
     """(rows, cols) ExternKernelChoices of the Gluon kernels (one per process)."""
     rows_op = torch.ops.vitattn_bwd.gluon_softmax_bwd_rows.default
     cols_op = torch.ops.vitattn_bwd.gluon_softmax_bwd_cols.default
-    return (ExternKernelChoice(softmax_bwd_gluon.rows_out, name="vitattn_gluon_softmax_bwd_rows",
+    return (ExternKernelChoice(softmax_bwd_gluon.rows_out,
+                               name="vitattn_gluon_softmax_bwd_rows",
                                kernel_creator=_gluon_node(rows_op)),
-            ExternKernelChoice(softmax_bwd_gluon.cols_out, name="vitattn_gluon_softmax_bwd_cols",
+            ExternKernelChoice(softmax_bwd_gluon.cols_out,
+                               name="vitattn_gluon_softmax_bwd_cols",
                                kernel_creator=_gluon_node(cols_op)))
 
 
@@ -306,7 +308,7 @@ def _selected_outputs(template, choices, inputs, layout, template_outputs):
 
 def _template_applies(tensor_node, head_dim):
     return softmax_bwd.triton_supports(tensor_node.get_device().type,
-                                          tensor_node.get_dtype(), head_dim)
+                                       tensor_node.get_dtype(), head_dim)
 
 
 def _kernels_apply(tensor_node, head_dim, fp16_halves):
@@ -314,8 +316,8 @@ def _kernels_apply(tensor_node, head_dim, fp16_halves):
     halves), or the Gluon kernels (Hopper; float32, bf16 and fp16). Elsewhere the
     operator's own implementation runs."""
     return ((_template_applies(tensor_node, head_dim) and not fp16_halves)
-            or softmax_bwd_gluon.available(tensor_node.get_device(), tensor_node.get_dtype(),
-                                    head_dim))
+            or softmax_bwd_gluon.available(tensor_node.get_device(),
+                                           tensor_node.get_dtype(), head_dim))
 
 
 def _contiguous(node):
@@ -503,7 +505,8 @@ def _lower_pass(op, grad_attn, q, k, v, pass_input, scale, products_value, probs
         inputs.append(operand_scales)
     pass_index = 0 if rows else 1
     template = _templates()[pass_index]
-    gluon_tiles = (softmax_bwd_gluon.rows_tiles, softmax_bwd_gluon.cols_tiles)[pass_index](head_dim)
+    gluon_tiles = (softmax_bwd_gluon.rows_tiles,
+                   softmax_bwd_gluon.cols_tiles)[pass_index](head_dim)
     recompute_p = lse is not None
     choices = _gluon_tile_choices(_gluon_choices()[pass_index], gluon_tiles, k, head_dim,
                                   inputs, layout, scale, products, recompute_p)

@@ -117,7 +117,7 @@ def fused_kernels_for(device, head_dim):
     math counts (the CPU path exists for correctness, and is what the CPU tests
     check)."""
     return device.type == "cpu" or softmax_bwd.triton_supports(device.type,
-                                                                   torch.float32, head_dim)
+                                                                torch.float32, head_dim)
 
 
 def torch_func_transform_active(compiling):

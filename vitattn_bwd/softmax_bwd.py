@@ -27,10 +27,10 @@ import torch
 
 from . import buffers
 from .layout import merge_heads, split_heads
-from .validation import check_probs_or_lse
 from .precision import (FP16_TOP_EXPONENT, HALF_DTYPES, Products, exponents_of,
                         fp16_scale, power_of_two_scale, powers_of_two,
                         split_bf16_rounded, split_bf16_truncated)
+from .validation import check_probs_or_lse
 
 
 class TileConfig(NamedTuple):
@@ -310,9 +310,9 @@ def softmax_bwd_rows(grad_attn: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     attn_output [B,S,E]; the contract's attn_output is drawn apart from its P, so with P
     it is not used); grad_attn [B,S,E], heads merged; q, k, v [B,H,S,D]. By `products`
     (precision.Products' value, check_products):
-    - "bf16x3", float32 operands: every product bf16x3. The fp16 copies feed the QKV weight-gradient GEMM,
-      the bf16 halves the bf16x3 QKV input-gradient GEMM (graph.py); hi + lo is the
-      gradient to about 16 mantissa bits.
+    - "bf16x3", float32 operands: every product bf16x3. The fp16 copies feed the QKV
+      weight-gradient GEMM, the bf16 halves the bf16x3 QKV input-gradient GEMM
+      (graph.py); hi + lo is the gradient to about 16 mantissa bits.
     - "fp16x3", float32 operands with operand_scales (precision "highest";
       `fp16_operand_scales`): float32
       [5], the powers of two (s_do, s_q, s_k, s_v) that bring grad_attn, q, k and v into

@@ -210,10 +210,11 @@ def _launch(kernel, rows_per_program, probs, halves, pass_args, scale, tiles,
             recompute_p, products, prefetch, operand_scales):
     """Launch a pass's kernel: one program per rows_per_program rows of each (batch,
     head), given the PROBS pointer, the operand halves (grad_attn, q, k, v; hi, lo
-    each), the scales (_check_operand_scales), pass_args (the LSE pointer and the pass's
-    other buffers, in the kernel's order), scale and the constexprs. Every tensor but
-    operand_scales has the batch first, so a batch past MAX_GRID_ROWS // heads launches
-    in chunks of whole images, each program's work unchanged."""
+    each), pass_args (the LSE pointer and the pass's other buffers, in the kernel's
+    order), scale, the constexprs and operand_scales (fp16x3's; SCALES is any real
+    pointer elsewhere: _check_operand_scales). Every tensor but operand_scales has the
+    batch first, so a batch past MAX_GRID_ROWS // heads launches in chunks of whole
+    images, each program's work unchanged."""
     qkv_halves = halves[2:]
     _check_operand_scales(operand_scales, halves[0], products)
     batch, num_heads, seq_len, _ = qkv_halves[0].shape
@@ -237,8 +238,7 @@ def _written_or_any(halves, any_buffer):
 def launch_rows(grad_attn_hi, grad_attn_lo, q_hi, q_lo, k_hi, k_lo, v_hi, v_lo,
                 attn_output, delta, grad_q_halves, grad_q_sums, grad_q16, scale, tiles,
                 products=Products.BF16X3, prefetch=ROWS_PREFETCH, operand_scales=None, *,
-                probs=None,
-                lse=None):
+                probs=None, lse=None):
     from .kernels.softmax_bwd_gluon import softmax_bwd_rows_kernel
     recompute_p = check_probs_or_lse("softmax_bwd_gluon.launch_rows", probs, lse)
     probs, lse = probs_and_lse_pointers(probs, lse)
@@ -323,8 +323,8 @@ def cols_outputs(q_hi, products, empty=_new_empty):
 # (autograd layer, per-call aliasing checks) took 0.22 ms of its own per call
 # (scripts/profile_host.py). Their outputs are new tensors and never need a gradient.
 _LIBRARY = torch.library.Library("vitattn_bwd", "FRAGMENT")
-_OPERANDS = ("Tensor? probs, Tensor? lse, Tensor grad_attn_hi, Tensor grad_attn_lo, Tensor q_hi, "
-             "Tensor q_lo, Tensor k_hi, Tensor k_lo, Tensor v_hi, Tensor v_lo")
+_OPERANDS = ("Tensor? probs, Tensor? lse, Tensor grad_attn_hi, Tensor grad_attn_lo, "
+             "Tensor q_hi, Tensor q_lo, Tensor k_hi, Tensor k_lo, Tensor v_hi, Tensor v_lo")
 _TILES = ("float scale, int block_m, int block_n, int num_warps, int num_stages, "
           "str products, Tensor? operand_scales=None")
 _LIBRARY.define(f"gluon_softmax_bwd_rows({_OPERANDS}, Tensor attn_output, {_TILES}) "

@@ -108,4 +108,5 @@ def attention_fwd_kernel(Q_HI, Q_LO, K_HI, K_LO, V_HI, V_LO, ATTN_OUTPUT, LSE,
                                              SEQ_LEN * NUM_HEADS * HEAD_DIM, HEAD_DIM,
                                              NUM_HEADS * HEAD_DIM, HEAD_DIM),
              attn_output, mask=head_tile_mask(row_ok, HEAD_DIM))
-    tl.store(LSE + (batch * NUM_HEADS + head).to(tl.int64) * SEQ_LEN + offs_m, lse, mask=row_ok)
+    tl.store(LSE + (batch * NUM_HEADS + head).to(tl.int64) * SEQ_LEN + offs_m, lse,
+             mask=row_ok)

@@ -510,7 +510,8 @@ def store_cols_outputs(GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS, grad_k, grad_v, 
 
 @gluon.jit
 def softmax_bwd_cols_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI, K_LO,
-                            V_HI, V_LO, SCALES, LSE, DELTA, GRAD_KV16, GRAD_KV_HALVES, GRAD_KV_SUMS,
+                            V_HI, V_LO, SCALES, LSE, DELTA, GRAD_KV16, GRAD_KV_HALVES,
+                            GRAD_KV_SUMS,
                             scale, SEQ_LEN: gl.constexpr, NUM_HEADS: gl.constexpr,
                             HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
@@ -647,8 +648,9 @@ def softmax_bwd_rows_kernel(PROBS, GRAD_ATTN_HI, GRAD_ATTN_LO, Q_HI, Q_LO, K_HI,
     """dQ and delta of queries [m_start, m_start + BLOCK_M) of one (batch, head):
     program ids (query block, batch * NUM_HEADS + head). Outputs as
     kernels/softmax_bwd.py's rows kernel: GRAD_Q16 [B,S,E] fp16, GRAD_Q_HALVES [B,S,2E]
-    bf16, DELTA [B,H,S], GRAD_Q_SUMS [B,G,E] float32. P is read from PROBS, or with RECOMPUTE_P recomputed
-    from LSE [B,H,S], delta = rowsum(dO * O) then coming from ATTN_OUT [B,S,E]; the other
+    bf16, DELTA [B,H,S], GRAD_Q_SUMS [B,G,E] float32. P is read from PROBS, or with
+    RECOMPUTE_P recomputed from LSE [B,H,S], delta = rowsum(dO * O) then coming from
+    ATTN_OUT [B,S,E]; the other
     of PROBS and LSE, and ATTN_OUT with P given, are not read. SCALES: float32 [5], read
     with fp16 halves only; DELTA is stored unscaled."""
     c = PassConstants(True, SEQ_LEN, NUM_HEADS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES,
