@@ -21,10 +21,12 @@ def resources(request):
     return {attention_bwd_ws.WsTiles(*tiles): r for tiles, r in report}
 
 
+@pytest.mark.sm90_compile
 def test_every_configuration_is_compiled(resources):
     assert set(resources) == set(attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES)
 
 
+@pytest.mark.sm90_compile
 def test_products_are_asynchronous(resources):
     """Five products per query tile (S and dP over head dim 64, dV, dK and dQ over 128
     queries or keys: 4 or 8 HGMMAs of k = 16 each per warpgroup), all in flight between
@@ -36,6 +38,7 @@ def test_products_are_asynchronous(resources):
         assert r["serialized"] == [], (tiles, r)
 
 
+@pytest.mark.sm90_compile
 def test_registers_move_from_the_workers_to_the_consumers(resources):
     """setmaxnreg: the producer and dQ-writer warps take their configuration's few
     registers per thread, the consumers 224 or more."""
@@ -48,6 +51,7 @@ def test_registers_move_from_the_workers_to_the_consumers(resources):
 SM_REGISTERS = 65536
 
 
+@pytest.mark.sm90_compile
 def test_configured_tiles_fit_without_spills_in_the_walk(resources, request):
     """Every configuration's launch fits the register file (maxnreg x threads; at 184
     registers the 384 threads of two consumer warpgroups did not launch), and as many

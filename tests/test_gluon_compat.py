@@ -59,6 +59,7 @@ def test_the_installed_gluon_has_every_name_the_kernels_use():
     assert gluon_compat.cta_barrier is not None and gluon_compat.async_load is not None
 
 
+@pytest.mark.sm90_compile
 @pytest.mark.parametrize("label", list(triton_environments()))
 def test_the_kernels_compile_for_sm90(label):
     """compile_failure(90) in a subprocess (the interpreter that conftest turns on for

@@ -10,6 +10,8 @@ import pytest
 
 from .helpers import H200_SHARED_MEMORY, sm90_compile_report, triton_environments
 
+pytestmark = pytest.mark.sm90_compile
+
 
 @pytest.fixture(scope="module", params=list(triton_environments()))
 def resources(request):

@@ -113,6 +113,7 @@ def report():
     print(json.dumps(result))
 
 
+@pytest.mark.sm90_compile
 @pytest.mark.parametrize("label", list(triton_environments()))
 def test_arguments_with_the_same_facts_get_the_same_specialization(label):
     pytest.importorskip("triton.backends.nvidia")
