@@ -270,9 +270,11 @@ def test_under_the_flag_the_block_stays_one_graph(attention_calls, warn_only):
 
 def test_supported_where_the_warp_specialized_kernel_compiles(monkeypatch):
     """On a machine that says its CUDA device is an sm_90: the operators run in bf16 and
-    fp16 at head dim 64 where this triton compiles the kernel, and not where it does not
-    (compile_failure's reason), whatever the two-pass Gluon kernels do."""
+    fp16 at head dim 64 where triton compiles the kernel, and not where it does not
+    (compile_failure's reason), whatever the two-pass Gluon kernels do. The compile's
+    verdict is stood in for (see test_attention_bwd_ws's named_once test for why)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(attention_bwd_ws, "compile_failure", lambda: None)
     cuda = torch.device("cuda")
     assert deterministic_sdpa.supported(cuda, torch.bfloat16, 64)
     assert deterministic_sdpa.supported(cuda, torch.float16, 64)
