@@ -185,8 +185,10 @@ def main():
     cache.use_cache_dir(args.cache_dir)
     cold = first_calls(args)
     cache.write_fingerprint(args.cache_dir)
-    print(f"cold: {sum(cold.values()):.1f} s for {len(cold)} first calls; cache in "
-          f"{args.cache_dir}")
+    counted = compile_counters()
+    print(f"cold: {sum(cold.values()):.1f} s for {len(cold)} first calls "
+          f"({counted['fxgraph_cache_miss']} Inductor compiles, "
+          f"{counted['fxgraph_cache_hit']} cache hits); cache in {args.cache_dir}")
 
     warm = verify(args)
     single = verify(args, {"TORCHINDUCTOR_COMPILE_THREADS": "1"}) \
