@@ -489,7 +489,7 @@ def deterministic(on, fill=True):
         torch.utils.deterministic.fill_uninitialized_memory = was_fill
 
 
-# the settings of the deterministic and restart suites (--settings)
+# the settings of the deterministic, restart, host and halves suites (--settings)
 SETTINGS = ("autocast", "float32 high")
 
 
@@ -665,7 +665,7 @@ def suite_host(args, device, record):
     seq_len, embed_dim, heads = (577, 1024, 16) if cuda else (65, 128, 4)
     torch.set_float32_matmul_precision("high")
     hf_layer = encoder_layers(hf_tower(device, 1))[0]         # E, heads as above
-    for setting in ("autocast", "float32 high"):
+    for setting in args.settings:
         amp = autocast_region(device, setting == "autocast")
         for batch in args.batch_sizes or ([1, 8, 32] if cuda else [1, 2]):
             torch.manual_seed(0)
@@ -1114,8 +1114,8 @@ def main(argv=None):
                         choices=("highest", "high"), help="default: %(default)s "
                         "(integrations: the first only)")
     parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
-                        help="deterministic, restart and halves suites: the settings to "
-                        "run (default: both)")
+                        help="deterministic, restart, host and halves suites: the settings "
+                        "to run (default: both)")
     parser.add_argument("--compiled", action="store_true", help="deterministic suite: "
                         "torch.compile(stock) and torch.compile(swapped) too (+~3 min)")
     parser.add_argument("--precisions", nargs="+",
