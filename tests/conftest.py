@@ -107,16 +107,14 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def pytest_collection_modifyitems(config, items):
+    skips = {}                                  # marker -> why its tests skip here
+    if not HAS_CUDA:
+        skips["gpu"] = "needs a CUDA GPU"
     # The sm_90 compiles (minutes of ptxas on 2 cores) are CI's second step, with the
     # installed triton and the newest one, not part of the README's test command.
     if not config.getoption("--sm90-compiles"):
-        skip = pytest.mark.skip(reason="compiles for sm_90: run with --sm90-compiles")
-        for item in items:
-            if "sm90_compile" in item.keywords:
-                item.add_marker(skip)
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+        skips["sm90_compile"] = "compiles for sm_90: run with --sm90-compiles"
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for marker, reason in skips.items():
+            if marker in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=reason))
