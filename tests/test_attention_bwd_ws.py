@@ -12,7 +12,9 @@ from .helpers import (H200_SHARED_MEMORY, sm90_compile_report, triton_environmen
                       triton_version_in)
 
 
-@pytest.fixture(scope="module", params=list(triton_environments()))
+# the sm90_compile mark on each param marks every test that takes the report
+@pytest.fixture(scope="module", params=[pytest.param(label, marks=pytest.mark.sm90_compile)
+                                        for label in triton_environments()])
 def resources(request):
     """{tiles: resources} from scripts/time_kernels.py --kernel core_ws --sm90 with each
     triton."""
@@ -21,12 +23,10 @@ def resources(request):
     return {attention_bwd_ws.WsTiles(*tiles): r for tiles, r in report}
 
 
-@pytest.mark.sm90_compile
 def test_every_configuration_is_compiled(resources):
     assert set(resources) == set(attention_bwd_ws.TILES + attention_bwd_ws.CANDIDATE_TILES)
 
 
-@pytest.mark.sm90_compile
 def test_products_are_asynchronous(resources):
     """Five products per query tile (S and dP over head dim 64, dV, dK and dQ over 128
     queries or keys: 4 or 8 HGMMAs of k = 16 each per warpgroup), all in flight between
@@ -38,7 +38,6 @@ def test_products_are_asynchronous(resources):
         assert r["serialized"] == [], (tiles, r)
 
 
-@pytest.mark.sm90_compile
 def test_registers_move_from_the_workers_to_the_consumers(resources):
     """setmaxnreg: the producer and dQ-writer warps take their configuration's few
     registers per thread, the consumers 224 or more."""
@@ -51,7 +50,6 @@ def test_registers_move_from_the_workers_to_the_consumers(resources):
 SM_REGISTERS = 65536
 
 
-@pytest.mark.sm90_compile
 def test_configured_tiles_fit_without_spills_in_the_walk(resources, request):
     """Every configuration's launch fits the register file (maxnreg x threads; at 184
     registers the 384 threads of two consumer warpgroups did not launch), and as many
