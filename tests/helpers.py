@@ -35,10 +35,23 @@ def make_case(B, S, H, D, dtype=torch.float32, seed=0, device="cpu"):
                        dtype=dtype, generator=g)
 
 
-def reference_grads(inputs, num_heads, ln_grad, dtype=torch.float64, device="cpu"):
-    args = {name: (t.to(device=device, dtype=dtype) if torch.is_tensor(t) else t)
-            for name, t in inputs.items()}
-    return reference.attention_block_backward(**args, num_heads=num_heads, ln_grad=ln_grad)
+def reference_grads(inputs, num_heads, ln_grad, dtype=torch.float64, device="cpu",
+                    chunk=None):
+    """The seven gradients by the reference in `dtype` on `device`; with `chunk`, over
+    that many samples at a time (grad_x concatenated, the weight gradients summed), so
+    that a large batch's float64 P and its gradients fit the device."""
+    batch = inputs["x"].shape[0]
+    chunk = chunk or batch
+    parts = []
+    for start in range(0, batch, chunk):
+        # the per-sample inputs have 3 or more dimensions; the weights fewer
+        args = {name: (t[start:start + chunk] if t.dim() >= 3 else t)
+                .to(device=device, dtype=dtype) if torch.is_tensor(t) else t
+                for name, t in inputs.items()}
+        parts.append(reference.attention_block_backward(**args, num_heads=num_heads,
+                                                        ln_grad=ln_grad))
+    grad_x = torch.cat([p[0] for p in parts])
+    return (grad_x, *(sum(p[i] for p in parts) for i in range(1, len(OUTPUT_NAMES))))
 
 
 def block_step(block, x, grad_y):

@@ -116,21 +116,26 @@ def test_contract_past_65535_batch_heads_within_tolerance(monkeypatch):
     generator = torch.Generator(device="cuda").manual_seed(0)
     inputs = make_inputs(WIDE_BATCH, seq_len=WIDE_SEQ, device="cuda", generator=generator)
     got = contract.run(*inputs.values())
-    refs = reference_grads(inputs, HEADS, "contract", device="cuda")
+    # float64 P of the whole batch and its gradients would not fit an 80 GB card
+    refs = reference_grads(inputs, HEADS, "contract", device="cuda", chunk=1025)
     for name, out, ref in zip(OUTPUT_NAMES, got, refs):
         ok, matched = within_tolerance(out, ref)
         assert ok, (name, matched)
 
 
 def test_block_past_65535_batch_heads_no_grad_and_step(monkeypatch):
-    """VisionAttentionBlock at batch 4,100 x 16 heads: the no_grad forward on samples
-    either side of the former limit within 10x of the stock float32 block's own error
-    against float64, and one step's outputs within the float32-grade bounds (TF32 off)."""
+    """VisionAttentionBlock (precision "high": bf16x3 products) at batch 4,100 x 16
+    heads: the no_grad forward on samples either side of the former limit, and one
+    step's outputs, within the float32-grade bounds against float64 (TF32 off)."""
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
     block = VisionAttentionBlock(EMBED, HEADS, precision="high").cuda()
     x = torch.randn(WIDE_BATCH, WIDE_SEQ, EMBED, device="cuda")
     with torch.no_grad():
-        _assert_samples_near_float64(block, x, block(x), WIDE_SAMPLES)
+        y = block(x)
+        for sample in WIDE_SAMPLES:
+            rows = slice(sample, sample + 1)
+            want = _stock_forward(block, x[rows], torch.float64)
+            assert relative_error(y[rows], want) < float32_grade_bound("y"), sample
     grad_y = torch.randn_like(x)
     got = block_step(block, x, grad_y)
     want = block_step_float64(block, x, grad_y)

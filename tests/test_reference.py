@@ -112,3 +112,16 @@ def test_production_modules_do_not_import_the_reference():
             if any(n.split(".")[-1] == "reference" for n in names):
                 importers.append(path.relative_to(package).as_posix())
     assert importers == []
+
+
+def test_reference_over_chunks_of_the_batch_equals_the_whole_batch():
+    """tests/helpers.reference_grads with `chunk` (the GPU big-batch test's float64
+    reference, which does not fit an 80 GB card whole): grad_x concatenated and the
+    weight gradients summed over chunks equal the whole batch's, to float64 rounding."""
+    from tests.helpers import make_case, reference_grads
+    inputs = make_case(5, 7, 2, 8)
+    whole = reference_grads(inputs, 2, "contract")
+    chunked = reference_grads(inputs, 2, "contract", chunk=2)
+    for name, got, want in zip(OUTPUT_NAMES, chunked, whole):
+        assert got.shape == want.shape, name
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13, msg=name)
