@@ -89,3 +89,22 @@ def test_the_compiled_forward_raises_out_of_memory():
 
     with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
         forward_graph._run_compiled(out_of_memory, {})
+
+
+def test_a_failed_allocation_in_the_cpp_wrapper_is_out_of_memory():
+    """Inductor's C++ wrapper (which launches the CUDA graphs' kernels) reports a buffer
+    it cannot allocate as a RuntimeError naming the failed call, without the allocator's
+    message: here a real one, from a CPU graph whose intermediate (400,000 x 2^20
+    float32, 1.6 TB) cannot be allocated, reaches the caller as torch.OutOfMemoryError."""
+    def grow(x, w):
+        return (x @ w).relu().sum(0)                          # [B, 2^20] in between
+
+    run = out_of_memory_as_such(torch.compile(grow, dynamic=False,
+                                              options={"cpp_wrapper": True}))
+    w = torch.randn(8, 2 ** 20)
+    assert run(torch.ones(2, 8), w).shape == (2 ** 20,)
+    x = torch.randn(400_000, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    with pytest.raises(torch.OutOfMemoryError, match="could not allocate") as raised:
+        run(x, w)
+    assert isinstance(raised.value.__cause__, RuntimeError)

@@ -1,10 +1,17 @@
 """Errors as the caller expects them: an out-of-memory anywhere in our calls, also inside
 Inductor's compile and autotuning (where it arrives wrapped: InductorError,
-BackendCompilerFailed, LoweringException), reaches the caller as torch.OutOfMemoryError,
-chained to what was raised, so that `except torch.OutOfMemoryError` catches it."""
+BackendCompilerFailed, LoweringException) and inside the C++ wrapper that launches a CUDA
+graph's kernels (where it arrives as a failed allocation call), reaches the caller as
+torch.OutOfMemoryError, chained to what was raised, so that `except
+torch.OutOfMemoryError` catches it."""
 import functools
 
 import torch
+
+# What Inductor's C++ wrapper (graph.CPP_WRAPPER_DEVICES) raises when a buffer cannot be
+# allocated: "aoti_torch_empty_strided(...) API call failed at ..."; the allocator's own
+# error (CUDA out of memory) goes only to the log.
+CPP_WRAPPER_ALLOCATION = "aoti_torch_empty_strided("
 
 
 def _chain(error):
@@ -22,12 +29,14 @@ def _chain(error):
 
 def out_of_memory_in(error):
     """The device out-of-memory behind `error`, or None: a torch.OutOfMemoryError in its
-    chain, or one whose message Inductor copied into a new exception ("CUDA out of
-    memory"). A kernel's shared memory or registers running out (triton's
-    OutOfResources) is not device memory and is not one."""
+    chain, one whose message Inductor copied into a new exception ("CUDA out of
+    memory"), or the C++ wrapper's failed allocation. A kernel's shared memory or
+    registers running out (triton's OutOfResources) is not device memory and is not
+    one."""
     chain = _chain(error)
     return next((e for e in chain if isinstance(e, torch.OutOfMemoryError)),
-                next((e for e in chain if "CUDA out of memory" in str(e)), None))
+                next((e for e in chain if "CUDA out of memory" in str(e)
+                      or CPP_WRAPPER_ALLOCATION in str(e)), None))
 
 
 def out_of_memory_as_such(fn):
@@ -43,5 +52,8 @@ def out_of_memory_as_such(fn):
             cause = out_of_memory_in(error)
             if cause is None:
                 raise
-            raise torch.OutOfMemoryError(str(cause)) from error
+            message = str(cause)
+            if CPP_WRAPPER_ALLOCATION in message:
+                message = f"out of memory: a compiled graph could not allocate a buffer ({message})"
+            raise torch.OutOfMemoryError(message) from error
     return wrapper
