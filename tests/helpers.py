@@ -40,16 +40,17 @@ def reference_grads(inputs, num_heads, ln_grad, dtype=torch.float64, device="cpu
     """The seven gradients by the reference in `dtype` on `device`; with `chunk`, over
     that many samples at a time (grad_x concatenated, the weight gradients summed), so
     that a large batch's float64 P and its gradients fit the device."""
-    batch = inputs["x"].shape[0]
-    chunk = chunk or batch
-    parts = []
-    for start in range(0, batch, chunk):
+    def grads_of(rows):
         # the per-sample inputs have 3 or more dimensions; the weights fewer
-        args = {name: (t[start:start + chunk] if t.dim() >= 3 else t)
-                .to(device=device, dtype=dtype) if torch.is_tensor(t) else t
-                for name, t in inputs.items()}
-        parts.append(reference.attention_block_backward(**args, num_heads=num_heads,
-                                                        ln_grad=ln_grad))
+        args = {name: (t[rows] if t.dim() >= 3 else t).to(device=device, dtype=dtype)
+                if torch.is_tensor(t) else t for name, t in inputs.items()}
+        return reference.attention_block_backward(**args, num_heads=num_heads,
+                                                  ln_grad=ln_grad)
+
+    batch = inputs["x"].shape[0]
+    if chunk is None or chunk >= batch:
+        return grads_of(slice(None))
+    parts = [grads_of(slice(start, start + chunk)) for start in range(0, batch, chunk)]
     grad_x = torch.cat([p[0] for p in parts])
     return (grad_x, *(sum(p[i] for p in parts) for i in range(1, len(OUTPUT_NAMES))))
 
