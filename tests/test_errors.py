@@ -1,6 +1,8 @@
 """A device out-of-memory raised inside our calls, also wrapped by Inductor's compile,
 reaches the caller as torch.OutOfMemoryError (vitattn_bwd/errors.py); other errors, and a
 kernel's shared memory running out, stay as they are."""
+import threading
+
 import pytest
 import torch
 from torch._inductor.exc import InductorError, LoweringException
@@ -91,11 +93,27 @@ def test_the_compiled_forward_raises_out_of_memory():
         forward_graph._run_compiled(out_of_memory, {})
 
 
+class _GrowInBackward(torch.autograd.Function):
+    """Identity whose backward first calls `run` on `too_big` (as the module's backward
+    calls its compiled graph on autograd's thread)."""
+
+    @staticmethod
+    def forward(ctx, x, run, too_big, w):
+        ctx.run, ctx.too_big, ctx.w = run, too_big, w
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.run(ctx.too_big, ctx.w)
+        return grad, None, None, None
+
+
 def test_a_failed_allocation_in_the_cpp_wrapper_is_out_of_memory():
     """Inductor's C++ wrapper (which launches the CUDA graphs' kernels) reports a buffer
     it cannot allocate as a RuntimeError naming the failed call, without the allocator's
     message: here a real one, from a CPU graph whose intermediate (400,000 x 2^20
-    float32, 1.6 TB) cannot be allocated, reaches the caller as torch.OutOfMemoryError."""
+    float32, 1.6 TB) cannot be allocated, reaches the caller as torch.OutOfMemoryError,
+    from the main thread and from a backward run on another thread alike."""
     def grow(x, w):
         return (x @ w).relu().sum(0)                          # [B, 2^20] in between
 
@@ -108,3 +126,16 @@ def test_a_failed_allocation_in_the_cpp_wrapper_is_out_of_memory():
     with pytest.raises(torch.OutOfMemoryError, match="could not allocate") as raised:
         run(x, w)
     assert isinstance(raised.value.__cause__, RuntimeError)
+
+    raised_in_thread = []
+
+    def step():
+        leaf = torch.ones(2, 8, requires_grad=True)
+        try:
+            _GrowInBackward.apply(leaf, run, x, w).sum().backward()
+        except Exception as error:
+            raised_in_thread.append(error)
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert [type(e) for e in raised_in_thread] == [torch.OutOfMemoryError]
