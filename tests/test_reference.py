@@ -9,6 +9,8 @@ from vitattn_bwd.forward_graph import attention_block_forward
 from vitattn_bwd.precision import Products
 from vitattn_bwd.workloads import OUTPUT_NAMES
 
+from .helpers import make_case, reference_grads
+
 
 def _block_params(E, dtype=torch.float64):
     g = torch.Generator().manual_seed(1)
@@ -118,7 +120,6 @@ def test_reference_over_chunks_of_the_batch_equals_the_whole_batch():
     """tests/helpers.reference_grads with `chunk` (the GPU big-batch test's float64
     reference, which does not fit an 80 GB card whole): grad_x concatenated and the
     weight gradients summed over chunks equal the whole batch's, to float64 rounding."""
-    from tests.helpers import make_case, reference_grads
     inputs = make_case(5, 7, 2, 8)
     whole = reference_grads(inputs, 2, "contract")
     chunked = reference_grads(inputs, 2, "contract", chunk=2)
