@@ -3,7 +3,8 @@ Inductor's compile and autotuning (where it arrives wrapped: InductorError,
 BackendCompilerFailed, LoweringException) and inside the C++ wrapper that launches a CUDA
 graph's kernels (where it arrives as a failed allocation call), reaches the caller as
 torch.OutOfMemoryError, chained to what was raised, so that `except
-torch.OutOfMemoryError` catches it."""
+torch.OutOfMemoryError` catches it. Not reached on CUDA with torch 2.11: there a failed
+allocation inside the C++ wrapper crashed the process (docs/testing.md)."""
 import functools
 
 import torch
