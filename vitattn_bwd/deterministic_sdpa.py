@@ -38,13 +38,20 @@ _LIBRARY.define("sdpa_ws_bwd(Tensor grad_attn, Tensor qkv, Tensor attn, Tensor l
                 "int num_heads) -> Tensor")
 
 
-@torch.compiler.assume_constant_result
 def supported(device, dtype, head_dim):
     """Whether the operators run for `dtype` activations at `head_dim` on `device`:
     Hopper GPUs whose triton compiles the warp-specialized kernel
-    (attention_bwd_ws.compile_failure), bf16 or fp16, head dims in HEAD_DIMS. Constant
-    for a process, so torch.compile reads it once when tracing."""
-    return (device.type == "cuda" and dtype in HALF_DTYPES and head_dim in HEAD_DIMS
+    (attention_bwd_ws.compile_failure), bf16 or fp16, head dims in HEAD_DIMS. The head
+    dim is compared outside `_runs_on`: under torch.compile(dynamic=True) it is symbolic,
+    which torch 2.11 cannot pass to a constant-result function."""
+    return _runs_on(device, dtype) and head_dim in HEAD_DIMS
+
+
+@torch.compiler.assume_constant_result
+def _runs_on(device, dtype):
+    """supported's device and dtype part: constant for a process, so torch.compile reads
+    it once when tracing."""
+    return (device.type == "cuda" and dtype in HALF_DTYPES
             and torch.cuda.get_device_capability(device)[0] == 9
             and attention_bwd_ws.compile_failure() is None)
 

@@ -103,8 +103,14 @@ def available(device, dtype, head_dim):
     """The Gluon kernels run on Hopper (compute capability 9.x) CUDA devices, for
     float32, bfloat16 and float16 inputs and the head dims in HEAD_DIMS (multiples of 8
     up to 128), with a Triton whose Gluon compiles them (compile_failure)."""
-    if (device.type != "cuda" or dtype not in (torch.float32, *HALF_DTYPES)
-            or head_dim not in HEAD_DIMS):
+    return head_dim in HEAD_DIMS and runs_on(device, dtype)
+
+
+@torch.compiler.assume_constant_result
+def runs_on(device, dtype):
+    """available's device and dtype part: constant for a process, so torch.compile reads
+    it once when tracing."""
+    if device.type != "cuda" or dtype not in (torch.float32, *HALF_DTYPES):
         return False
     major, minor = torch.cuda.get_device_capability(device)
     return major == 9 and compile_failure(10 * major + minor) is None
