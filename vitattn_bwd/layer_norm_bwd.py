@@ -94,6 +94,14 @@ def launch(grad_output, part0, part1, part2, part3, unscale, x, x_mean, x_var, l
     return grad_x, partial_sums
 
 
+def _traceable(kernel):
+    """wrap_triton(kernel), so that Inductor sees the kernel it traces; under Triton's
+    interpreter (TRITON_INTERPRET=1, the CPU tests) the kernel itself, as torch 2.13's
+    wrap_triton returns it, where torch 2.11's raises."""
+    from triton.runtime.jit import JITFunction
+    return wrap_triton(kernel) if isinstance(kernel, JITFunction) else kernel
+
+
 @triton_op("vitattn_bwd::fused_layer_norm_backward", mutates_args=())
 def fused_layer_norm_backward(grad_output: torch.Tensor, part0: torch.Tensor,
                               part1: torch.Tensor, part2: Optional[torch.Tensor],
@@ -104,7 +112,7 @@ def fused_layer_norm_backward(grad_output: torch.Tensor, part0: torch.Tensor,
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_x, partial_sums = launch(grad_output, part0, part1, part2, part3, unscale, x,
                                   x_mean, x_var, ln_weight, norm_eps, exact,
-                                  launcher=wrap_triton)
+                                  launcher=_traceable)
     # three tensors of their own (not views of one [3,E] sum: they become three .grad)
     grad_ln_weight, grad_ln_bias, grad_out_bias = (sums.sum(0) for sums in partial_sums)
     return grad_x, grad_ln_weight, grad_ln_bias, grad_out_bias
