@@ -108,19 +108,38 @@ class _GrowInBackward(torch.autograd.Function):
         return grad, None, None, None
 
 
+_DOUBLED_CALLS = []
+
+
+@torch.library.custom_op("vitattn_bwd_tests::doubled", mutates_args=())
+def _doubled(x: torch.Tensor, how: str) -> torch.Tensor:
+    """2x, counted: a custom op with a str argument, as the Gluon operators' `products`
+    (torch 2.11's C++ wrapper calls such an op back in Python)."""
+    _DOUBLED_CALLS.append(how)
+    return x * 2
+
+
+@_doubled.register_fake
+def _(x, how):
+    return torch.empty_like(x)
+
+
 def test_a_failed_allocation_in_the_cpp_wrapper_is_out_of_memory():
     """Inductor's C++ wrapper (which launches the CUDA graphs' kernels) reports a buffer
     it cannot allocate as a RuntimeError naming the failed call, without the allocator's
     message: here a real one, from a CPU graph whose intermediate (400,000 x 2^20
-    float32, 1.6 TB) cannot be allocated, reaches the caller as torch.OutOfMemoryError,
-    from the main thread and from a backward run on another thread alike."""
+    float32, 1.6 TB) cannot be allocated after a custom op with a str argument ran,
+    reaches the caller as torch.OutOfMemoryError, from the main thread and from a
+    backward run on another thread alike."""
     def grow(x, w):
+        x = _doubled(x, "twice")
         return (x @ w).relu().sum(0)                          # [B, 2^20] in between
 
     run = out_of_memory_as_such(torch.compile(grow, dynamic=False,
                                               options={"cpp_wrapper": True}))
     w = torch.randn(8, 2 ** 20)
-    assert run(torch.ones(2, 8), w).shape == (2 ** 20,)
+    torch.testing.assert_close(run(torch.ones(2, 8), w), (2 * w.sum(0)).relu() * 2)
+    assert _DOUBLED_CALLS == ["twice"]                        # ran inside the graph
     x = torch.randn(400_000, 8)
     torch._dynamo.mark_dynamic(x, 0)
     with pytest.raises(torch.OutOfMemoryError, match="could not allocate") as raised:
