@@ -72,10 +72,9 @@ def one_product_supported(device, dtype, head_dim):
     """Where the one-product path (bf16 / fp16 activations, the attention core's
     one-product kernels) runs: on Hopper GPUs with Gluon (softmax_bwd_gluon.available), and on
     the CPU (the same graph with PyTorch math, for correctness). Elsewhere precision
-    "medium" runs the fused float32 path at "high" instead (route). The head dim is
-    compared outside the constant-result part, as in deterministic_sdpa.supported."""
-    return device.type == "cpu" or (head_dim in softmax_bwd_gluon.HEAD_DIMS
-                                    and softmax_bwd_gluon.runs_on(device, dtype))
+    "medium" runs the fused float32 path at "high" instead (route). torch.compile reads
+    its device and dtype part once (softmax_bwd_gluon.runs_on)."""
+    return device.type == "cpu" or softmax_bwd_gluon.available(device, dtype, head_dim)
 
 
 def torch_float32_precision():
