@@ -119,3 +119,38 @@ def test_signatures_are_captured_again_after_dynamo_drops_fns_graphs(monkeypatch
     for x in (small, small, large, large):
         assert torch.equal(never(x=x)[0], x * 2)
     assert len(_FakeCaptured.captures) == 2
+
+
+def test_a_signature_met_while_another_pool_takes_allocations_is_captured_later(
+        monkeypatch):
+    """While another pool takes the thread's allocations (Inductor's CUDA graph trees
+    warming up), a new signature and a stale one (after dynamo dropped fn's graphs) run
+    fn directly, leaving nothing of a capture in that pool; a captured, current one still
+    replays; each is captured at its next call outside."""
+    from vitattn_bwd import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "_Captured", _FakeCaptured)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)   # CPU tensors' index
+    monkeypatch.setattr(_FakeCaptured, "captures", [])
+    compiled, warming_up, calls = [True], [False], []
+
+    def fn(x):
+        compiled[0] = True
+        calls.append(x.numel())
+        return (x + 1,)
+    graphed = cuda_graphs.GraphedCall(fn, lambda: compiled[0],
+                                      pool_taken=lambda device_index: warming_up[0])
+    small, large = torch.zeros(2), torch.zeros(3)
+    assert torch.equal(graphed(x=small)[0], small + 1)        # captured outside
+    warming_up[0] = True
+    for x in (large, small):            # new: runs directly; captured: replays
+        assert torch.equal(graphed(x=x)[0], x + 1)
+    assert _FakeCaptured.captures == [[("x", (2,))]]
+    compiled[0] = False                 # torch._dynamo.reset()
+    calls.clear()
+    assert torch.equal(graphed(x=small)[0], small + 1)        # stale: runs directly
+    assert calls == [2] and len(_FakeCaptured.captures) == 1
+    warming_up[0] = False
+    for x in (large, small, large, small):
+        assert torch.equal(graphed(x=x)[0], x + 1)
+    assert _FakeCaptured.captures[1:] == [[("x", (3,))], [("x", (2,))]]

@@ -225,26 +225,35 @@ def test_large_batch_compiled_forward_without_cuda_graphs(monkeypatch):
     _check(block, x, torch.randn_like(x))
 
 
-@pytest.mark.parametrize("reset", [False, True], ids=["no_reset", "after_dynamo_reset"])
-def test_reduce_overhead_compile_after_eager_steps_at_a_graphed_batch(monkeypatch, reset):
-    """torch.compile(block, mode="reduce-overhead") at a batch our own CUDA graphs replay,
-    after eager steps of the same block there (and after torch._dynamo.reset(), which
-    drops our compiled graphs but not our CUDA graphs): Inductor's CUDA graph trees warm
-    up, then record a step with our operators inside (which run their compiled graphs
-    directly there and must compile nothing: a compile fails the capture), then replay
-    it; each step gives the eager step's bits."""
+@pytest.mark.parametrize("order", ["eager_first", "eager_then_dynamo_reset", "compiled_first"])
+def test_reduce_overhead_compile_at_a_graphed_batch(monkeypatch, order):
+    """torch.compile(block, mode="reduce-overhead") at a batch our own CUDA graphs replay:
+    after eager steps of the same block there, also after torch._dynamo.reset() (which
+    drops our compiled graphs but not our CUDA graphs), or before any step at that
+    signature. Inductor's CUDA graph trees warm up (our operators, meeting the signature
+    new or stale there, run their compiled graphs directly: a capture of ours would
+    leave memory in the trees' pool, which their checks refuse), then record a step
+    with our operators inside (which must compile nothing: a compile fails the
+    capture), then replay it; each step gives the eager step's bits."""
     monkeypatch.setenv("VITATTN_BWD_COMPILE_MODE", "default")    # no GEMM autotuning
     block = _block(precision="high")               # our operators at any batch
     torch.manual_seed(5)
-    x = torch.randn(BATCH, SEQ, EMBED, device=DEVICE)
+    # a token count no other test meets: the compiled-first order meets it new
+    seq = 321 if order == "compiled_first" else SEQ
+    x = torch.randn(BATCH, seq, EMBED, device=DEVICE)
     grad_y = torch.randn_like(x)
-    eager = block_step(block, x, grad_y)
-    if reset:
+    if order != "compiled_first":
+        eager = block_step(block, x, grad_y)
+    if order == "eager_then_dynamo_reset":
         torch._dynamo.reset()
     compiled = torch.compile(block, mode="reduce-overhead")
+    steps = {}
     for step in ("warm-up", "record", "replay"):
         torch.compiler.cudagraph_mark_step_begin()
-        got = [t.clone() for t in block_step(compiled, x, grad_y)]
+        steps[step] = [t.clone() for t in block_step(compiled, x, grad_y)]
+    if order == "compiled_first":
+        eager = block_step(block, x, grad_y)       # captures our CUDA graphs now
+    for step, got in steps.items():
         assert all(torch.equal(g, e) for g, e in zip(got, eager)), step
 
 

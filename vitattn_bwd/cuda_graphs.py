@@ -8,7 +8,8 @@ call copies its inputs into the static buffers, replays, and copies its outputs 
 Nothing is compiled or allocated after capture, so every replay launches the same
 kernels. A call made while the caller itself captures (torch.compile's "reduce-overhead",
 a torch.cuda.graph block) runs the function directly, so that its kernels join the
-caller's graph.
+caller's graph; so does a first call made while another pool takes the thread's
+allocations (the warm-up of torch.compile's CUDA graph trees), captured at a later call.
 
 Not Inductor's CUDA graph trees: their state and memory pool are per device and shared
 by every thread, and torch 2.11 neither serializes their capture across threads nor sets
@@ -105,6 +106,12 @@ class GraphedCall:
     compile there (a capture allows no compile): a compiled fn must have met the same
     kinds of inputs outside the capture.
 
+    `pool_taken(device_index)` says whether another memory pool takes this thread's
+    allocations on that GPU (Inductor's CUDA graph trees warming up). A capture then
+    would leave its static inputs and graph memory in that pool, which must hold only
+    what its owner tracks: a signature met there (new, or stale as below) runs fn
+    directly, and is captured at its next call outside.
+
     `holds_compiled`, for a compiled fn, says whether dynamo holds fn's compiled graphs.
     torch._dynamo.reset() drops them but not the graphs captured here: replays alone
     would leave fn uncompiled until a run inside the caller's capture (torch.compile's
@@ -121,9 +128,10 @@ class GraphedCall:
     its graph's memory pool (about the call's inputs and intermediates) for the life of
     the instance."""
 
-    def __init__(self, fn, holds_compiled=lambda: True):
+    def __init__(self, fn, holds_compiled=lambda: True, pool_taken=lambda device_index: False):
         self.fn = fn
         self._holds_compiled = holds_compiled
+        self._pool_taken = pool_taken
         self._graphs = {}              # signature -> _Captured, or None: runs directly
         self._held = None              # holds_compiled() after the last capture or look
         self._stale = set()            # signatures captured before fn's graphs were dropped
@@ -141,12 +149,15 @@ class GraphedCall:
         on_device = (contextlib.nullcontext() if device.index == torch.cuda.current_device()
                      else torch.cuda.device(device))
         with self._lock, on_device:
+            captured = self._graphs.get(key)
             if key in self._graphs:
-                captured = self._graphs[key]
                 if captured is None:
                     return tuple(self.fn(**inputs))
                 if not self._is_stale(key):
                     return captured.replay(inputs)
+            if self._pool_taken(device.index):
+                return tuple(self.fn(**inputs))        # captured at a call outside
+            if captured is not None:                   # stale
                 if captured.done is not None:
                     captured.done.synchronize()        # its last replay, before it goes
                 del self._graphs[key]

@@ -300,7 +300,7 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
     call."""
     cache.load_env_cache_once()
     # importing inductor registers the lowerings
-    from .inductor import compile_options, holds_compiled_graphs
+    from .inductor import compile_options, cudagraph_trees_warming_up, holds_compiled_graphs
     smallest_batch = 1 if batch_bucket is None else batch_bucket[0]
     options = compile_options(f"{cache.cache_key_tag()}-{name}batch{smallest_batch}",
                               max_autotune=_max_autotune(device_type),
@@ -316,7 +316,8 @@ def compile_graph(fn, device_type, name, batch_bucket, batched_inputs, cuda_grap
                 # marked would have its batch dynamic in the caller's graphs too
                 torch._dynamo.mark_dynamic(tensors[input_name], 0)
         return compiled(**tensors)
-    call = (GraphedCall(run, lambda: holds_compiled_graphs(own_fn.__code__)) if cuda_graph
+    call = (GraphedCall(run, lambda: holds_compiled_graphs(own_fn.__code__),
+                        pool_taken=cudagraph_trees_warming_up) if cuda_graph
             else run)
     # detach: a plain tensor object of its own, not requiring grad, on the same storage
     return lambda **tensors: call(**{name: _row_major(t.detach())

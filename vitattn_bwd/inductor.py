@@ -1,7 +1,9 @@
 """Everything that touches Inductor's and dynamo's private API: the compile options
 (with the tag that puts our sources into Inductor's cache key), the attention-core and
 split-GEMM Triton templates with their lowerings (so max-autotune weighs their configs),
-and whether dynamo still holds a function's compiled graphs (`holds_compiled_graphs`).
+whether dynamo still holds a function's compiled graphs (`holds_compiled_graphs`), and
+whether Inductor's CUDA graph trees are warming up on this thread
+(`cudagraph_trees_warming_up`).
 
 Checked against torch 2.11 (the GPU machine), 2.13 (CPU development) and 2.14.1; the
 differences between versions are handled here and nowhere else. A missing API raises an
@@ -18,6 +20,7 @@ configs); bf16 / fp16 operands (the module's one-product path) go to them alone.
 import contextlib
 import functools
 import inspect
+import sys
 import weakref
 
 import sympy
@@ -98,6 +101,24 @@ def holds_compiled_graphs(code):
     torch._dynamo.reset() / torch.compiler.reset(), which drop every compiled graph.
     About 1 us on the host."""
     return bool(_debug_get_cache_entry_list(code))
+
+
+def cudagraph_trees_warming_up(device_index):
+    """Whether this thread runs inside a warm-up run of Inductor's CUDA graph trees
+    (torch.compile's "reduce-overhead") on GPU `device_index`: their memory pool then
+    takes every allocation this thread makes, and must hold only what their graph
+    returns. Such a run switches to its tree manager's stream, so the current stream
+    tells. No trees in use (the module never imported, none set up on this thread or
+    device): False."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is None:
+        return False
+    name = "tree_manager_containers"
+    if not hasattr(trees.local, name) and not torch._C._is_key_in_tls(name):
+        return False
+    container = trees.get_obj(trees.local, name).get(device_index)
+    manager = None if container is None else container.tree_manager
+    return manager is not None and torch.cuda.current_stream(device_index) == manager.stream
 
 
 # ---- the attention-core templates ----------------------------------------------------
