@@ -5,8 +5,9 @@ whether dynamo still holds a function's compiled graphs (`holds_compiled_graphs`
 whether Inductor's CUDA graph trees are warming up on this thread
 (`cudagraph_trees_warming_up`).
 
-Checked against torch 2.11 (the GPU machine), 2.13 (CPU development) and 2.14.1; the
-differences between versions are handled here and nowhere else. A missing API raises an
+Checked against torch 2.11 (the GPU machine), 2.13 (CPU development), 2.14.1 and 2.15;
+the differences of this private API between versions are handled here and nowhere else
+(public API that differs, as wrap_triton under the interpreter, beside its one user). A missing API raises an
 ImportError naming the torch version: the package never falls back silently.
 
 The templates paste the device code of kernels/softmax_bwd.py (and kernels/split_gemm.py)
