@@ -7,8 +7,9 @@ whether Inductor's CUDA graph trees are warming up on this thread
 
 Checked against torch 2.11 (the GPU machine), 2.13 (CPU development), 2.14.1 and 2.15;
 the differences of this private API between versions are handled here and nowhere else
-(public API that differs, as wrap_triton under the interpreter, beside its one user). A missing API raises an
-ImportError naming the torch version: the package never falls back silently.
+(public API that differs, as wrap_triton under the interpreter, beside its one user). A
+missing API raises an ImportError naming the torch version: the package never falls back
+silently.
 
 The templates paste the device code of kernels/softmax_bwd.py (and kernels/split_gemm.py)
 verbatim behind a thin entry point, so the kernels tested under TRITON_INTERPRET=1 are
@@ -119,7 +120,8 @@ def cudagraph_trees_warming_up(device_index):
         return False
     container = trees.get_obj(trees.local, name).get(device_index)
     manager = None if container is None else container.tree_manager
-    return manager is not None and torch.cuda.current_stream(device_index) == manager.stream
+    return (manager is not None
+            and torch.cuda.current_stream(device_index) == manager.stream)
 
 
 # ---- the attention-core templates ----------------------------------------------------

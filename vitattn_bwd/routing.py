@@ -73,7 +73,7 @@ def one_product_supported(device, dtype, head_dim):
     one-product kernels) runs: on Hopper GPUs with Gluon (softmax_bwd_gluon.available), and on
     the CPU (the same graph with PyTorch math, for correctness). Elsewhere precision
     "medium" runs the fused float32 path at "high" instead (route). torch.compile reads
-    its device and dtype part once (softmax_bwd_gluon.runs_on)."""
+    its device and dtype part once (softmax_bwd_gluon.available)."""
     return device.type == "cpu" or softmax_bwd_gluon.available(device, dtype, head_dim)
 
 

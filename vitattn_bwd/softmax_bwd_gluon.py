@@ -102,12 +102,14 @@ COLS_PREFETCH = 2
 def available(device, dtype, head_dim):
     """The Gluon kernels run on Hopper (compute capability 9.x) CUDA devices, for
     float32, bfloat16 and float16 inputs and the head dims in HEAD_DIMS (multiples of 8
-    up to 128), with a Triton whose Gluon compiles them (compile_failure)."""
-    return head_dim in HEAD_DIMS and runs_on(device, dtype)
+    up to 128), with a Triton whose Gluon compiles them (compile_failure). The head dim is
+    compared outside `_runs_on`: under torch.compile(dynamic=True) it is symbolic, which
+    torch 2.11 cannot pass to a constant-result function."""
+    return head_dim in HEAD_DIMS and _runs_on(device, dtype)
 
 
 @torch.compiler.assume_constant_result
-def runs_on(device, dtype):
+def _runs_on(device, dtype):
     """available's device and dtype part: constant for a process, so torch.compile reads
     it once when tracing."""
     if device.type != "cuda" or dtype not in (torch.float32, *HALF_DTYPES):
